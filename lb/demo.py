@@ -96,7 +96,8 @@ class IdentityHandler(BaseHTTPRequestHandler):
             info = {
                 "name": srv.name,
                 "method": self.command,
-                "target": self.path,
+                # the raw request line: http.server itself rewrites a leading "//" in self.path
+                "target": self.requestline.split(" ")[1],
                 "version": self.request_version,
                 "headers": list(self.headers.items()),
                 "body_len": len(body),

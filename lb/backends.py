@@ -1,0 +1,88 @@
+"""A backend: its address and weight, its health state, and its pool of keep-alive connections.
+
+The pool is urllib3's HTTPConnectionPool, deliberately configured: a hard cap on connections
+(maxsize + block=True, waiting at most pool_timeout, then the caller answers 503), connect timeout,
+no retries, no redirects, and the idle expiry urllib3 lacks (a connection idle longer than
+idle_timeout is closed on checkout instead of reused: the backend may have dropped it by then).
+"""
+
+from __future__ import annotations
+
+import threading
+from time import monotonic
+
+import urllib3
+from urllib3.exceptions import EmptyPoolError
+
+from .config import BackendSpec
+
+
+class PoolExhausted(Exception):
+    """Every connection to this backend is busy and none came free within pool_timeout."""
+
+
+class BackendPool(urllib3.HTTPConnectionPool):
+    def __init__(self, host: str, port: int, *, maxsize: int, pool_timeout: float,
+                 connect_timeout: float, read_timeout: float, idle_timeout: float, reuse: bool = True):
+        super().__init__(host, port, maxsize=maxsize, block=True, retries=False,
+                         timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
+        self.pool_timeout = pool_timeout
+        self.idle_timeout = idle_timeout
+        self.reuse = reuse
+
+    def _get_conn(self, timeout=None):
+        conn = super()._get_conn(timeout)  # also closes a connection the peer has dropped
+        if conn.sock is not None and monotonic() - getattr(conn, "idle_since", 0.0) > self.idle_timeout:
+            conn.close()
+        return conn
+
+    def _put_conn(self, conn):
+        if conn is not None:
+            conn.idle_since = monotonic()
+        super()._put_conn(conn)
+
+    def acquire(self):
+        """A connection (connected or not: check .sock). Raises PoolExhausted."""
+        try:
+            return self._get_conn(timeout=self.pool_timeout)
+        except EmptyPoolError:
+            raise PoolExhausted(f"all {self.pool.maxsize if self.pool else 0} connections busy") from None
+
+    def acquire_fresh(self):
+        """A slot with a new connection: for the one retry after a reused connection proved dead."""
+        conn = self.acquire()
+        conn.close()
+        return conn
+
+    def release(self, conn, reusable: bool) -> None:
+        """Give the slot back; the socket is kept only when the exchange ended cleanly."""
+        if not (reusable and self.reuse):
+            conn.close()
+        self._put_conn(conn)
+
+
+class Backend:
+    """One upstream. Health fields are written by the health thread only; `up` is read by pickers."""
+
+    def __init__(self, spec: BackendSpec, pool: BackendPool):
+        self.spec = spec
+        self.url = spec.url
+        self.weight = spec.weight
+        self.current = 0          # smooth weighted round robin's running weight
+        self.up = True            # a backend starts UP; health checks take it out
+        self.fail_streak = 0
+        self.pass_streak = 0
+        self.last_probe = ""      # why the last probe passed or failed
+        self.pool = pool
+        self.inflight = 0
+        self.lock = threading.Lock()
+
+    def __repr__(self):
+        return f"<Backend {self.url} w={self.weight} {'UP' if self.up else 'DOWN'}>"
+
+
+def make_backend(spec: BackendSpec, cfg) -> Backend:
+    pool = BackendPool(spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
+                       connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
+                       idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool)
+    return Backend(spec, pool)

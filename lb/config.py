@@ -1,0 +1,351 @@
+"""Configuration: command-line flags over an optional TOML file, validated into one frozen Config.
+
+Every bad value raises ConfigError with one line naming the key and the value; edge.py prints it and
+exits 2. The flag names and the file's keys are a contract (DESIGN.md, README "Configuration").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is the one line the operator sees."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    url: str          # http://host:port, normalised (no path, no trailing slash)
+    weight: int = 1
+    host: str = ""
+    port: int = 80
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: tuple[str, int] = ("127.0.0.1", 8080)
+    admin: tuple[str, int] | None = None
+    strategy: str = "weighted"
+    backends: tuple[BackendSpec, ...] = ()
+    demo: bool = False
+    # health
+    health_path: str = "/health"
+    health_interval: float = 10.0
+    health_timeout: float | None = None      # None: derived, shorter than the interval
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 2
+    # upstream
+    connect_timeout: float = 2.0
+    read_timeout: float = 30.0
+    response_timeout: float = 300.0          # whole-response deadline: a trickling backend ends here
+    pool_maxsize: int = 64                   # connections per backend, a hard cap (block=True)
+    pool_timeout: float = 1.0                # wait for a free pooled connection, then 503
+    pool_idle_timeout: float = 30.0          # a pooled connection idle longer is closed, not reused
+    no_pool: bool = False
+    # client side
+    max_connections: int = 1024
+    header_timeout: float = 10.0             # whole request head, slowloris or not
+    body_timeout: float = 30.0               # between body reads
+    keepalive_timeout: float = 75.0          # idle client connection (nginx's default)
+    max_body_size: int = 10 * 1024 * 1024
+    # limiting
+    limit: str | None = None                 # "N/PERIOD"; None: limiting off
+    key_limits: tuple[tuple[str, str], ...] = ()
+    algorithm: str = "token-bucket"
+    store: str = "memory"
+    trusted_proxies: tuple[str, ...] = ()
+    # observability
+    access_log: str | None = None            # a file path, "-" for stderr; None: off
+    config_path: str | None = field(default=None, compare=False)
+
+    @property
+    def health_probe_timeout(self) -> float:
+        if self.health_timeout is not None:
+            return self.health_timeout
+        return max(0.05, min(2.0, self.health_interval * 0.8))
+
+
+STRATEGIES = ("round-robin", "weighted")
+ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
+
+
+# ---------------------------------------------------------------------------------------- parsers
+
+def parse_hostport(value: str, key: str) -> tuple[str, int]:
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def parse_backend_url(url: str, weight, key: str) -> BackendSpec:
+    try:
+        parts = urlsplit(str(url))
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"{key}: bad backend URL {url!r}") from None
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT], no path)")
+    if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+        raise ConfigError(f"{key}: weight must be a whole number >= 1, got {weight!r} for {url}")
+    port = port or 80
+    return BackendSpec(url=f"http://{parts.hostname}:{port}", weight=weight, host=parts.hostname, port=port)
+
+
+def parse_backends_flag(value: str) -> tuple[BackendSpec, ...]:
+    specs = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            raise ConfigError(f"--backends: empty entry in {value!r}")
+        url, sep, w = item.partition("=")
+        if sep:
+            try:
+                weight = int(w)
+            except ValueError:
+                raise ConfigError(f"--backends: weight must be a whole number >= 1, got {w!r} for {url}") from None
+        else:
+            weight = 1
+        specs.append(parse_backend_url(url, weight, "--backends"))
+    return tuple(specs)
+
+
+def _number(value, key: str, *, integer=False, minimum=0.0, strict=True):
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        n = int(value) if integer else float(value)
+        if integer and float(value) != n:
+            raise ValueError
+    except (TypeError, ValueError):
+        kind = "a whole number" if integer else "a number"
+        raise ConfigError(f"{key}: expected {kind}, got {value!r}") from None
+    if n < minimum or (strict and n == minimum):
+        op = ">" if strict else ">="
+        raise ConfigError(f"{key}: must be {op} {minimum:g}, got {value!r}")
+    return n
+
+
+def check_rate(value: str, key: str) -> str:
+    from limiter import parse_rate  # the limiter owns the N/PERIOD grammar
+    try:
+        parse_rate(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    return value
+
+
+def check_cidrs(values, key: str) -> tuple[str, ...]:
+    out = []
+    for v in values:
+        try:
+            out.append(str(ipaddress.ip_network(str(v).strip(), strict=False)))
+        except ValueError:
+            raise ConfigError(f"{key}: not an address or CIDR: {v!r}") from None
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------- TOML
+
+# file key -> (Config field, kind); kind: "f" float > 0, "f0" float >= 0, "i" int >= 1, "s" string, "b" bool
+_TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s"}
+_SECTIONS = {
+    "health": {"path": ("health_path", "s"), "interval": ("health_interval", "f"),
+               "timeout": ("health_timeout", "f"),
+               "unhealthy_threshold": ("unhealthy_threshold", "i"),
+               "healthy_threshold": ("healthy_threshold", "i")},
+    "upstream": {"connect_timeout": ("connect_timeout", "f"), "read_timeout": ("read_timeout", "f"),
+                 "response_timeout": ("response_timeout", "f"), "pool_maxsize": ("pool_maxsize", "i"),
+                 "pool_timeout": ("pool_timeout", "f"), "pool_idle_timeout": ("pool_idle_timeout", "f0"),
+                 "no_pool": ("no_pool", "b")},
+    "server": {"max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
+               "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
+               "max_body_size": ("max_body_size", "i")},
+    "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
+               "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table")},
+}
+
+
+def _typed(value, kind: str, key: str):
+    if kind == "f":
+        return _number(value, key)
+    if kind == "f0":
+        return _number(value, key, strict=False)
+    if kind == "i":
+        return _number(value, key, integer=True, minimum=1, strict=False)
+    if kind == "b":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if kind == "s":
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if kind == "hostport":
+        return parse_hostport(value, key)
+    if kind == "list":
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(value)
+    if kind == "table":
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(f"{key}: expected a table of \"key\" = \"N/PERIOD\", got {value!r}")
+        return tuple(value.items())
+    raise AssertionError(kind)
+
+
+def read_file(path: str) -> dict:
+    """The TOML file as Config field values (not yet cross-validated)."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
+    out: dict = {}
+    for key, value in doc.items():
+        if key == "backends":
+            if not isinstance(value, list) or not all(isinstance(b, dict) for b in value):
+                raise ConfigError("backends: expected [[backends]] tables with url and weight")
+            specs = []
+            for i, b in enumerate(value):
+                unknown = set(b) - {"url", "weight"}
+                if unknown:
+                    raise ConfigError(f"backends[{i}]: unknown key {sorted(unknown)[0]!r} (known: url, weight)")
+                if "url" not in b:
+                    raise ConfigError(f"backends[{i}]: missing url")
+                specs.append(parse_backend_url(b["url"], b.get("weight", 1), f"backends[{i}]"))
+            out["backends"] = tuple(specs)
+        elif key in _TOP:
+            out[key] = _typed(value, _TOP[key], key)
+        elif key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a [{key}] table")
+            for sub, v in value.items():
+                if sub not in _SECTIONS[key]:
+                    known = ", ".join(_SECTIONS[key])
+                    raise ConfigError(f"{key}.{sub}: unknown key (known in [{key}]: {known})")
+                name, kind = _SECTIONS[key][sub]
+                out[name] = _typed(v, kind, f"{key}.{sub}")
+        else:
+            known = ", ".join([*_TOP, "backends", *_SECTIONS])
+            raise ConfigError(f"{key}: unknown key (known at the top level: {known})")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ flags
+
+def build_argparser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edge.py", description="An L7 load balancer and rate limiter.",
+                                argument_default=argparse.SUPPRESS)
+    a = p.add_argument
+    a("--config", help="TOML file; flags override it")
+    a("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8080; port 0 picks a free one)")
+    a("--backends", help="URL[=WEIGHT],... e.g. http://127.0.0.1:9001=3,http://127.0.0.1:9002")
+    a("--strategy", help="round-robin | weighted (default; equal weights = round robin)")
+    a("--health-path", help="default /health (2xx = pass)")
+    a("--health-interval", help="seconds between probes (default 10)")
+    a("--health-timeout", help="probe timeout (default: 80%% of the interval, at most 2 s)")
+    a("--unhealthy-threshold", help="consecutive failures -> out of rotation (default 2)")
+    a("--healthy-threshold", help="consecutive passes -> back in rotation (default 2)")
+    a("--connect-timeout", help="seconds to connect to a backend (default 2)")
+    a("--read-timeout", help="seconds a backend may stay silent (default 30) -> 504")
+    a("--response-timeout", help="seconds for a whole response (default 300)")
+    a("--pool-maxsize", help="connections per backend, a hard cap (default 64)")
+    a("--pool-timeout", help="seconds to wait for a free backend connection (default 1) -> 503")
+    a("--pool-idle-timeout", help="seconds a pooled connection may idle before it is discarded (default 30)")
+    a("--no-pool", action="store_true", help="a new TCP connection per request (to measure the win)")
+    a("--max-connections", help="concurrent client connections (default 1024)")
+    a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
+    a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
+    a("--keepalive-timeout", help="seconds an idle client connection is kept (default 75)")
+    a("--max-body-size", help="bytes (default 10485760) -> 413")
+    a("--limit", help="N/PERIOD for every key, e.g. 100/s, 600/m, 50/10s (default: no limiting)")
+    a("--key-limit", action="append", help="KEY=N/PERIOD override, repeatable")
+    a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
+    a("--store", help="memory (default) | redis://HOST:PORT/DB")
+    a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
+    a("--admin", help="HOST:PORT for /metrics and /status (default off)")
+    a("--access-log", help="file path, or - for stderr (default off)")
+    a("--demo", action="store_true", help="start three built-in identity backends and balance over them")
+    return p
+
+
+_FLAG_KINDS = {
+    "health_interval": "f", "health_timeout": "f", "unhealthy_threshold": "i", "healthy_threshold": "i",
+    "connect_timeout": "f", "read_timeout": "f", "response_timeout": "f", "pool_maxsize": "i",
+    "pool_timeout": "f", "pool_idle_timeout": "f0", "max_connections": "i", "header_timeout": "f",
+    "body_timeout": "f", "keepalive_timeout": "f", "max_body_size": "i",
+}
+
+
+def _from_flags(ns: argparse.Namespace) -> dict:
+    out: dict = {}
+    for name, value in vars(ns).items():
+        flag = "--" + name.replace("_", "-")
+        if name == "config":
+            continue
+        if name in ("listen", "admin"):
+            out[name] = parse_hostport(value, flag)
+        elif name == "backends":
+            out[name] = parse_backends_flag(value)
+        elif name in _FLAG_KINDS:
+            out[name] = _typed(value, _FLAG_KINDS[name], flag)
+        elif name == "key_limit":
+            pairs = []
+            for item in value:
+                k, sep, rate = item.rpartition("=")
+                if not sep or not k:
+                    raise ConfigError(f"--key-limit: expected KEY=N/PERIOD, got {item!r}")
+                pairs.append((k, rate))
+            out["key_limits"] = tuple(pairs)
+        elif name == "trusted_proxies":
+            out[name] = tuple(x for x in value.split(",") if x.strip())
+        else:
+            out[name] = value
+    return out
+
+
+def load(argv: list[str] | None = None) -> Config:
+    """Flags over file over defaults, then the checks that span several keys."""
+    ns = build_argparser().parse_args(argv)
+    values: dict = {}
+    path = getattr(ns, "config", None)
+    if path:
+        values.update(read_file(path))
+    values.update(_from_flags(ns))
+    return validate(replace(Config(), config_path=path, **values))
+
+
+def validate(c: Config) -> Config:
+    if c.strategy not in STRATEGIES:
+        raise ConfigError(f"strategy: {c.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if c.algorithm not in ALGORITHMS:
+        raise ConfigError(f"algorithm: {c.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if not c.backends and not c.demo:
+        raise ConfigError("backends: none configured (use --backends URL,... or [[backends]], or --demo)")
+    seen = set()
+    for b in c.backends:
+        if b.url in seen:
+            raise ConfigError(f"backends: {b.url} is listed twice")
+        seen.add(b.url)
+    if not c.health_path.startswith("/"):
+        raise ConfigError(f"health.path: must start with '/', got {c.health_path!r}")
+    if c.health_timeout is not None and c.health_timeout >= c.health_interval:
+        raise ConfigError(f"health.timeout: must be shorter than the interval ({c.health_interval:g}), "
+                          f"got {c.health_timeout:g}")
+    if c.limit is not None:
+        check_rate(c.limit, "limits.default")
+    for k, rate in c.key_limits:
+        check_rate(rate, f"limits.keys.{k}")
+    if c.key_limits and c.limit is None:
+        raise ConfigError("limits.keys: per-key limits need a default limit (--limit / limits.default)")
+    if c.store != "memory" and not c.store.startswith("redis://"):
+        raise ConfigError(f"store: expected memory or redis://HOST:PORT/DB, got {c.store!r}")
+    check_cidrs(c.trusted_proxies, "trusted_proxies")
+    return c

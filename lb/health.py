@@ -1,0 +1,84 @@
+"""Active health checks: a daemon thread per backend probes its health path every interval.
+
+`fall` consecutive failures take a backend out of rotation, `rise` consecutive passes bring it back
+(HAProxy's names); one lost probe never flaps it. Each transition is one log line. A thread per backend
+means a hung backend delays only its own probes, and each probe's timeout is shorter than the interval.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import threading
+
+from .backends import Backend
+
+log = logging.getLogger("edge")
+
+
+def probe(b: Backend, path: str, timeout: float) -> tuple[bool, str]:
+    """One GET on a fresh connection (not from the request pool): (passed, why)."""
+    conn = http.client.HTTPConnection(b.spec.host, b.spec.port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Connection": "close", "User-Agent": "edge-health"})
+        resp = conn.getresponse()
+        resp.read()
+        ok = 200 <= resp.status < 300
+        return ok, f"HTTP {resp.status}"
+    except TimeoutError:
+        return False, f"timeout after {timeout:g}s"
+    except (OSError, http.client.HTTPException) as e:
+        return False, (e.strerror or str(e) or type(e).__name__) if isinstance(e, OSError) else type(e).__name__
+    finally:
+        conn.close()
+
+
+def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:
+    """Apply one probe result to the backend's streaks; the transition ('UP'/'DOWN') if one happened."""
+    b.last_probe = why
+    if ok:
+        b.pass_streak += 1
+        b.fail_streak = 0
+        if not b.up and b.pass_streak >= rise:
+            b.up = True
+            return "UP"
+    else:
+        b.fail_streak += 1
+        b.pass_streak = 0
+        if b.up and b.fail_streak >= fall:
+            b.up = False
+            return "DOWN"
+    return None
+
+
+class HealthChecker:
+    def __init__(self, path: str, interval: float, timeout: float, rise: int, fall: int):
+        self.path, self.interval, self.timeout, self.rise, self.fall = path, interval, timeout, rise, fall
+        self._stops: dict[Backend, threading.Event] = {}
+
+    def watch(self, b: Backend) -> None:
+        stop = threading.Event()
+        self._stops[b] = stop
+        threading.Thread(target=self._loop, args=(b, stop), name=f"health {b.url}", daemon=True).start()
+
+    def unwatch(self, b: Backend) -> None:
+        stop = self._stops.pop(b, None)
+        if stop:
+            stop.set()
+
+    def stop(self) -> None:
+        for b in list(self._stops):
+            self.unwatch(b)
+
+    def _loop(self, b: Backend, stop: threading.Event) -> None:
+        while not stop.wait(self.interval):
+            ok, why = probe(b, self.path, self.timeout)
+            if stop.is_set():
+                return
+            change = record(b, ok, why, self.rise, self.fall)
+            if change == "DOWN":
+                log.warning("backend %s DOWN: %d consecutive failed probes of %s (last: %s)",
+                            b.url, b.fail_streak, self.path, why)
+            elif change == "UP":
+                log.warning("backend %s UP: %d consecutive passed probes of %s (last: %s)",
+                            b.url, b.pass_streak, self.path, why)

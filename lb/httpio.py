@@ -1,0 +1,346 @@
+"""Strict HTTP/1.1 framing for both sides of the proxy: a buffered socket reader with deadlines, the
+request-head and response-head parsers, and body framing (Content-Length, chunked).
+
+Why our own and not http.server/http.client's: they parse headers through the email package (slow on
+the per-request path), accept framing that a backend could read differently (request smuggling), and
+cannot bound a head that arrives one byte at a time. Everything here is plain bytes; no logging.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from time import monotonic
+
+CRLF = b"\r\n"
+
+# Limits (nginx: large_client_header_buffers 4 8k; HAProxy: tune.bufsize 16k, 101 headers).
+MAX_REQUEST_LINE = 8192
+MAX_HEADER_LINE = 8192
+MAX_HEAD = 65536
+MAX_HEADERS = 100
+MAX_CHUNK_LINE = 1024
+
+# Connection-level headers: never forwarded in either direction (RFC 9110 7.6.1), nor any header that
+# Connection names. Keep-Alive and Proxy-* are the de-facto additions.
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
+                        b"trailer", b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
+
+# tchar (RFC 9110 5.6.2): the bytes a method or header name may contain.
+_TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+# Control bytes other than HTAB may not appear in a head at all; CR and LF only as CRLF (checked apart).
+_CTL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_TARGET_BAD = re.compile(rb"[\x00-\x20\x7f]")
+_VERSION = re.compile(rb"HTTP/(\d)\.(\d)\Z")
+
+
+class HttpError(Exception):
+    """A request the edge answers itself: status, short reason. close=True when framing is lost."""
+
+    def __init__(self, status: int, reason: str, close: bool = True):
+        super().__init__(reason)
+        self.status, self.reason, self.close = status, reason, close
+
+
+class UpstreamError(Exception):
+    """The backend failed us: kind is 'connect', 'reset', 'timeout' or 'protocol'."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
+
+
+class Reader:
+    """A socket with a byte buffer. Each recv waits at most `timeout`, and never past `deadline`."""
+
+    __slots__ = ("sock", "buf", "timeout", "deadline")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray()
+        self.timeout: float | None = None
+        self.deadline: float | None = None
+
+    def fill(self) -> bool:
+        """Read what is available into the buffer; False at EOF. Raises socket.timeout."""
+        t = self.timeout
+        if self.deadline is not None:
+            left = self.deadline - monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline")
+            t = left if t is None or left < t else t
+        self.sock.settimeout(t)
+        data = self.sock.recv(65536)
+        if not data:
+            return False
+        self.buf += data
+        return True
+
+    def read_head(self, max_head: int = MAX_HEAD, max_first_line: int = MAX_REQUEST_LINE) -> bytes | None:
+        """Bytes up to the blank line (excluded), or None on EOF before any byte."""
+        buf = self.buf
+        scan = 0
+        while True:
+            i = buf.find(b"\r\n\r\n", scan)
+            if i >= 0:
+                head = bytes(buf[:i])
+                del buf[:i + 4]
+                return head
+            if buf.find(CRLF, 0, max_first_line + 2) < 0 and len(buf) > max_first_line:
+                raise HttpError(414, "request line too long")
+            if len(buf) > max_head:
+                raise HttpError(431, "request header block too large")
+            scan = max(0, len(buf) - 3)
+            if not self.fill():
+                if not buf:
+                    return None
+                raise HttpError(400, "connection closed inside the request head")
+
+    def read_line(self, limit: int) -> bytes:
+        buf = self.buf
+        while True:
+            i = buf.find(CRLF)
+            if i >= 0:
+                line = bytes(buf[:i])
+                del buf[:i + 2]
+                return line
+            if len(buf) > limit:
+                raise HttpError(400, "chunk line too long")
+            if not self.fill():
+                raise EOFError("closed inside a line")
+
+    def read_some(self, n: int) -> bytes:
+        """Up to n bytes (at least one); EOFError at EOF."""
+        buf = self.buf
+        if not buf and not self.fill():
+            raise EOFError("closed inside a body")
+        if len(buf) <= n:
+            data = bytes(buf)
+            buf.clear()
+        else:
+            data = bytes(buf[:n])
+            del buf[:n]
+        return data
+
+    def read_exact(self, n: int) -> bytes:
+        buf = self.buf
+        while len(buf) < n:
+            if not self.fill():
+                raise EOFError("closed inside a body")
+        data = bytes(buf[:n])
+        del buf[:n]
+        return data
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+class Request:
+    __slots__ = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive",
+                 "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "cookie")
+
+    def __repr__(self):
+        return f"<Request {self.method!r} {self.target!r}>"
+
+
+def _split_headers(lines: list[bytes], start: int) -> list[tuple[bytes, bytes, bytes]]:
+    """[(name, lowercase name, value)] with the value's surrounding whitespace removed."""
+    if len(lines) - start > MAX_HEADERS:
+        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
+    out = []
+    for line in lines[start:]:
+        if len(line) > MAX_HEADER_LINE:
+            raise HttpError(431, "header line too long")
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name.translate(None, _TCHAR):
+            if line[:1] in (b" ", b"\t"):
+                raise HttpError(400, "obsolete header line folding")
+            raise HttpError(400, "malformed header line")
+        out.append((name, name.lower(), value.strip(b" \t")))
+    return out
+
+
+def _check_bytes(head: bytes) -> None:
+    # A bare CR or LF anywhere (a line ending we and a backend might split differently) is refused.
+    crlf = head.count(CRLF)
+    if head.count(b"\r") != crlf or head.count(b"\n") != crlf:
+        raise HttpError(400, "bare CR or LF in the request head")
+    if _CTL.search(head):
+        raise HttpError(400, "control character in the request head")
+
+
+def parse_request(head: bytes) -> Request:
+    """Parse and check a request head. Raises HttpError for anything a backend could read differently."""
+    _check_bytes(head)
+    lines = head.split(CRLF)
+    parts = lines[0].split(b" ")
+    if len(parts) != 3:
+        raise HttpError(400, "malformed request line")
+    method, target, version = parts
+    if not method or method.translate(None, _TCHAR):
+        raise HttpError(400, "invalid method")
+    m = _VERSION.match(version)
+    if not m:
+        raise HttpError(400, "invalid HTTP version")
+    if m.group(1) != b"1":
+        raise HttpError(505, "HTTP version not supported")
+    if not target or _TARGET_BAD.search(target):
+        raise HttpError(400, "invalid request target")
+    r = Request()
+    r.method, r.target, r.version = method, target, version
+    r.headers = headers = _split_headers(lines, 1)
+    r.content_length = None
+    r.chunked = False
+    r.host = r.api_key = r.xff = r.proto = r.cookie = None
+    r.expect_continue = False
+    tokens: set[bytes] = set()
+    te_seen = False
+    keep_alive = version == b"HTTP/1.1"
+    for name, lname, value in headers:
+        if lname == b"host":
+            if r.host is not None:
+                raise HttpError(400, "duplicate Host header")
+            r.host = value
+        elif lname == b"content-length":
+            # Several equal values (or "5, 5") are one length (RFC 9110 8.6); differing ones are smuggling.
+            for v in value.split(b","):
+                v = v.strip()
+                if not v.isdigit() or len(v) > 15:
+                    raise HttpError(400, "invalid Content-Length")
+                if r.content_length is not None and int(v) != r.content_length:
+                    raise HttpError(400, "conflicting Content-Length headers")
+                r.content_length = int(v)
+        elif lname == b"transfer-encoding":
+            if te_seen:
+                raise HttpError(400, "duplicate Transfer-Encoding header")
+            te_seen = True
+            if value.lower() != b"chunked":
+                if b"," in value or value.lower() in (b"gzip", b"deflate", b"compress", b"identity"):
+                    raise HttpError(501, "transfer coding not supported (only chunked)")
+                raise HttpError(400, "invalid Transfer-Encoding")
+            r.chunked = True
+        elif lname == b"connection":
+            for t in value.lower().split(b","):
+                t = t.strip()
+                if t == b"close":
+                    keep_alive = False
+                elif t == b"keep-alive":
+                    keep_alive = True
+                elif t:
+                    tokens.add(t)
+        elif lname == b"expect":
+            if value.lower() != b"100-continue":
+                raise HttpError(417, "unsupported expectation")
+            r.expect_continue = True
+        elif lname == b"x-api-key":
+            r.api_key = value
+        elif lname == b"x-forwarded-for":
+            r.xff = value if r.xff is None else r.xff + b", " + value
+        elif lname == b"x-forwarded-proto":
+            r.proto = value
+        elif lname == b"cookie":
+            r.cookie = value if r.cookie is None else r.cookie + b"; " + value
+    if r.chunked and r.content_length is not None:
+        raise HttpError(400, "both Content-Length and Transfer-Encoding")
+    if version == b"HTTP/1.0" and (r.chunked or r.expect_continue):
+        raise HttpError(400, "chunked body or Expect on HTTP/1.0")
+    if r.host is None:
+        if version == b"HTTP/1.1":
+            raise HttpError(400, "missing Host header")
+        r.host = b""
+    if target[:1] != b"/":
+        if target == b"*" and method == b"OPTIONS":
+            pass
+        elif target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
+            # absolute-form: served only for the Host it names; the edge is not an open forward proxy.
+            rest = target.split(b"://", 1)[1]
+            authority, slash, path = rest.partition(b"/")
+            if authority.lower() != r.host.lower():
+                raise HttpError(400, "absolute-form target for another host")
+            r.target = b"/" + path
+        else:
+            raise HttpError(400, "invalid request target")
+    r.conn_tokens = tokens
+    r.keep_alive = keep_alive
+    return r
+
+
+def iter_chunked(reader: Reader, max_body: int):
+    """Decode a chunked request body, yielding the data of each chunk; trailers are read and dropped."""
+    total = 0
+    while True:
+        try:
+            line = reader.read_line(MAX_CHUNK_LINE)
+        except EOFError:
+            raise HttpError(400, "connection closed inside a chunked body") from None
+        size_s = line.split(b";", 1)[0]
+        if not size_s or size_s.translate(None, b"0123456789abcdefABCDEF") or len(size_s) > 15:
+            raise HttpError(400, "invalid chunk size")
+        size = int(size_s, 16)
+        if size == 0:
+            while True:  # trailer section, ends with an empty line
+                try:
+                    t = reader.read_line(MAX_HEADER_LINE)
+                except EOFError:
+                    raise HttpError(400, "connection closed inside chunked trailers") from None
+                if not t:
+                    return
+        total += size
+        if total > max_body:
+            raise HttpError(413, "request body too large")
+        try:
+            data = reader.read_exact(size + 2)
+        except EOFError:
+            raise HttpError(400, "connection closed inside a chunk") from None
+        if data[-2:] != CRLF:
+            raise HttpError(400, "chunk longer than its declared size")
+        yield data[:-2]
+
+
+# ----------------------------------------------------------------------------------------- responses
+
+class ResponseHead:
+    __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "close")
+
+
+def parse_response(head: bytes) -> ResponseHead:
+    """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x."""
+    lines = head.split(CRLF)
+    status_line = lines[0]
+    if status_line[:7] not in (b"HTTP/1.", b"http/1.") or len(status_line) < 12 or status_line[8:9] != b" ":
+        raise UpstreamError("protocol", "not an HTTP/1.x status line")
+    code = status_line[9:12]
+    if not code.isdigit() or status_line[12:13] not in (b"", b" "):
+        raise UpstreamError("protocol", "bad status code")
+    try:
+        headers = _split_headers(lines, 1)
+    except HttpError as e:
+        raise UpstreamError("protocol", e.reason) from None
+    r = ResponseHead()
+    r.status = int(code)
+    r.status_line = status_line
+    r.headers = headers
+    r.content_length = None
+    r.chunked = False
+    close = status_line[5:8] == b"1.0"
+    for name, lname, value in headers:
+        if lname == b"content-length":
+            v = value.split(b",")[0].strip()
+            if not v.isdigit():
+                raise UpstreamError("protocol", "invalid Content-Length")
+            r.content_length = int(v)
+        elif lname == b"transfer-encoding":
+            r.chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
+            if not r.chunked:
+                close = True  # a coding other than chunked last: the body runs to EOF
+        elif lname == b"connection":
+            v = value.lower()
+            if b"close" in v:
+                close = True
+            elif b"keep-alive" in v:
+                close = False
+    if r.chunked and r.content_length is not None:
+        # RFC 9112 6.3: Transfer-Encoding wins, and the connection may not be reused after.
+        r.content_length = None
+        close = True
+    r.close = close
+    return r
