@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from .accesslog import AccessLog
 from .admin import start_admin
+from .identity import Identifier
 from .backends import make_backend
 from .balancer import Balancer
 from .config import BackendSpec, Config
@@ -32,11 +34,20 @@ class App:
         self.balancer = Balancer(backends, cfg.strategy)
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
                                     rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold)
-        self.edge = Edge(cfg, self.balancer, self.metrics, limiter=None)
+        limiter = None
+        if cfg.limit:
+            from .ratelimit import LimitStage
+            limiter = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store)
+        self.access_log = AccessLog(cfg.access_log) if cfg.access_log else None
+        self.edge = Edge(cfg, self.balancer, self.metrics, limiter=limiter,
+                         identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log)
         self.server = EdgeServer(cfg.listen, self.edge)
         host, port = self.server.server_address[:2]
         log.info("listening on %s:%d, %d backends (%s): %s", host, port, len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
+        if limiter:
+            log.info("limiting %s per key (%s, %s store), %d overrides", cfg.limit, cfg.algorithm,
+                     cfg.store.split("@")[-1], len(cfg.key_limits))
         self.admin = None
         if cfg.admin:
             self.admin = start_admin(cfg.admin, self)

@@ -8,6 +8,7 @@ idle_timeout is closed on checkout instead of reused: the backend may have dropp
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from time import monotonic
 
@@ -68,6 +69,8 @@ class Backend:
         self.spec = spec
         self.url = spec.url
         self.weight = spec.weight
+        # Sticky-session id: stable across restarts and edges, reveals nothing of the address.
+        self.route = hashlib.sha1(spec.url.encode()).hexdigest()[:10]
         self.current = 0          # smooth weighted round robin's running weight
         self.up = True            # a backend starts UP; health checks take it out
         self.fail_streak = 0

@@ -25,6 +25,14 @@ class Balancer:
             self.backends = list(backends)
             self._cursor = 0
 
+    def by_route(self, route: str | None) -> Backend | None:
+        """The UP backend a sticky `route` cookie names; None (reassign, never an error) otherwise."""
+        if route:
+            for b in self.backends:
+                if b.route == route and b.up:
+                    return b
+        return None
+
     def _round_robin(self) -> Backend | None:
         """The next UP backend in configured order after the last one picked."""
         with self._lock:

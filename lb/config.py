@@ -30,6 +30,7 @@ class Config:
     listen: tuple[str, int] = ("127.0.0.1", 8080)
     admin: tuple[str, int] | None = None
     strategy: str = "weighted"
+    sticky: bool = False                     # Cookie route=<backend id> pins a client to a backend
     backends: tuple[BackendSpec, ...] = ()
     demo: bool = False
     # health
@@ -152,7 +153,8 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------- TOML
 
 # file key -> (Config field, kind); kind: "f" float > 0, "f0" float >= 0, "i" int >= 1, "s" string, "b" bool
-_TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s"}
+_TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s",
+        "sticky": "b"}
 _SECTIONS = {
     "health": {"path": ("health_path", "s"), "interval": ("health_interval", "f"),
                "timeout": ("health_timeout", "f"),
@@ -248,6 +250,7 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8080; port 0 picks a free one)")
     a("--backends", help="URL[=WEIGHT],... e.g. http://127.0.0.1:9001=3,http://127.0.0.1:9002")
     a("--strategy", help="round-robin | weighted (default; equal weights = round robin)")
+    a("--sticky", action="store_true", help="sticky sessions: a route cookie pins a client to a backend")
     a("--health-path", help="default /health (2xx = pass)")
     a("--health-interval", help="seconds between probes (default 10)")
     a("--health-timeout", help="probe timeout (default: 80%% of the interval, at most 2 s)")

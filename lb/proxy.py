@@ -22,6 +22,8 @@ from time import monotonic, time
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from .backends import Backend, PoolExhausted
+from .identity import Identifier
+from .ratelimit import headers as ratelimit_headers
 from .httpio import (HOP_BY_HOP, HttpError, Reader, Request, UpstreamError, iter_chunked,
                      parse_request, parse_response)
 
@@ -30,6 +32,14 @@ log = logging.getLogger("edge")
 SMALL_BODY = 65536           # request bodies up to this are read whole and sent with the head
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
 _NO_BODY_STATUS = frozenset({204, 304})
+
+
+class LimiterUnavailable(Exception):
+    """Raised by a limit stage whose store failed; carries the decision its failure policy made."""
+
+    def __init__(self, decision):
+        super().__init__("limiter store unavailable")
+        self.decision = decision
 
 
 class ClientGone(Exception):
@@ -116,11 +126,13 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 class Edge:
     """The request pipeline over one configuration. serve_connection runs on each client's thread."""
 
-    def __init__(self, cfg, balancer, metrics, limiter=None):
+    def __init__(self, cfg, balancer, metrics, limiter=None, identifier=None, access_log=None):
         self.cfg = cfg
         self.balancer = balancer
         self.metrics = metrics
-        self.limiter = limiter
+        self.limiter = limiter              # LimitStage, or None when limiting is off
+        self.identifier = identifier or Identifier()
+        self.access_log = access_log        # AccessLog, or None
         self.refused_connections = 0
 
     # -- the connection loop ------------------------------------------------------------------------
@@ -130,6 +142,7 @@ class Edge:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = Reader(sock)
         peer = addr[0].encode()
+        peer_trusted = self.identifier.trusted(addr[0])   # once per connection, not per request
         while True:
             reader.deadline = None
             try:
@@ -153,7 +166,7 @@ class Edge:
             except OSError:
                 return
             try:
-                if not self.handle(req, reader, sock, peer):
+                if not self.handle(req, reader, sock, peer, peer_trusted):
                     return
             except ClientGone:
                 return
@@ -169,21 +182,55 @@ class Edge:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def handle(self, req: Request, reader: Reader, sock: socket.socket, peer: bytes) -> bool:
-        """Serve one request; True when the client connection may carry another."""
-        start = monotonic()
+    def handle(self, req: Request, reader: Reader, sock: socket.socket, peer: bytes,
+               peer_trusted: bool = False) -> bool:
+        """Serve one request; True when the client connection may carry another.
+
+        Stage order (and why): a bad frame spends no token; a rejected request costs no backend
+        capacity and takes no round-robin turn; a request that finds nobody healthy has still spent
+        its token, so hammering a failing pool is not free.
+        """
         cfg = self.cfg
+        x = Exchange(req, monotonic())
         has_body = req.chunked or bool(req.content_length)
         # After an early answer, an unread body would be read as the next request: close instead.
         keep_if_early = req.keep_alive and not has_body
 
         if req.content_length is not None and req.content_length > cfg.max_body_size:
-            return self._answer(sock, 413, "request body too large", False, start, req)
+            return self._answer(sock, x, 413, "request body too large", False)
 
-        backend = self.balancer.pick()
+        # 1. identify
+        ip = self.identifier.client_ip(peer.decode(), peer_trusted, req.xff) if peer_trusted else None
+        try:
+            x.key, match = Identifier.limiter_key(req.api_key, ip or peer.decode())
+        except ValueError as e:
+            return self._answer(sock, x, 400, str(e), False)
+
+        # 2. rate limit
+        if self.limiter is not None:
+            try:
+                d = self.limiter.check(x.key, match)
+            except LimiterUnavailable as e:
+                d = e.decision           # the store's failure policy decided (fail-open/closed/local)
+            x.rl = ratelimit_headers(d)
+            if not d.allowed:
+                status = 503 if getattr(d, "unavailable", False) else 429
+                reason = "rate limiter unavailable" if status == 503 else "rate limit exceeded"
+                return self._answer(sock, x, status, reason, keep_if_early, limited=status == 429)
+
+        # 3. choose a backend (a sticky route takes no round-robin turn)
+        backend = None
+        if cfg.sticky and req.cookie:
+            backend = self.balancer.by_route(route_cookie(req.cookie))
         if backend is None:
-            return self._answer(sock, 503, "no healthy backend", keep_if_early, start, req, unavailable=True)
+            backend = self.balancer.pick()
+            if backend is not None and cfg.sticky:
+                x.set_cookie = b"Set-Cookie: route=" + backend.route.encode() + b"; Path=/; HttpOnly\r\n"
+        if backend is None:
+            return self._answer(sock, x, 503, "no healthy backend", keep_if_early, unavailable=True)
+        x.backend = backend
 
+        # 4. the body: only now is the client invited to send it
         if req.expect_continue:
             self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
         reader.timeout = cfg.body_timeout
@@ -200,7 +247,8 @@ class Edge:
                 body = b""
         except (EOFError, OSError):
             raise ClientGone() from None   # socket.timeout is an OSError: a silent client is gone too
-        return self.forward(req, backend, body, reader, sock, peer, start)
+        # 5. forward and relay
+        return self.forward(x, backend, body, reader, sock, peer)
 
     @staticmethod
     def _iter_fixed(reader: Reader, n: int):
@@ -209,11 +257,17 @@ class Edge:
             n -= len(data)
             yield data
 
-    def _answer(self, sock, status, reason, keep, start, req, extra=b"", **counters) -> bool:
-        self.metrics.edge_answered(status, monotonic() - start, **counters)
-        self._send(sock, own_response(status, reason, close=not keep, extra=extra,
-                                      head_only=req.method == b"HEAD"))
+    def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
+        """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers."""
+        self.metrics.edge_answered(status, monotonic() - x.start, **counters)
+        self._done(x, status)
+        self._send(sock, own_response(status, reason, close=not keep, extra=x.rl,
+                                      head_only=x.req.method == b"HEAD"))
         return keep
+
+    def _done(self, x: "Exchange", status: int) -> None:
+        if self.access_log is not None:
+            self.access_log.record(x, status, monotonic() - x.start)
 
     @staticmethod
     def _send(sock: socket.socket, data) -> None:
@@ -247,16 +301,17 @@ class Edge:
         out += b"\r\n"
         return out
 
-    def forward(self, req: Request, backend: Backend, body, reader: Reader, sock: socket.socket,
-                peer: bytes, start: float) -> bool:
+    def forward(self, x: "Exchange", backend: Backend, body, reader: Reader, sock: socket.socket,
+                peer: bytes) -> bool:
         cfg = self.cfg
+        req, start = x.req, x.start
         pool = backend.pool
         replayable = isinstance(body, bytes)
         keep_if_failed = req.keep_alive and replayable   # a streamed body may be half read
         try:
             conn = pool.acquire()
         except PoolExhausted as e:
-            return self._upstream_failed(sock, req, backend, "pool", 503, str(e), keep_if_failed, start)
+            return self._upstream_failed(sock, x, "pool", 503, str(e), keep_if_failed)
         head = self.upstream_head(req, backend, peer)
         with backend.lock:
             backend.inflight += 1
@@ -285,13 +340,10 @@ class Edge:
                 except HttpError as e:
                     pool.release(conn, False)
                     if e.status in (414, 431):   # our reader's limit hit by the *response* head
-                        return self._upstream_failed(sock, req, backend, "protocol", 502,
-                                                     "response head too large", False, start)
+                        return self._upstream_failed(sock, x, "protocol", 502, "response head too large", False)
                     # a request body we were streaming turned out malformed
-                    self.metrics.edge_answered(e.status, monotonic() - start)
                     log.warning("client %s: %d %s", peer.decode(), e.status, e.reason)
-                    self._send(sock, own_response(e.status, e.reason, close=True))
-                    return False
+                    return self._answer(sock, x, e.status, e.reason, False)
                 except ClientGone:
                     pool.release(conn, False)
                     raise
@@ -303,9 +355,9 @@ class Edge:
                         retried = True
                         conn = pool.acquire_fresh()
                         continue
-                    return self._upstream_failed(sock, req, backend, kind, status, detail, keep_if_failed, start)
+                    return self._upstream_failed(sock, x, kind, status, detail, keep_if_failed)
                 break
-            return self._relay(req, rh, ur, conn, sock, backend, start)
+            return self._relay(x, rh, ur, conn, sock)
         finally:
             with backend.lock:
                 backend.inflight -= 1
@@ -325,29 +377,39 @@ class Edge:
         if chunked:
             up.sendall(b"0\r\n\r\n")
 
-    def _upstream_failed(self, sock, req, backend, kind, status, detail, keep, start) -> bool:
+    def _upstream_failed(self, sock, x: "Exchange", kind, status, detail, keep) -> bool:
+        req, backend = x.req, x.backend
         log.warning("backend %s %s: %s %s -> %d (%s)", backend.url, kind, req.method.decode(),
                     req.target[:200].decode("latin-1"), status, detail)
-        self.metrics.upstream_error(backend.url, kind, status, monotonic() - start)
+        self.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
+        self._done(x, status)
         reason = {"connect": "backend unreachable", "reset": "backend closed the connection",
                   "timeout": "backend timed out", "protocol": "backend sent an invalid response",
                   "pool": "backend connection limit reached"}[kind]
-        self._send(sock, own_response(status, reason, close=not keep, head_only=req.method == b"HEAD"))
+        self._send(sock, own_response(status, reason, close=not keep, extra=x.rl,
+                                      head_only=req.method == b"HEAD"))
         return keep
 
     # -- relaying the response ------------------------------------------------------------------------
 
-    def _relay(self, req: Request, rh, ur: Reader, conn, sock: socket.socket, backend: Backend,
-               start: float) -> bool:
+    def _relay(self, x: "Exchange", rh, ur: Reader, conn, sock: socket.socket) -> bool:
+        req, backend, start = x.req, x.backend, x.start
         out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
         tokens = None
         for name, lname, value in rh.headers:
             if lname == b"connection":
                 tokens = {t.strip() for t in value.lower().split(b",")}
+        limiting = bool(x.rl)
         for name, lname, value in rh.headers:
             if lname in HOP_BY_HOP or (tokens and lname in tokens):
                 continue
+            if limiting and lname[:12] == b"x-ratelimit-":
+                continue               # ours replace the backend's, never duplicate them
             out += name + b": " + value + b"\r\n"
+        if limiting:
+            out += x.rl
+        if x.set_cookie:
+            out += x.set_cookie
 
         client_keep = req.keep_alive
         http10 = req.version == b"HTTP/1.0"
@@ -385,6 +447,7 @@ class Edge:
             log.warning("backend %s %s mid-response: %s %s (closing the client connection)",
                         backend.url, kind, req.method.decode(), req.target[:200].decode("latin-1"))
             self.metrics.upstream_error(backend.url, kind, rh.status, monotonic() - start)
+            self._done(x, rh.status)
             backend.pool.release(conn, False)
             return False
         except ClientGone:
@@ -393,6 +456,7 @@ class Edge:
         reusable = upstream_ok and not rh.close and mode != "eof" and not ur.buf
         backend.pool.release(conn, reusable)
         self.metrics.backend_done(backend.url, rh.status, monotonic() - start)
+        self._done(x, rh.status)
         return client_keep
 
     def _relay_length(self, n: int, out: bytearray, ur: Reader, sock) -> bool:
@@ -449,6 +513,28 @@ class Edge:
             if not ur.buf:             # about to block on the backend: flush what we have
                 self._send(sock, pending)
                 pending = bytearray()
+
+
+class Exchange:
+    """What the stages learned about one request, carried to wherever its response is written."""
+
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie")
+
+    def __init__(self, req: Request, start: float):
+        self.req, self.start = req, start
+        self.key = ""
+        self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
+        self.backend = None
+        self.set_cookie = b""
+
+
+def route_cookie(cookie: bytes) -> str | None:
+    """The value of the `route` cookie (sticky sessions), if the client sent one."""
+    for part in cookie.split(b";"):
+        name, eq, value = part.strip().partition(b"=")
+        if eq and name == b"route":
+            return value.decode("latin-1")
+    return None
 
 
 # Forwarding headers we write ourselves (after the client's), and Expect, which the edge answered.
