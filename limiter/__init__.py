@@ -1,0 +1,63 @@
+"""Rate limiting for the edge: four algorithms behind one interface.
+
+    from limiter import build
+    lim = build("sliding-counter", limit=100, window=10.0)
+    d = lim.allow("client-key", now=1234.5)     # Decision(allowed, limit, remaining, reset, retry_after)
+
+The algorithms (limiter.algorithms) are pure arithmetic over (state, now); a store holds the state
+per key (limiter.memory today).  This package knows nothing about HTTP and never reads a clock.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .algorithms import ALGORITHMS, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from .memory import MemoryStore
+
+__all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
+
+
+def build(algorithm: str, limit: int, window: float, *, store: str = "memory", burst=None, max_keys: int = 100_000):
+    """A limiter with allow(key, now) -> Decision.
+
+    algorithm  one of ALGORITHMS: token-bucket, fixed-window, sliding-log, sliding-counter
+    limit      N requests per window (token bucket: refill N per window, capacity N unless burst=)
+    window     the period in seconds
+    store      "memory" (the only one so far)
+    burst      token-bucket only: bucket capacity, apart from N
+    max_keys   hard cap on keys holding state in memory (idle keys are evicted long before)
+    """
+    try:
+        cls = ALGORITHMS[algorithm]
+    except (KeyError, TypeError):
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}") from None
+    if burst is not None and cls is not TokenBucket:
+        raise ValueError(f"burst only applies to algorithm token-bucket, not {algorithm!r}")
+    algo = cls(limit, window, burst) if cls is TokenBucket else cls(limit, window)
+    if store == "memory":
+        return MemoryStore(algo, max_keys=max_keys)
+    if isinstance(store, str) and store.startswith("redis://"):
+        raise NotImplementedError("store 'redis://...' is not implemented yet (the Redis store is a later issue)")
+    raise ValueError(f"store must be 'memory' (or 'redis://...' once implemented); got {store!r}")
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE = re.compile(r"\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*(ms|s|m|h|d)\s*")
+
+
+def parse_rate(text: str) -> tuple[int, float]:
+    """'100/s' -> (100, 1.0); also '100/m', '5/h', '10/10s', '3/500ms', '1000/d', '2/1.5s'."""
+    m = _RATE.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(
+            f"rate must look like N/UNIT or N/<number>UNIT with UNIT one of ms, s, m, h, d "
+            f"(e.g. '100/s', '10/10s', '3/500ms'); got {text!r}"
+        )
+    count = int(m.group(1))
+    if count <= 0:
+        raise ValueError(f"rate {text!r}: the request count must be a positive integer")
+    period = float(m.group(2) or 1.0) * _UNITS[m.group(3)]
+    if period <= 0.0:
+        raise ValueError(f"rate {text!r}: the period must be positive")
+    return count, period
