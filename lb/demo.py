@@ -10,7 +10,7 @@ Routes (everything else answers 200 with the name, so any path can be balanced):
   GET  /big?bytes=N          N bytes, Content-Length, streamed
   GET  /chunked?parts=N      N chunks, Transfer-Encoding: chunked
   GET  /cookies              two Set-Cookie headers
-  GET  /reset                promises 1000 bytes, sends 10, then resets the connection
+  GET  /reset?promise=N&send=M   promises N bytes (default 1000), sends M (10), then resets
   GET  /garbage              answers bytes that are not HTTP
   GET  /hang                 reads the request and never answers (until the server stops)
 """
@@ -131,9 +131,9 @@ class IdentityHandler(BaseHTTPRequestHandler):
             return self._send(200, b"cookies\n", extra=[("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")])
         elif path == "/reset":
             self.send_response(200)
-            self.send_header("Content-Length", "1000")
+            self.send_header("Content-Length", q.get("promise", ["1000"])[0])
             self.end_headers()
-            self.wfile.write(b"0123456789")
+            self.wfile.write(b"x" * int(q.get("send", ["10"])[0]))
             # SO_LINGER 0: close() sends RST instead of FIN, as a crashing process would.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.connection.close()

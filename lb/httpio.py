@@ -83,6 +83,11 @@ class Reader:
         while True:
             i = buf.find(b"\r\n\r\n", scan)
             if i >= 0:
+                # The limits hold however the bytes were split across reads.
+                if buf.find(CRLF, 0, max_first_line + 2) < 0:
+                    raise HttpError(414, "request line too long")
+                if i > max_head:
+                    raise HttpError(431, "request header block too large")
                 head = bytes(buf[:i])
                 del buf[:i + 4]
                 return head

@@ -95,9 +95,14 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 self.active += 1
         if full:
             self.edge.refused_connections += 1
+            # Never block the accept loop: send what fits, half-close, drain what already arrived
+            # (closing with unread bytes sends a RST that can overtake the 503), then close.
             try:
                 request.setblocking(False)
                 request.send(own_response(503, "too many connections", close=True))
+                request.shutdown(socket.SHUT_WR)
+                while request.recv(65536):
+                    pass
             except OSError:
                 pass
             request.close()
@@ -432,9 +437,21 @@ class Edge:
             out += b"Connection: keep-alive\r\n"
         out += b"\r\n"
 
+        if mode == "length" and rh.content_length <= SMALL_BODY:
+            # Read a small body before anything goes to the client: if the backend fails now, the
+            # client still gets a clean 502 rather than a truncated response.
+            try:
+                out += ur.read_exact(rh.content_length)
+            except (socket.timeout, OSError, EOFError) as e:
+                backend.pool.release(conn, False)
+                kind = "timeout" if isinstance(e, socket.timeout) else "reset"
+                return self._upstream_failed(sock, x, kind, 504 if kind == "timeout" else 502,
+                                             "failed inside a response body", req.keep_alive)
+            mode = "sent-with-head"
+
         upstream_ok = False
         try:
-            if mode == "none":
+            if mode in ("none", "sent-with-head"):
                 self._send(sock, out)
                 upstream_ok = True
             elif mode == "length":
@@ -460,12 +477,8 @@ class Edge:
         return client_keep
 
     def _relay_length(self, n: int, out: bytearray, ur: Reader, sock) -> bool:
+        """A large body: the head and what has arrived, then the rest as it comes."""
         buf = ur.buf
-        if len(buf) >= n:              # the common case: the whole body came with the head
-            out += buf[:n]
-            del buf[:n]
-            self._send(sock, out)
-            return True
         n -= len(buf)
         out += buf
         buf.clear()

@@ -192,9 +192,12 @@ def test_backend_failures_map_to_502_and_504(backends):
         assert request(e.port, "GET", "/garbage").status == 502
         assert request(e.port, "GET", "/hang").status == 504
         assert request(e.port, "GET", "/").status == 200
-        # Reset mid-response: the client connection is closed, the body short of its Content-Length.
+        # Reset inside a small body, before anything reached the client: a clean 502.
+        assert request(e.port, "GET", "/reset").status == 502
+        # Reset mid-way through a large, streamed body: the head is gone, so the client connection is
+        # closed and the body is short of its Content-Length (never looks complete).
         c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)
-        c.request("GET", "/reset")
+        c.request("GET", "/reset?promise=1000000&send=300000")
         r = c.getresponse()
         with pytest.raises(http.client.IncompleteRead):
             r.read()

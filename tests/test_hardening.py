@@ -1,0 +1,216 @@
+"""Hostile input and slow clients, in raw bytes over a socket (a client library would sanitise them).
+
+Each case checks the status, that the backend received nothing, and that the edge still serves a
+clean request afterwards.
+"""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.support import Backend, Edge, raw, request, wait_until
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = Backend("h")
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def edge(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--max-body-size", "1000",
+             "--header-timeout", "1", "--body-timeout", "1", "--limit", "1000/s", "--key-limit", "spent=1/h")
+    request(e.port, "GET", "/", {"X-Api-Key": "spent"})   # that key's only request this hour
+    yield e
+    e.stop()
+
+
+def read_response(s: socket.socket) -> bytes:
+    """One whole Content-Length response from a raw socket."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += s.recv(65536)
+    head, _, body = out.partition(b"\r\n\r\n")
+    n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < n:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def status_of(resp: bytes) -> int:
+    assert resp.startswith(b"HTTP/1.1 "), resp[:80]
+    return int(resp[9:12])
+
+
+H = b"Host: x\r\n"
+BAD = {
+    # request smuggling: framing a backend could read differently
+    "cl-and-te": (b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    "two-cls": (b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 4\r\nContent-Length: 5\r\n\r\nabcde", 400),
+    "cl-list": (b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 4, 5\r\n\r\nabcde", 400),
+    "cl-signed": (b"POST / HTTP/1.1\r\n" + H + b"Content-Length: +4\r\n\r\nabcd", 400),
+    "te-chunked-identity": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n", 501),
+    "te-xchunked": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n", 400),
+    "te-space-before-colon": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding : chunked\r\n\r\n0\r\n\r\n", 400),
+    "te-twice": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    "te-gzip": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: gzip\r\n\r\n", 501),
+    "chunk-size-bad": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n", 400),
+    "chunk-size-negative": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n-1\r\nabc\r\n0\r\n\r\n", 400),
+    "chunk-missing-crlf": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabcXY0\r\n\r\n", 400),
+    "chunk-longer": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabcdef\r\n0\r\n\r\n", 400),
+    # limits
+    "uri-too-long": (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n" + H + b"\r\n", 414),
+    "header-line-too-long": (b"GET / HTTP/1.1\r\n" + H + b"X-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
+    "header-block-too-large": (b"GET / HTTP/1.1\r\n" + H + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 4000) for i in range(20)) + b"\r\n", 431),
+    "too-many-headers": (b"GET / HTTP/1.1\r\n" + H + b"".join(b"X-%d: 1\r\n" % i for i in range(120)) + b"\r\n", 431),
+    "body-too-large": (b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 5000\r\n\r\n" + b"a" * 5000, 413),
+    "chunked-too-large": (b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n" + b"3e8\r\n" + b"a" * 1000 + b"\r\n" + b"3e8\r\n" + b"a" * 1000 + b"\r\n0\r\n\r\n", 413),
+    # malformed
+    "bad-method": (b"G@T / HTTP/1.1\r\n" + H + b"\r\n", 400),
+    "bad-version": (b"GET / HTTX/1.1\r\n" + H + b"\r\n", 400),
+    "http2-version": (b"GET / HTTP/2.0\r\n" + H + b"\r\n", 505),
+    "http09": (b"GET /\r\n\r\n", 400),
+    "extra-spaces": (b"GET  / HTTP/1.1\r\n" + H + b"\r\n", 400),
+    "ctl-in-value": (b"GET / HTTP/1.1\r\n" + H + b"X-A: a\x01b\r\n\r\n", 400),
+    "nul-in-value": (b"GET / HTTP/1.1\r\n" + H + b"X-A: a\x00b\r\n\r\n", 400),
+    "bare-lf-in-value": (b"GET / HTTP/1.1\r\n" + H + b"X-A: a\nX-B: b\r\n\r\n", 400),
+    "bare-cr-in-value": (b"GET / HTTP/1.1\r\n" + H + b"X-A: a\rX-B: b\r\n\r\n", 400),
+    "space-in-name": (b"GET / HTTP/1.1\r\n" + H + b"X A: b\r\n\r\n", 400),
+    "obs-fold": (b"GET / HTTP/1.1\r\n" + H + b"X-A: a\r\n  folded\r\n\r\n", 400),
+    "no-host": (b"GET / HTTP/1.1\r\n\r\n", 400),
+    "two-hosts": (b"GET / HTTP/1.1\r\n" + H + b"Host: y\r\n\r\n", 400),
+    "absolute-form-elsewhere": (b"GET http://evil.example/ HTTP/1.1\r\n" + H + b"\r\n", 400),
+    "ctl-in-target": (b"GET /a\x7fb HTTP/1.1\r\n" + H + b"\r\n", 400),
+    "bad-expect": (b"GET / HTTP/1.1\r\n" + H + b"Expect: 200-ok\r\n\r\n", 417),
+    "oversized-api-key": (b"GET / HTTP/1.1\r\n" + H + b"X-Api-Key: " + b"k" * 300 + b"\r\n\r\n", 400),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_request_gets_its_status_and_nothing_reaches_the_backend(backend, edge, case):
+    data, want = BAD[case]
+    before = backend.stats()["count"]
+    out = raw(edge.port, data)
+    assert status_of(out) == want, out[:200]
+    assert b"connection: close" in out.lower()        # framing is lost: the connection ends
+    assert backend.stats()["count"] == before
+    assert request(edge.port, "GET", "/").status == 200   # and the edge serves the next client
+    assert edge.alive()
+
+
+def test_the_same_length_twice_is_one_length(backend, edge):
+    out = raw(edge.port, b"POST /echo HTTP/1.1\r\n" + H + b"Content-Length: 3\r\nContent-Length: 3\r\n"
+              b"Connection: close\r\n\r\nabc")
+    assert status_of(out) == 200 and b'"body_len": 3' in out
+
+
+def test_absolute_form_for_our_own_host_is_served(edge):
+    out = raw(edge.port, b"GET http://x/echo HTTP/1.1\r\n" + H + b"Connection: close\r\n\r\n")
+    assert status_of(out) == 200 and b'"target": "/echo"' in out
+
+
+def test_slowloris_head_is_cut_off_with_408_while_others_are_served(backend, edge):
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=5) as s:
+        start = time.monotonic()
+        got = b""
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                break
+            # a clean client is served meanwhile, promptly
+            if byte == ord("X"):
+                t = time.monotonic()
+                assert request(edge.port, "GET", "/").status == 200
+                assert time.monotonic() - t < 1.0
+            r, _, _ = __import__("select").select([s], [], [], 0.05)
+            if r:
+                break
+        got = s.recv(1000)
+        assert status_of(got) == 408
+        assert 0.9 < time.monotonic() - start < 4     # --header-timeout 1, whatever the trickle
+
+
+def test_trickled_body_is_cut_off(backend, edge):
+    before = backend.stats()["count"]
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=5) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\n" + H + b"Content-Length: 100\r\n\r\nabc")
+        start = time.monotonic()
+        assert s.recv(1000) == b""                 # closed after --body-timeout 1, nothing forwarded
+        assert 0.9 < time.monotonic() - start < 4
+    assert backend.stats()["count"] == before
+
+
+def test_expect_100_continue_is_only_sent_for_a_request_that_will_be_served(edge):
+    # served: 100 Continue, then the final response after the body
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=5) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\n" + H + b"Content-Length: 3\r\nExpect: 100-continue\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(b"abc")
+        assert b'"body_len": 3' in read_response(s)
+    # refused before the body: 413 (too large) and 429 (limited), never invited
+    for head, want in ((b"Content-Length: 5000\r\n", 413), (b"Content-Length: 3\r\nX-Api-Key: spent\r\n", 429)):
+        with socket.create_connection(("127.0.0.1", edge.port), timeout=5) as s:
+            s.sendall(b"POST /echo HTTP/1.1\r\n" + H + head + b"Expect: 100-continue\r\n\r\n")
+            assert status_of(s.recv(1000)) == want
+
+
+def test_idle_keepalive_connections_are_closed(backend):
+    e = Edge("--backends", backend.url, "--keepalive-timeout", "0.5", "--health-interval", "30")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
+            assert status_of(s.recv(1000)) == 200
+            start = time.monotonic()
+            assert s.recv(1000) == b""             # the edge closes the idle connection
+            assert time.monotonic() - start < 3
+    finally:
+        e.stop()
+
+
+def test_connections_past_the_cap_are_refused_fast_and_the_held_ones_still_served(backend):
+    e = Edge("--backends", backend.url, "--max-connections", "4", "--health-interval", "30")
+    held = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+            s.sendall(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
+            assert status_of(s.recv(1000)) == 200
+            held.append(s)
+        start = time.monotonic()
+        out = raw(e.port, b"")       # the 503 comes on accept, before any request is read
+        assert status_of(out) == 503 and time.monotonic() - start < 1
+        held[0].sendall(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
+        assert status_of(held[0].recv(1000)) == 200
+        held.pop().close()
+        wait_until(lambda: status_of(raw(e.port, b"GET / HTTP/1.1\r\n" + H + b"Connection: close\r\n\r\n")) == 200,
+                   timeout=5, what="a freed slot")
+    finally:
+        for s in held:
+            s.close()
+        e.stop()
+
+
+def test_many_slow_connections_hold_no_more_than_the_cap(backend):
+    """A slowloris crowd: threads stay bounded by --max-connections, clean clients are refused or served
+    but never hang, and the edge recovers when the crowd leaves."""
+    e = Edge("--backends", backend.url, "--max-connections", "20", "--header-timeout", "2",
+             "--health-interval", "30")
+    crowd = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+            s.sendall(b"GET / HTTP/1.1\r\n")
+            crowd.append(s)
+        threads = int(open(f"/proc/{e.popen.pid}/status").read().split("Threads:")[1].split()[0])
+        assert threads <= 20 + 10, threads
+        for s in crowd:
+            s.close()
+        wait_until(lambda: status_of(raw(e.port, b"GET / HTTP/1.1\r\n" + H + b"Connection: close\r\n\r\n")) == 200,
+                   timeout=5, what="service after the crowd left")
+    finally:
+        e.stop()
