@@ -1,78 +1,204 @@
-"""Assembling the parts from one Config: backends and pools, balancer, health checks, metrics,
-the limiter, the proxy server and the admin listener."""
+"""Assembling the parts from one Config, and changing them while serving: reload and drain.
+
+Reload (SIGHUP) re-reads the configuration with the flags given at start still on top, and applies it
+without closing a client connection: backends that stay keep their health state and pool, new ones
+start UP, removed ones leave the rotation at once and are drained (their in-flight requests finish,
+then their pool closes); limiters whose rate is unchanged are reused, so their counters are kept.
+An invalid new configuration is refused in one log line and the running one keeps serving.
+The listen and admin addresses and the worker count need a restart (logged when they change).
+"""
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+import time
 from dataclasses import replace
 
+from . import sdnotify
 from .accesslog import AccessLog
 from .admin import start_admin
-from .identity import Identifier
 from .backends import make_backend
 from .balancer import Balancer
-from .config import BackendSpec, Config
+from .config import BackendSpec, Config, ConfigError, load
 from .health import HealthChecker
+from .identity import Identifier
 from .metrics import Metrics
 from .proxy import Edge, EdgeServer
 
 log = logging.getLogger("edge")
 
 
+class ReusePortServer(EdgeServer):
+    """Worker processes each bind the same port; the kernel spreads connections between them."""
+
+    def server_bind(self):
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
 class App:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, argv: list[str] | None = None, reuse_port: bool = False,
+                 worker: int | None = None):
+        self.argv = argv
+        self.worker = worker
+        self._reload_lock = threading.Lock()
         self.demo_servers = []
         if cfg.demo:
             from . import demo
             self.demo_servers = [demo.start_in_thread(name=n) for n in ("demo-a", "demo-b", "demo-c")]
-            specs = tuple(BackendSpec(url=f"http://127.0.0.1:{s.server_address[1]}", host="127.0.0.1",
-                                      port=s.server_address[1]) for s in self.demo_servers)
-            cfg = replace(cfg, backends=cfg.backends + specs)
+        cfg = self._with_demo(cfg)
         self.cfg = cfg
         self.metrics = Metrics()
         backends = [make_backend(s, cfg) for s in cfg.backends]
         self.balancer = Balancer(backends, cfg.strategy)
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
                                     rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold)
-        limiter = None
-        if cfg.limit:
-            from .ratelimit import LimitStage
-            limiter = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store)
         self.access_log = AccessLog(cfg.access_log) if cfg.access_log else None
-        self.edge = Edge(cfg, self.balancer, self.metrics, limiter=limiter,
+        self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log)
-        self.server = EdgeServer(cfg.listen, self.edge)
+        self.server = (ReusePortServer if reuse_port else EdgeServer)(cfg.listen, self.edge)
         host, port = self.server.server_address[:2]
-        log.info("listening on %s:%d, %d backends (%s): %s", host, port, len(backends), cfg.strategy,
+        who = f"worker {worker}: " if worker is not None else ""
+        log.info("%slistening on %s:%d, %d backends (%s): %s", who, host, port, len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
-        if limiter:
-            log.info("limiting %s per key (%s, %s store), %d overrides", cfg.limit, cfg.algorithm,
+        if cfg.limit:
+            log.info("%slimiting %s per key (%s, %s store), %d overrides", who, cfg.limit, cfg.algorithm,
                      cfg.store.split("@")[-1], len(cfg.key_limits))
         self.admin = None
         if cfg.admin:
-            self.admin = start_admin(cfg.admin, self)
-            log.info("admin on %s:%d (/metrics, /status)", *self.admin.server_address[:2])
+            addr = cfg.admin
+            if worker is not None and addr[1]:
+                addr = (addr[0], addr[1] + worker)   # one admin port per worker: N, N+1, ...
+            self.admin = start_admin(addr, self)
+            log.info("%sadmin on %s:%d (/metrics, /status)", who, *self.admin.server_address[:2])
         for b in backends:
             self.health.watch(b)
+
+    def _with_demo(self, cfg: Config) -> Config:
+        specs = tuple(BackendSpec(url=f"http://127.0.0.1:{s.server_address[1]}", host="127.0.0.1",
+                                  port=s.server_address[1]) for s in self.demo_servers)
+        return replace(cfg, backends=cfg.backends + specs) if specs else cfg
+
+    def _limit_stage(self, cfg: Config, old):
+        if not cfg.limit:
+            return None
+        from .ratelimit import LimitStage
+        reuse = None
+        if old is not None and old.algorithm == cfg.algorithm and old.store == cfg.store:
+            reuse = old.limiters      # same algorithm and store: unchanged rates keep their counters
+        return LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store, reuse=reuse)
+
+    # -- status -------------------------------------------------------------------------------------
 
     def status(self) -> dict:
         return {
             "listen": "%s:%d" % self.server.server_address[:2],
+            "worker": self.worker,
             "strategy": self.cfg.strategy,
             "connections": self.server.active,
+            "draining": self.edge.draining,
+            "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": self.cfg.store.split("@")[-1],
             "backends": [{"url": b.url, "weight": b.weight, "state": "UP" if b.up else "DOWN",
                           "fail_streak": b.fail_streak, "pass_streak": b.pass_streak,
                           "last_probe": b.last_probe, "inflight": b.inflight}
                          for b in self.balancer.backends],
         }
 
+    # -- reload -------------------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        with self._reload_lock:
+            sdnotify.reloading()
+            try:
+                new = self._with_demo(load(self.argv))
+            except ConfigError as e:
+                log.error("reload rejected, the running configuration stays: %s", e)
+                sdnotify.notify("READY=1", "STATUS=reload rejected: see the log")
+                return False
+            old = self.cfg
+            for name in ("listen", "admin", "workers"):
+                if getattr(new, name) != getattr(old, name):
+                    log.warning("reload: %s changed (%s -> %s); that needs a restart, ignored",
+                                name, getattr(old, name), getattr(new, name))
+                    new = replace(new, **{name: getattr(old, name)})
+            try:
+                limiter = self._limit_stage(new, self.edge.limiter)
+            except (ValueError, ConfigError) as e:
+                log.error("reload rejected, the running configuration stays: %s", e)
+                sdnotify.notify("READY=1")
+                return False
+
+            current = {b.url: b for b in self.balancer.backends}
+            keep, added = [], []
+            for spec in new.backends:
+                b = current.pop(spec.url, None)
+                if b is None:
+                    b = make_backend(spec, new)
+                    added.append(b)
+                else:
+                    b.weight = spec.weight
+                    b.spec = spec
+                keep.append(b)
+            removed = list(current.values())
+
+            h = self.health
+            h.path, h.interval, h.timeout = new.health_path, new.health_interval, new.health_probe_timeout
+            h.rise, h.fall = new.healthy_threshold, new.unhealthy_threshold
+            # One assignment each: a request in flight sees the old or the new part, never half of one.
+            self.edge.cfg = new
+            self.edge.limiter = limiter
+            self.edge.identifier = Identifier(new.trusted_proxies)
+            self.balancer.set_backends(keep, new.strategy)
+            self.cfg = new
+            for b in added:
+                self.health.watch(b)
+            for b in removed:
+                self.health.unwatch(b)
+                threading.Thread(target=self._drain_backend, args=(b,), daemon=True,
+                                 name=f"drain {b.url}").start()
+            log.info("reloaded: %d backends (%d added, %d removed), limit %s", len(keep), len(added),
+                     len(removed), new.limit or "off")
+            sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
+            return True
+
+    def _drain_backend(self, b, deadline: float = 300.0) -> None:
+        """A backend taken out by reload: its in-flight requests finish, then its pool is closed."""
+        end = time.monotonic() + deadline
+        while b.inflight > 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        b.pool.close()
+        log.info("backend %s removed (drained)", b.url)
+
+    # -- serving and stopping ----------------------------------------------------------------------
+
     def serve_forever(self) -> None:
+        sdnotify.notify("READY=1", f"STATUS=serving {len(self.balancer.backends)} backends")
         self.server.serve_forever(poll_interval=0.25)
 
-    def shutdown(self) -> None:
+    def stop_accepting(self) -> None:
+        """From a signal handler's thread: ends serve_forever in the main thread."""
+        sdnotify.notify("STOPPING=1")
+        self.edge.draining = True
         self.server.shutdown()
+
+    def drain(self) -> None:
+        """After serve_forever returned: close the listener, let in-flight requests finish, clean up."""
+        self.server.socket.close()
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        self.edge.wake_idle()
+        while self.edge.busy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+            self.edge.wake_idle()   # a connection that finished its request is idle now
+        left = self.edge.busy()
+        if left:
+            log.warning("drain deadline (%gs) passed with %d requests in flight; closing", self.cfg.drain_timeout,
+                        left)
         self.health.stop()
         if self.admin:
             self.admin.shutdown()
+        if self.access_log:
+            self.access_log.close()
         for s in self.demo_servers:
             s.shutdown()

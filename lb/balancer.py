@@ -20,10 +20,14 @@ class Balancer:
         self._lock = threading.Lock()
         self.pick = self._round_robin if strategy == "round-robin" else self._smooth_weighted
 
-    def set_backends(self, backends: list[Backend]) -> None:
+    def set_backends(self, backends: list[Backend], strategy: str | None = None) -> None:
+        """Reload: the new list (and strategy) in one step under the lock."""
         with self._lock:
             self.backends = list(backends)
             self._cursor = 0
+            if strategy:
+                self.strategy = strategy
+                self.pick = self._round_robin if strategy == "round-robin" else self._smooth_weighted
 
     def by_route(self, route: str | None) -> Backend | None:
         """The UP backend a sticky `route` cookie names; None (reassign, never an error) otherwise."""

@@ -48,6 +48,8 @@ class Config:
     pool_idle_timeout: float = 30.0          # a pooled connection idle longer is closed, not reused
     no_pool: bool = False
     # client side
+    workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
+    drain_timeout: float = 30.0              # SIGTERM: in-flight requests may finish within this
     max_connections: int = 1024
     header_timeout: float = 10.0             # whole request head, slowloris or not
     body_timeout: float = 30.0               # between body reads
@@ -164,7 +166,8 @@ _SECTIONS = {
                  "response_timeout": ("response_timeout", "f"), "pool_maxsize": ("pool_maxsize", "i"),
                  "pool_timeout": ("pool_timeout", "f"), "pool_idle_timeout": ("pool_idle_timeout", "f0"),
                  "no_pool": ("no_pool", "b")},
-    "server": {"max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
+    "server": {"workers": ("workers", "i"), "drain_timeout": ("drain_timeout", "f0"),
+               "max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
                "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
                "max_body_size": ("max_body_size", "i")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -263,6 +266,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--pool-timeout", help="seconds to wait for a free backend connection (default 1) -> 503")
     a("--pool-idle-timeout", help="seconds a pooled connection may idle before it is discarded (default 30)")
     a("--no-pool", action="store_true", help="a new TCP connection per request (to measure the win)")
+    a("--workers", help="processes sharing the listening port (default 1); needs a redis:// store "
+                        "when limiting")
+    a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     a("--max-connections", help="concurrent client connections (default 1024)")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
@@ -282,7 +288,8 @@ def build_argparser() -> argparse.ArgumentParser:
 _FLAG_KINDS = {
     "health_interval": "f", "health_timeout": "f", "unhealthy_threshold": "i", "healthy_threshold": "i",
     "connect_timeout": "f", "read_timeout": "f", "response_timeout": "f", "pool_maxsize": "i",
-    "pool_timeout": "f", "pool_idle_timeout": "f0", "max_connections": "i", "header_timeout": "f",
+    "pool_timeout": "f", "pool_idle_timeout": "f0", "max_connections": "i", "workers": "i",
+    "drain_timeout": "f0", "header_timeout": "f",
     "body_timeout": "f", "keepalive_timeout": "f", "max_body_size": "i",
 }
 
@@ -351,4 +358,9 @@ def validate(c: Config) -> Config:
     if c.store != "memory" and not c.store.startswith("redis://"):
         raise ConfigError(f"store: expected memory or redis://HOST:PORT/DB, got {c.store!r}")
     check_cidrs(c.trusted_proxies, "trusted_proxies")
+    if c.workers > 1 and c.limit is not None and c.store == "memory":
+        raise ConfigError(f"workers: {c.workers} workers with the memory store would each count apart, and a "
+                          f"key could get {c.workers}x its limit; use store = \"redis://...\" or 1 worker")
+    if c.workers > 1 and c.demo:
+        raise ConfigError("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return c

@@ -139,6 +139,8 @@ class Edge:
         self.identifier = identifier or Identifier()
         self.access_log = access_log        # AccessLog, or None
         self.refused_connections = 0
+        self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
+        self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
 
     # -- the connection loop ------------------------------------------------------------------------
 
@@ -148,33 +150,55 @@ class Edge:
         reader = Reader(sock)
         peer = addr[0].encode()
         peer_trusted = self.identifier.trusted(addr[0])   # once per connection, not per request
-        while True:
-            reader.deadline = None
-            try:
-                if not reader.buf:
-                    reader.timeout = cfg.keepalive_timeout   # idle between requests
-                    if not reader.fill():
+        conns = self.conns
+        conns[sock] = False
+        try:
+            while not self.draining:
+                reader.deadline = None
+                try:
+                    if not reader.buf:
+                        reader.timeout = cfg.keepalive_timeout   # idle between requests
+                        if not reader.fill():
+                            return
+                    conns[sock] = True
+                    reader.timeout = None
+                    reader.deadline = monotonic() + cfg.header_timeout
+                    head = reader.read_head()
+                    if head is None:
                         return
-                reader.timeout = None
-                reader.deadline = monotonic() + cfg.header_timeout
-                head = reader.read_head()
-                if head is None:
+                    req = parse_request(head)
+                except HttpError as e:
+                    self._refuse(sock, e.status, e.reason, addr)
                     return
-                req = parse_request(head)
-            except HttpError as e:
-                self._refuse(sock, e.status, e.reason, addr)
-                return
-            except socket.timeout:
-                if reader.buf:
-                    self._refuse(sock, 408, "request head not received in time", addr)
-                return
-            except OSError:
-                return
-            try:
-                if not self.handle(req, reader, sock, peer, peer_trusted):
+                except socket.timeout:
+                    if reader.buf:
+                        self._refuse(sock, 408, "request head not received in time", addr)
                     return
-            except ClientGone:
-                return
+                except OSError:
+                    return
+                try:
+                    if not self.handle(req, reader, sock, peer, peer_trusted):
+                        return
+                except ClientGone:
+                    return
+                conns[sock] = False
+        finally:
+            conns.pop(sock, None)
+
+    def wake_idle(self) -> int:
+        """Draining: end the connections waiting between requests (a busy one ends after its response)."""
+        n = 0
+        for sock, busy in list(self.conns.items()):
+            if not busy:
+                try:
+                    sock.shutdown(socket.SHUT_RD)   # the blocked recv returns b"": the thread exits
+                    n += 1
+                except OSError:
+                    pass
+        return n
+
+    def busy(self) -> int:
+        return sum(1 for b in list(self.conns.values()) if b)
 
     def _refuse(self, sock, status: int, reason: str, addr) -> None:
         """Answer a request we could not read, then the caller closes: framing is lost."""
@@ -264,6 +288,7 @@ class Edge:
 
     def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
         """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers."""
+        keep = keep and not self.draining
         self.metrics.edge_answered(status, monotonic() - x.start, **counters)
         self._done(x, status)
         self._send(sock, own_response(status, reason, close=not keep, extra=x.rl,
@@ -416,7 +441,7 @@ class Edge:
         if x.set_cookie:
             out += x.set_cookie
 
-        client_keep = req.keep_alive
+        client_keep = req.keep_alive and not self.draining
         http10 = req.version == b"HTTP/1.0"
         if req.method == b"HEAD" or rh.status in _NO_BODY_STATUS or rh.status < 200:
             mode = "none"

@@ -16,14 +16,18 @@ class LimitStage:
     """A default limiter for every key, plus one per distinct override rate."""
 
     def __init__(self, default: str, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
-                 **store_options):
+                 reuse: dict | None = None, **store_options):
+        """reuse: the limiters of the stage this one replaces (reload): an unchanged rate keeps its state."""
         self.algorithm = algorithm
         self.store = store
+        old = reuse or {}
         cache: dict[str, object] = {}
 
         def limiter_for(rate: str):
             n, period = parse_rate(rate)
             key = f"{n}/{period}"
+            if key not in cache and key in old:
+                cache[key] = old[key]
             if key not in cache:
                 cache[key] = build(algorithm, limit=n, window=period, store=store,
                                    **({"prefix": f"edge:{algorithm}:{key}:"} if store != "memory" else {}),

@@ -1,0 +1,199 @@
+"""Operating the edge: SIGHUP reload under traffic, a bad reload, SIGTERM drain, workers, systemd."""
+
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from tests.support import PY, ROOT, Backend, Edge, Proc, request, wait_until
+
+
+@pytest.fixture(scope="module")
+def backends():
+    bs = [Backend(n) for n in ("a", "b", "c")]
+    yield bs
+    for b in bs:
+        b.stop()
+
+
+def write_config(path, backends, extra=""):
+    text = "".join(f'[[backends]]\nurl = "{b.url}"\n' for b in backends)
+    path.write_text(text + '[health]\ninterval = 30\n' + extra)
+
+
+class Traffic:
+    """Clients on keep-alive connections sending without pause, recording every answer."""
+
+    def __init__(self, port, clients=4, path="/"):
+        self.port, self.path = port, path
+        self.results: list[tuple[float, int, bytes]] = []
+        self.errors: list[str] = []
+        self.stop_flag = threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        while not self.stop_flag.is_set():
+            try:
+                r = request(self.port, "GET", self.path, conn=c)
+                self.results.append((time.monotonic(), r.status, r.body))
+                if r.header("Connection") == "close":
+                    c.close()
+                    c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+            except (OSError, http.client.HTTPException) as e:
+                self.errors.append(repr(e))
+                c.close()
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+
+    def stop(self):
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(15)
+
+
+def test_reload_under_traffic_changes_the_rotation_and_loses_nothing(backends, tmp_path):
+    a, b, c = backends
+    cfg = tmp_path / "edge.toml"
+    write_config(cfg, [a, b])
+    e = Edge("--config", str(cfg))
+    t = Traffic(e.port)
+    try:
+        wait_until(lambda: len(t.results) > 50, timeout=10, what="traffic before the reload")
+        # a slow request in flight to a backend the reload removes still completes
+        slow = {}
+        th = threading.Thread(target=lambda: slow.setdefault("r", request(e.port, "GET", "/slow?ms=800")))
+        th.start()
+        write_config(cfg, [b, c], extra='[limits]\ndefault = "100000/s"\n')
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 2 backends \(1 added, 1 removed\)")
+        mark = time.monotonic()
+        wait_until(lambda: sum(1 for ts, *_ in t.results if ts > mark + 0.1) > 50, timeout=10,
+                   what="traffic after the reload")
+        th.join(10)
+    finally:
+        t.stop()
+        e.stop()
+    assert not t.errors, t.errors[:3]
+    assert Counter(s for _, s, _ in t.results) == {200: len(t.results)}   # every request answered, no 5xx
+    after = Counter(body for ts, _, body in t.results if ts > mark + 0.1)
+    assert set(after) == {b"b\n", b"c\n"}                                 # the new rotation
+    assert slow["r"].status == 200
+    assert "backend http://127.0.0.1:%d removed (drained)" % a.port in e.log()
+
+
+def test_a_bad_reload_keeps_the_old_configuration_serving(backends, tmp_path):
+    cfg = tmp_path / "edge.toml"
+    write_config(cfg, backends[:1])
+    e = Edge("--config", str(cfg))
+    try:
+        cfg.write_text('[[backends]]\nurl = "http://127.0.0.1:1"\nweight = 0\n')
+        e.signal(signal.SIGHUP)
+        line = e.wait_log(r"reload rejected, the running configuration stays: .*weight.*").group(0)
+        assert "weight" in line
+        assert request(e.port, "GET", "/").body == b"a\n"
+        assert e.alive()
+    finally:
+        e.stop()
+
+
+def test_reload_keeps_the_counters_of_unchanged_limits(backends, tmp_path):
+    cfg = tmp_path / "edge.toml"
+    write_config(cfg, backends[:1], extra='[limits]\ndefault = "3/m"\n')
+    e = Edge("--config", str(cfg))
+    try:
+        assert [request(e.port, "GET", "/").status for _ in range(3)] == [200] * 3
+        write_config(cfg, backends[:2], extra='[limits]\ndefault = "3/m"\n')
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded")
+        assert request(e.port, "GET", "/").status == 429          # the spent quota survived the reload
+    finally:
+        e.stop()
+
+
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(backends):
+    e = Edge("--backends", backends[0].url)
+    try:
+        got = {}
+        th = threading.Thread(target=lambda: got.setdefault("r", request(e.port, "GET", "/slow?ms=1000")))
+        th.start()
+        wait_until(lambda: any(p.endswith("ms=1000") for p in backends[0].stats()["last"]), timeout=5,
+                   what="the slow request to reach the backend")
+        idle = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)   # an idle keep-alive client
+        assert request(e.port, "GET", "/", conn=idle).status == 200
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: not e.alive(), timeout=10, what="the edge to exit")
+        th.join(5)
+        assert got["r"].status == 200
+        assert e.popen.returncode == 0
+        assert idle.sock.recv(10) == b""          # closed cleanly (FIN), not left hanging
+        # and it stopped accepting
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", e.port), timeout=1)
+    finally:
+        e.stop()
+
+
+def test_workers_share_the_port_and_a_crashed_worker_is_restarted(backends):
+    e = Edge("--backends", backends[0].url, "--workers", "2")
+    try:
+        e.wait_log(r"worker 1: listening")
+        children = subprocess.run(["pgrep", "-P", str(e.popen.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 2
+        assert all(request(e.port, "GET", "/").status == 200 for _ in range(20))
+        os.kill(int(children[0]), signal.SIGKILL)
+        e.wait_log(r"worker \d \(pid %s\) exited .* restarting it" % children[0])
+        wait_until(lambda: len(subprocess.run(["pgrep", "-P", str(e.popen.pid)], capture_output=True,
+                                              text=True).stdout.split()) == 2, timeout=10, what="a new worker")
+        assert all(request(e.port, "GET", "/").status == 200 for _ in range(20))
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: not e.alive(), timeout=15, what="supervisor exit")
+        assert e.popen.returncode == 0
+    finally:
+        e.stop()
+
+
+def test_workers_with_the_memory_store_refuse_to_start():
+    p = subprocess.run([PY, "edge.py", "--backends", "http://127.0.0.1:9", "--workers", "2", "--limit", "5/s"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 2 and "memory store" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_sd_notify_ready_reloading_stopping(backends, tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(10)
+    cfg = tmp_path / "edge.toml"
+    write_config(cfg, backends[:1])
+    e = Edge("--config", str(cfg), env={"NOTIFY_SOCKET": path})
+    try:
+        assert b"READY=1" in sock.recv(1000)
+        e.signal(signal.SIGHUP)
+        assert sock.recv(1000).startswith(b"RELOADING=1\nMONOTONIC_USEC=")
+        assert b"READY=1" in sock.recv(1000)
+        e.signal(signal.SIGTERM)
+        assert b"STOPPING=1" in sock.recv(1000)
+    finally:
+        e.stop()
+        sock.close()
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_the_systemd_unit_verifies(tmp_path):
+    unit = (ROOT / "conf" / "edge.service").read_text()
+    # verify checks that ExecStart exists: point it at this checkout instead of /opt/edge
+    unit = unit.replace("/opt/edge/venv/bin/python", PY).replace("/opt/edge/edge.py", str(ROOT / "edge.py"))
+    (tmp_path / "edge.service").write_text(unit)
+    p = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "edge.service")], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and not p.stderr.strip(), p.stderr
