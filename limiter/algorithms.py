@@ -169,9 +169,11 @@ class TokenBucket(_Algorithm):
                 tokens = 1.0
             tokens -= 1.0
             # remaining: further requests admitted at this same instant = whole tokens left
-            return (tokens, stamp), _new(
-                Decision, (True, self.limit, int(tokens), _delta(stamp + (cap - tokens) * T, now), 0.0)
-            )
+            full = stamp + (cap - tokens) * T
+            r = full - now
+            if now + r < full:  # rare: the subtraction rounded down (see _delta)
+                r = _delta(full, now)
+            return (tokens, stamp), _new(Decision, (True, self.limit, int(tokens), r, 0.0))
         return state, _new(
             Decision,
             (False, self.limit, 0, _delta(stamp + (cap - tokens) * T, now), _delta(stamp + (1.0 - tokens) * T, now)),
@@ -211,7 +213,10 @@ class FixedWindow(_Algorithm):
         end = (k + 1) * w
         if count < limit:
             count += 1
-            return (k, count), _new(Decision, (True, limit, limit - count, _delta(end, now), 0.0))
+            r = end - now
+            if now + r < end:  # rare: the subtraction rounded down (see _delta)
+                r = _delta(end, now)
+            return (k, count), _new(Decision, (True, limit, limit - count, r, 0.0))
         d = _delta(end, now)
         return (k, count), _new(Decision, (False, limit, 0, d, d))
 
@@ -246,7 +251,11 @@ class SlidingLog(_Algorithm):
                 state.append(e)
             else:  # an out-of-order instant from another thread: keep the log sorted
                 insort(state, e)
-            return state, _new(Decision, (True, limit, limit - n - 1, _delta(state[-1], now), 0.0))
+            last = state[-1]
+            r = last - now
+            if now + r < last:  # rare: the subtraction rounded down (see _delta)
+                r = _delta(last, now)
+            return state, _new(Decision, (True, limit, limit - n - 1, r, 0.0))
         return state, _new(Decision, (False, limit, 0, _delta(state[-1], now), _delta(state[n - limit], now)))
 
     def expires_at(self, state):
