@@ -273,7 +273,26 @@ class SlidingCounter(_Algorithm):
     """
 
     name = "sliding-counter"
-    __slots__ = ()
+    __slots__ = ("_memo",)
+
+    def __init__(self, limit: int, window: float):
+        super().__init__(limit, window)
+        # Thresholds depend on the state alone (see _at), so they are memoised per (k, prev, cur, extra):
+        # a hot key being rejected, or many keys in the same state, pay for the solver once.  Bounded;
+        # dict get/set/clear are atomic under the GIL, and a lost race only recomputes.
+        self._memo = {}
+
+    def _at(self, k, prev, cur, extra):
+        """The earliest float instant in window k or later at which extra + 1 requests in a row would be
+        admitted, given the state (k, prev, cur): a function of the state only."""
+        key = (k, prev, cur, extra)
+        x = self._memo.get(key)
+        if x is None:
+            x = self._earliest(k, prev, cur, k * self.window, extra)
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            self._memo[key] = x
+        return x
 
     def _earliest(self, k, prev, cur, now, extra):
         """Earliest float instant >= now at which extra + 1 requests in a row would be admitted.
@@ -335,11 +354,11 @@ class SlidingCounter(_Algorithm):
                     r -= 1
                 while p + (cur + r) < limit:
                     r += 1
-                reset = _delta(self._earliest(k, prev, cur, now, limit - 1), now)
+                reset = _delta(self._at(k, 0, cur, limit - 1), now)  # with cur >= 1 it only depends on (k, cur)
                 return (k, prev, cur), _new(Decision, (True, limit, r, reset, 0.0))
         elif cur < limit:
             cur += 1
-            reset = _delta(self._earliest(k, 0, cur, now, limit - 1), now)
+            reset = _delta(self._at(k, 0, cur, limit - 1), now)
             return (k, 0, cur), _new(Decision, (True, limit, limit - cur, reset, 0.0))
         return (k, prev, cur), _new(
             Decision,
@@ -347,8 +366,8 @@ class SlidingCounter(_Algorithm):
                 False,
                 limit,
                 0,
-                _delta(self._earliest(k, prev, cur, now, limit - 1), now),
-                _delta(self._earliest(k, prev, cur, now, 0), now),
+                _delta(self._at(k, prev, cur, limit - 1), now),
+                _delta(self._at(k, prev, cur, 0), now),
             ),
         )
 
