@@ -169,9 +169,11 @@ class TokenBucket(_Algorithm):
                 tokens = 1.0
             tokens -= 1.0
             # remaining: further requests admitted at this same instant = whole tokens left
-            return (tokens, stamp), _new(
-                Decision, (True, self.limit, int(tokens), _delta(stamp + (cap - tokens) * T, now), 0.0)
-            )
+            full = stamp + (cap - tokens) * T
+            r = full - now
+            if now + r < full:  # rare: the subtraction rounded down (see _delta)
+                r = _delta(full, now)
+            return (tokens, stamp), _new(Decision, (True, self.limit, int(tokens), r, 0.0))
         return state, _new(
             Decision,
             (False, self.limit, 0, _delta(stamp + (cap - tokens) * T, now), _delta(stamp + (1.0 - tokens) * T, now)),
@@ -211,7 +213,10 @@ class FixedWindow(_Algorithm):
         end = (k + 1) * w
         if count < limit:
             count += 1
-            return (k, count), _new(Decision, (True, limit, limit - count, _delta(end, now), 0.0))
+            r = end - now
+            if now + r < end:  # rare: the subtraction rounded down (see _delta)
+                r = _delta(end, now)
+            return (k, count), _new(Decision, (True, limit, limit - count, r, 0.0))
         d = _delta(end, now)
         return (k, count), _new(Decision, (False, limit, 0, d, d))
 
@@ -246,7 +251,11 @@ class SlidingLog(_Algorithm):
                 state.append(e)
             else:  # an out-of-order instant from another thread: keep the log sorted
                 insort(state, e)
-            return state, _new(Decision, (True, limit, limit - n - 1, _delta(state[-1], now), 0.0))
+            last = state[-1]
+            r = last - now
+            if now + r < last:  # rare: the subtraction rounded down (see _delta)
+                r = _delta(last, now)
+            return state, _new(Decision, (True, limit, limit - n - 1, r, 0.0))
         return state, _new(Decision, (False, limit, 0, _delta(state[-1], now), _delta(state[n - limit], now)))
 
     def expires_at(self, state):
@@ -264,7 +273,26 @@ class SlidingCounter(_Algorithm):
     """
 
     name = "sliding-counter"
-    __slots__ = ()
+    __slots__ = ("_memo",)
+
+    def __init__(self, limit: int, window: float):
+        super().__init__(limit, window)
+        # Thresholds depend on the state alone (see _at), so they are memoised per (k, prev, cur, extra):
+        # a hot key being rejected, or many keys in the same state, pay for the solver once.  Bounded;
+        # dict get/set/clear are atomic under the GIL, and a lost race only recomputes.
+        self._memo = {}
+
+    def _at(self, k, prev, cur, extra):
+        """The earliest float instant in window k or later at which extra + 1 requests in a row would be
+        admitted, given the state (k, prev, cur): a function of the state only."""
+        key = (k, prev, cur, extra)
+        x = self._memo.get(key)
+        if x is None:
+            x = self._earliest(k, prev, cur, k * self.window, extra)
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            self._memo[key] = x
+        return x
 
     def _earliest(self, k, prev, cur, now, extra):
         """Earliest float instant >= now at which extra + 1 requests in a row would be admitted.
@@ -326,11 +354,11 @@ class SlidingCounter(_Algorithm):
                     r -= 1
                 while p + (cur + r) < limit:
                     r += 1
-                reset = _delta(self._earliest(k, prev, cur, now, limit - 1), now)
+                reset = _delta(self._at(k, 0, cur, limit - 1), now)  # with cur >= 1 it only depends on (k, cur)
                 return (k, prev, cur), _new(Decision, (True, limit, r, reset, 0.0))
         elif cur < limit:
             cur += 1
-            reset = _delta(self._earliest(k, 0, cur, now, limit - 1), now)
+            reset = _delta(self._at(k, 0, cur, limit - 1), now)
             return (k, 0, cur), _new(Decision, (True, limit, limit - cur, reset, 0.0))
         return (k, prev, cur), _new(
             Decision,
@@ -338,8 +366,8 @@ class SlidingCounter(_Algorithm):
                 False,
                 limit,
                 0,
-                _delta(self._earliest(k, prev, cur, now, limit - 1), now),
-                _delta(self._earliest(k, prev, cur, now, 0), now),
+                _delta(self._at(k, prev, cur, limit - 1), now),
+                _delta(self._at(k, prev, cur, 0), now),
             ),
         )
 

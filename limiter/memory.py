@@ -55,25 +55,23 @@ class MemoryStore:
                 if new is not state:
                     states[key] = new
                 return decision
+            # A new key: the only time memory grows, so the only time we sweep (inlined: hot for floods).
             new, decision = self._step(None, now)
-            self._insert(states, queue, key, now)
+            if queue:
+                expires = self._expires
+                for _ in range(SWEEP):
+                    k = queue.popleft()
+                    if expires(states[k]) <= now:
+                        del states[k]
+                        if not queue:
+                            break
+                    else:
+                        queue.append(k)
+                if len(states) >= self._per_stripe:  # the hard cap: evict the front (oldest) key
+                    del states[queue.popleft()]
+            queue.append(key)
             states[key] = new
             return decision
-
-    def _insert(self, states, queue, key, now):
-        """Make room for one new key (caller holds the stripe lock), then queue it."""
-        expires = self._expires
-        for _ in range(SWEEP):
-            if not queue:
-                break
-            k = queue.popleft()
-            if expires(states[k]) <= now:
-                del states[k]
-            else:
-                queue.append(k)
-        if len(states) >= self._per_stripe:
-            del states[queue.popleft()]
-        queue.append(key)
 
     def __len__(self):
         """Number of keys currently holding state (a snapshot; takes every stripe lock in turn)."""
