@@ -109,8 +109,9 @@ class Edge(Proc):
         super().__init__([PY, "edge.py", "--listen", "127.0.0.1:0", *args], name, env)
         m = self.wait_log(r"listening on 127\.0\.0\.1:(\d+)")
         self.port = int(m.group(1))
-        m = re.search(r"admin on 127\.0\.0\.1:(\d+)", self.log())
-        self.admin_port = int(m.group(1)) if m else None
+        self.admin_port = None
+        if "--admin" in args:
+            self.admin_port = int(self.wait_log(r"admin on 127\.0\.0\.1:(\d+)").group(1))
 
 
 class Response:
