@@ -392,8 +392,8 @@ def _run_worker(cfg: dict, pipe, stop: list) -> dict:
         # Hand every due request to a free connection (or one to reopen); the rest wait, still due.
         while idle or down:
             if open_loop:
-                if next_t > now or i >= intended_total:
-                    break
+                if next_t > now or i >= intended_total or now >= end:
+                    break             # not due yet, or the window has closed: what is left is unsent
                 t_int = next_t
                 i += 1
                 next_t = open_start + i * interval
