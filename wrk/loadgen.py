@@ -324,6 +324,10 @@ def _run_worker(cfg: dict, pipe, stop: list) -> dict:
             if head_request or status in (204, 304):
                 c.mode = M_HEAD
                 return True
+            if b"\r\ntransfer-encoding:" in head and b"chunked" in head:   # wins over Content-Length
+                c.mode = M_CHUNKED
+                c.cpos = bs
+                break
             k = head.find(b"\r\ncontent-length:")
             if k >= 0:
                 eol = head.find(b"\r\n", k + 17)
@@ -335,10 +339,6 @@ def _run_worker(cfg: dict, pipe, stop: list) -> dict:
                 c.buf = b""
                 c.remaining = n - (len(buf) - bs)
                 return c.remaining <= 0
-            if b"\r\ntransfer-encoding:" in head and b"chunked" in head:
-                c.mode = M_CHUNKED
-                c.cpos = bs
-                break
             c.mode = M_CLOSE          # no framing: the body ends when the server closes
             c.keep = False
             c.buf = b""
