@@ -18,6 +18,7 @@ are this machine's, the ratios are the point.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.nginx import Nginx  # noqa: E402
+from wrk.nginx_target import nginx_target  # noqa: E402
 from tests.support import Edge, Proc  # noqa: E402
 from wrk import loadgen  # noqa: E402
 
@@ -75,7 +76,12 @@ def main() -> None:
     a = ap.parse_args()
     sat, fixed = (3, 5) if a.quick else (6, 10)
 
-    nginx = Nginx()
+    stack = contextlib.ExitStack()
+    nginx_port = stack.enter_context(nginx_target())
+
+    class nginx:
+        url = f"http://127.0.0.1:{nginx_port}"
+
     edge = Edge("--backends", nginx.url, "--health-interval", "30", name="bench-edge")
     nopool = Edge("--backends", nginx.url, "--health-interval", "30", "--no-pool", name="bench-nopool")
     limited = Edge("--backends", nginx.url, "--health-interval", "30", "--limit", "1000000/s",
@@ -139,8 +145,8 @@ def main() -> None:
         say("|---|---|---|")
         lr = []
         for i in (1, 2):
-            off = open_loop(f"http://127.0.0.1:{edge.port}/", 1000, fixed, ["X-Api-Key: bench"])
-            on = open_loop(f"http://127.0.0.1:{limited.port}/", 1000, fixed, ["X-Api-Key: bench"])
+            off = open_loop(f"http://127.0.0.1:{edge.port}/", 1000, fixed, [("X-Api-Key", "bench")])
+            on = open_loop(f"http://127.0.0.1:{limited.port}/", 1000, fixed, [("X-Api-Key", "bench")])
             assert on["non2xx"] == 0, "the bench key was limited"
             lr.append((off, on))
             say(f"| {i} | {fmt(off)} | {fmt(on)} |")
@@ -150,7 +156,7 @@ def main() -> None:
     finally:
         for p in (edge, nopool, limited, yard):
             p.stop()
-        nginx.stop()
+        stack.close()
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")
 
