@@ -141,7 +141,7 @@ class Reader:
 
 class Request:
     __slots__ = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive",
-                 "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "cookie")
+                 "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie")
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -195,7 +195,7 @@ def parse_request(head: bytes) -> Request:
     r.headers = headers = _split_headers(lines, 1)
     r.content_length = None
     r.chunked = False
-    r.host = r.api_key = r.xff = r.proto = r.cookie = None
+    r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = None
     r.expect_continue = False
     tokens: set[bytes] = set()
     te_seen = False
@@ -242,6 +242,8 @@ def parse_request(head: bytes) -> Request:
             r.xff = value if r.xff is None else r.xff + b", " + value
         elif lname == b"x-forwarded-proto":
             r.proto = value
+        elif lname == b"x-forwarded-host":
+            r.fwd_host = value
         elif lname == b"cookie":
             r.cookie = value if r.cookie is None else r.cookie + b"; " + value
     if r.chunked and r.content_length is not None:

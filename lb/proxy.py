@@ -277,7 +277,7 @@ class Edge:
         except (EOFError, OSError):
             raise ClientGone() from None   # socket.timeout is an OSError: a silent client is gone too
         # 5. forward and relay
-        return self.forward(x, backend, body, reader, sock, peer)
+        return self.forward(x, backend, body, reader, sock, peer, peer_trusted)
 
     @staticmethod
     def _iter_fixed(reader: Reader, n: int):
@@ -308,21 +308,27 @@ class Edge:
 
     # -- forwarding -----------------------------------------------------------------------------------
 
-    def upstream_head(self, req: Request, backend: Backend, peer: bytes) -> bytearray:
-        """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended."""
+    def upstream_head(self, req: Request, backend: Backend, peer: bytes, trusted: bool = False) -> bytearray:
+        """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended.
+
+        X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
+        are; from anyone else they are replaced with what the edge saw.
+        """
         out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
         tokens = req.conn_tokens
+        replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
         for name, lname, value in req.headers:
             if lname in HOP_BY_HOP or (tokens and lname in tokens):
                 continue
-            if lname in _REPLACED:
+            if lname in replaced:
                 continue
             out += name + b": " + value + b"\r\n"
         if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
             out += b"Host: " + backend.spec.host.encode() + b":%d\r\n" % backend.spec.port
         out += b"X-Forwarded-For: " + (req.xff + b", " + peer if req.xff else peer) + b"\r\n"
-        out += b"X-Forwarded-Proto: http\r\n"
-        if req.host:
+        if not (trusted and req.proto):
+            out += b"X-Forwarded-Proto: http\r\n"
+        if req.host and not (trusted and req.fwd_host):
             out += b"X-Forwarded-Host: " + req.host + b"\r\n"
         if req.chunked:
             out += b"Transfer-Encoding: chunked\r\n"
@@ -332,7 +338,7 @@ class Edge:
         return out
 
     def forward(self, x: "Exchange", backend: Backend, body, reader: Reader, sock: socket.socket,
-                peer: bytes) -> bool:
+                peer: bytes, trusted: bool = False) -> bool:
         cfg = self.cfg
         req, start = x.req, x.start
         pool = backend.pool
@@ -342,7 +348,7 @@ class Edge:
             conn = pool.acquire()
         except PoolExhausted as e:
             return self._upstream_failed(sock, x, "pool", 503, str(e), keep_if_failed)
-        head = self.upstream_head(req, backend, peer)
+        head = self.upstream_head(req, backend, peer, trusted)
         with backend.lock:
             backend.inflight += 1
         try:
@@ -577,6 +583,7 @@ def route_cookie(cookie: bytes) -> str | None:
 
 # Forwarding headers we write ourselves (after the client's), and Expect, which the edge answered.
 _REPLACED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"expect"})
+_REPLACED_TRUSTED = frozenset({b"x-forwarded-for", b"expect"})
 
 
 def _classify(e: BaseException, reused: bool) -> tuple[str, int, str]:

@@ -214,3 +214,26 @@ def test_access_log_has_one_line_per_request(backends, tmp_path):
         assert " key:k GET /two 429 - " in two
     finally:
         e.stop()
+
+
+def test_forwarding_headers_from_a_trusted_proxy_pass_through_and_others_are_replaced(backends):
+    import json
+    e = Edge("--backends", backends[0].url, "--trusted-proxies", "127.0.0.3/32")
+    try:
+        def seen(src):
+            c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5, source_address=(src, 0))
+            try:
+                r = request(e.port, "GET", "/echo", {"Host": "api.example", "X-Forwarded-Proto": "https",
+                                                     "X-Forwarded-Host": "public.example",
+                                                     "X-Forwarded-For": "203.0.113.5"}, conn=c)
+            finally:
+                c.close()
+            return {k.lower(): v for k, v in json.loads(r.body)["headers"]}
+        tls = seen("127.0.0.3")       # e.g. the TLS terminator in front
+        assert tls["x-forwarded-proto"] == "https" and tls["x-forwarded-host"] == "public.example"
+        assert tls["x-forwarded-for"] == "203.0.113.5, 127.0.0.3"
+        other = seen("127.0.0.2")
+        assert other["x-forwarded-proto"] == "http" and other["x-forwarded-host"] == "api.example"
+        assert other["x-forwarded-for"] == "203.0.113.5, 127.0.0.2"
+    finally:
+        e.stop()
