@@ -37,7 +37,8 @@ class App:
         limiter = None
         if cfg.limit:
             from .ratelimit import LimitStage
-            limiter = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store)
+            redis = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error} if cfg.store != "memory" else {}
+            limiter = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store, **redis)
         self.access_log = AccessLog(cfg.access_log) if cfg.access_log else None
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=limiter,
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log)
@@ -46,8 +47,9 @@ class App:
         log.info("listening on %s:%d, %d backends (%s): %s", host, port, len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
         if limiter:
-            log.info("limiting %s per key (%s, %s store), %d overrides", cfg.limit, cfg.algorithm,
-                     cfg.store.split("@")[-1], len(cfg.key_limits))
+            log.info("limiting %s per key (%s, %s store%s), %d overrides", cfg.limit, cfg.algorithm,
+                     cfg.store.split("@")[-1], "" if cfg.store == "memory" else
+                     f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits))
         self.admin = None
         if cfg.admin:
             self.admin = start_admin(cfg.admin, self)

@@ -58,6 +58,8 @@ class Config:
     key_limits: tuple[tuple[str, str], ...] = ()
     algorithm: str = "token-bucket"
     store: str = "memory"
+    redis_timeout: float = 0.05              # seconds per Redis call (connect and read) before on_store_error
+    on_store_error: str = "fail-open"        # fail-open | fail-closed (503) | local (in-process limiter)
     trusted_proxies: tuple[str, ...] = ()
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
@@ -71,6 +73,7 @@ class Config:
 
 
 STRATEGIES = ("round-robin", "weighted")
+STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 
 
@@ -168,6 +171,7 @@ _SECTIONS = {
                "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
                "max_body_size": ("max_body_size", "i")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
+               "redis_timeout": ("redis_timeout", "f"), "on_store_error": ("on_store_error", "s"),
                "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table")},
 }
 
@@ -272,6 +276,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--key-limit", action="append", help="KEY=N/PERIOD override, repeatable")
     a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
     a("--store", help="memory (default) | redis://HOST:PORT/DB")
+    a("--redis-timeout", help="seconds per Redis call before --on-store-error applies (default 0.05)")
+    a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
     a("--admin", help="HOST:PORT for /metrics and /status (default off)")
     a("--access-log", help="file path, or - for stderr (default off)")
@@ -283,7 +289,7 @@ _FLAG_KINDS = {
     "health_interval": "f", "health_timeout": "f", "unhealthy_threshold": "i", "healthy_threshold": "i",
     "connect_timeout": "f", "read_timeout": "f", "response_timeout": "f", "pool_maxsize": "i",
     "pool_timeout": "f", "pool_idle_timeout": "f0", "max_connections": "i", "header_timeout": "f",
-    "body_timeout": "f", "keepalive_timeout": "f", "max_body_size": "i",
+    "body_timeout": "f", "keepalive_timeout": "f", "max_body_size": "i", "redis_timeout": "f",
 }
 
 
@@ -350,5 +356,8 @@ def validate(c: Config) -> Config:
         raise ConfigError("limits.keys: per-key limits need a default limit (--limit / limits.default)")
     if c.store != "memory" and not c.store.startswith("redis://"):
         raise ConfigError(f"store: expected memory or redis://HOST:PORT/DB, got {c.store!r}")
+    if c.on_store_error not in STORE_ERROR_POLICIES:
+        raise ConfigError(f"limits.on_store_error: {c.on_store_error!r} is not one of "
+                          f"{', '.join(STORE_ERROR_POLICIES)}")
     check_cidrs(c.trusted_proxies, "trusted_proxies")
     return c
