@@ -109,7 +109,9 @@ class Edge(Proc):
         super().__init__([PY, "edge.py", "--listen", "127.0.0.1:0", *args], name, env)
         m = self.wait_log(r"listening on 127\.0\.0\.1:(\d+)")
         self.port = int(m.group(1))
-        m = re.search(r"admin on 127\.0\.0\.1:(\d+)", self.log())
+        # The admin line is logged after the listening line: wait for it rather than race it.
+        rx = r"admin on 127\.0\.0\.1:(\d+)"
+        m = self.wait_log(rx) if "--admin" in args else re.search(rx, self.log())
         self.admin_port = int(m.group(1)) if m else None
 
 
