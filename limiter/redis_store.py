@@ -102,7 +102,7 @@ local now = tonumber(ARGV[1])
 local grace = tonumber(ARGV[2])
 """
 
-# ARGV: now, grace_ms, capacity, per_token (T), rate
+# ARGV (here and below): now, then the limiter's constants -- grace_ms, capacity, per_token (T), rate
 TOKEN_BUCKET = _COMMON + """
 local cap = tonumber(ARGV[3])
 local T = tonumber(ARGV[4])
@@ -384,8 +384,11 @@ class RedisStore:
         self.prefix = prefix
         self.on_error = on_error
         self.link = link_for(url, timeout, pool_size, retry_interval)
-        self.script = self.link.client.register_script(lua)
-        self._args = [math.ceil(ttl_grace * 1000), *(repr(float(x)) for x in args(algorithm))]
+        # The configuration is baked into this limiter's copy of the script (a local ARGV shadowing the
+        # real one; one SHA per configuration), so each call sends only the key and now.
+        consts = [str(math.ceil(ttl_grace * 1000)), *(repr(float(x)) for x in args(algorithm))]
+        self.lua = "local ARGV = {ARGV[1], %s}\n%s" % (", ".join(f"'{c}'" for c in consts), lua)
+        self.script = self.link.client.register_script(self.lua)
         self._step = algorithm.step
         self.local = MemoryStore(algorithm, max_keys=max_keys) if on_error == "local" else None
         self.degraded = 0  # decisions made by the failure policy
@@ -399,7 +402,7 @@ class RedisStore:
         link = self.link
         if link.up or link.may_try():
             try:
-                reply = self.script(keys=(f"{self.prefix}{{{key}}}",), args=(repr(float(now)), *self._args))
+                reply = self.script((f"{self.prefix}{{{key}}}",), (repr(float(now)),))
             except RedisError as e:
                 link.failed(e)
             else:
