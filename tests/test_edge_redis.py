@@ -165,7 +165,8 @@ def test_killing_redis_mid_traffic_applies_each_policy_and_enforcement_resumes_a
             assert set(down) == {503}, down
         else:
             assert down[200] > 0 and down[429] > 0 and down[503] == 0, down
-            assert down[200] <= 10 * 2 + 2, down  # ~1.5 s of a local 10/s fixed window: at most 2-3 windows
+            # 1.45 s of a local 10/s fixed window touches at most 3 windows (partial, whole, partial)
+            assert down[200] <= 10 * (math.ceil(restarted - killed) + 1), down
         assert after[429] > 0 and after[200] > 0 and after[503] == 0, (p, after)
         assert len(re.findall(r"limiter store \S+ unavailable", logs[p])) == 1, logs[p]
         assert len(re.findall(r"limiter store \S+ back after", logs[p])) == 1, logs[p]
