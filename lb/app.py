@@ -64,8 +64,9 @@ class App:
         log.info("%slistening on %s:%d, %d backends (%s): %s", who, host, port, len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
         if cfg.limit:
-            log.info("%slimiting %s per key (%s, %s store), %d overrides", who, cfg.limit, cfg.algorithm,
-                     cfg.store.split("@")[-1], len(cfg.key_limits))
+            log.info("%slimiting %s per key (%s, %s store%s), %d overrides", who, cfg.limit, cfg.algorithm,
+                     cfg.store.split("@")[-1], "" if cfg.store == "memory" else
+                     f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits))
         self.admin = None
         if cfg.admin:
             addr = cfg.admin
@@ -85,10 +86,12 @@ class App:
         if not cfg.limit:
             return None
         from .ratelimit import LimitStage
+        redis = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error} if cfg.store != "memory" else {}
         reuse = None
-        if old is not None and old.algorithm == cfg.algorithm and old.store == cfg.store:
-            reuse = old.limiters      # same algorithm and store: unchanged rates keep their counters
-        return LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store, reuse=reuse)
+        if old is not None and (old.algorithm, old.store, old.options) == (
+                cfg.algorithm, cfg.store, tuple(sorted(redis.items()))):
+            reuse = old.limiters      # same algorithm, store and options: unchanged rates keep their counters
+        return LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store, reuse=reuse, **redis)
 
     # -- status -------------------------------------------------------------------------------------
 

@@ -60,6 +60,8 @@ class Config:
     key_limits: tuple[tuple[str, str], ...] = ()
     algorithm: str = "token-bucket"
     store: str = "memory"
+    redis_timeout: float = 0.05              # seconds per Redis call (connect and read) before on_store_error
+    on_store_error: str = "fail-open"        # fail-open | fail-closed (503) | local (in-process limiter)
     trusted_proxies: tuple[str, ...] = ()
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
@@ -73,6 +75,7 @@ class Config:
 
 
 STRATEGIES = ("round-robin", "weighted")
+STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 
 
@@ -171,6 +174,7 @@ _SECTIONS = {
                "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
                "max_body_size": ("max_body_size", "i")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
+               "redis_timeout": ("redis_timeout", "f"), "on_store_error": ("on_store_error", "s"),
                "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table")},
 }
 
@@ -278,6 +282,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--key-limit", action="append", help="KEY=N/PERIOD override, repeatable")
     a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
     a("--store", help="memory (default) | redis://HOST:PORT/DB")
+    a("--redis-timeout", help="seconds per Redis call before --on-store-error applies (default 0.05)")
+    a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
     a("--admin", help="HOST:PORT for /metrics and /status (default off)")
     a("--access-log", help="file path, or - for stderr (default off)")
@@ -290,7 +296,7 @@ _FLAG_KINDS = {
     "connect_timeout": "f", "read_timeout": "f", "response_timeout": "f", "pool_maxsize": "i",
     "pool_timeout": "f", "pool_idle_timeout": "f0", "max_connections": "i", "workers": "i",
     "drain_timeout": "f0", "header_timeout": "f",
-    "body_timeout": "f", "keepalive_timeout": "f", "max_body_size": "i",
+    "body_timeout": "f", "keepalive_timeout": "f", "max_body_size": "i", "redis_timeout": "f",
 }
 
 
@@ -357,6 +363,9 @@ def validate(c: Config) -> Config:
         raise ConfigError("limits.keys: per-key limits need a default limit (--limit / limits.default)")
     if c.store != "memory" and not c.store.startswith("redis://"):
         raise ConfigError(f"store: expected memory or redis://HOST:PORT/DB, got {c.store!r}")
+    if c.on_store_error not in STORE_ERROR_POLICIES:
+        raise ConfigError(f"limits.on_store_error: {c.on_store_error!r} is not one of "
+                          f"{', '.join(STORE_ERROR_POLICIES)}")
     check_cidrs(c.trusted_proxies, "trusted_proxies")
     if c.workers > 1 and c.limit is not None and c.store == "memory":
         raise ConfigError(f"workers: {c.workers} workers with the memory store would each count apart, and a "

@@ -62,6 +62,10 @@ class Metrics:
                 self.unavailable += 1
             self.observe(seconds)
 
+    def limiter_error(self) -> None:
+        with self.lock:
+            self.limiter_errors += 1
+
     def render(self, backends) -> str:
         """Prometheus text exposition format 0.0.4."""
         with self.lock:

@@ -241,6 +241,8 @@ class Edge:
                 d = self.limiter.check(x.key, match)
             except LimiterUnavailable as e:
                 d = e.decision           # the store's failure policy decided (fail-open/closed/local)
+            if getattr(d, "degraded", False):    # the store was unreachable: its failure policy decided
+                self.metrics.limiter_error()
             x.rl = ratelimit_headers(d)
             if not d.allowed:
                 status = 503 if getattr(d, "unavailable", False) else 429

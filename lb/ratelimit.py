@@ -20,6 +20,7 @@ class LimitStage:
         """reuse: the limiters of the stage this one replaces (reload): an unchanged rate keeps its state."""
         self.algorithm = algorithm
         self.store = store
+        self.options = tuple(sorted(store_options.items()))
         old = reuse or {}
         cache: dict[str, object] = {}
 

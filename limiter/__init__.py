@@ -18,15 +18,18 @@ from .memory import MemoryStore
 __all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
 
 
-def build(algorithm: str, limit: int, window: float, *, store: str = "memory", burst=None, max_keys: int = 100_000):
+def build(algorithm: str, limit: int, window: float, *, store: str = "memory", burst=None, max_keys: int = 100_000,
+          **redis_options):
     """A limiter with allow(key, now) -> Decision.
 
     algorithm  one of ALGORITHMS: token-bucket, fixed-window, sliding-log, sliding-counter
     limit      N requests per window (token bucket: refill N per window, capacity N unless burst=)
     window     the period in seconds
-    store      "memory" (the only one so far)
+    store      "memory", or "redis://HOST:PORT/DB" (limiter.redis_store: state shared by every edge)
     burst      token-bucket only: bucket capacity, apart from N
     max_keys   hard cap on keys holding state in memory (idle keys are evicted long before)
+    redis_options  store="redis://..." only: prefix, timeout, pool_size, on_error, retry_interval,
+               ttl_grace (see limiter.redis_store.RedisStore)
     """
     try:
         cls = ALGORITHMS[algorithm]
@@ -36,10 +39,13 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
         raise ValueError(f"burst only applies to algorithm token-bucket, not {algorithm!r}")
     algo = cls(limit, window, burst) if cls is TokenBucket else cls(limit, window)
     if store == "memory":
+        if redis_options:
+            raise ValueError(f"options {', '.join(sorted(redis_options))} only apply to store='redis://...'")
         return MemoryStore(algo, max_keys=max_keys)
     if isinstance(store, str) and store.startswith("redis://"):
-        raise NotImplementedError("store 'redis://...' is not implemented yet (the Redis store is a later issue)")
-    raise ValueError(f"store must be 'memory' (or 'redis://...' once implemented); got {store!r}")
+        from .redis_store import RedisStore  # imports redis only when it is used
+        return RedisStore(algo, store, max_keys=max_keys, **redis_options)
+    raise ValueError(f"store must be 'memory' or 'redis://HOST:PORT/DB'; got {store!r}")
 
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

@@ -1,9 +1,15 @@
 """The store-parametrised fixture for the limiter's shared behavioural suite.
 
-`make(algorithm, limit, window, **kw)` builds a limiter on the store under test.  Today only the
-in-memory store exists; the Redis store (a later issue) adds an entry to STORES (e.g. a factory that
-starts/flushes a redis-server and passes store="redis://...") and every test in the suite runs on it.
+`make(algorithm, limit, window, **kw)` builds a limiter on the store under test; every test in the
+suite runs once per entry of STORES:
+
+    memory   the in-process store
+    redis    a real redis-server (one per session, tests/redis_server.py); every limiter gets a fresh
+             key prefix, so tests never see each other's state, and runs strict (a Lua/Python
+             verdict mismatch raises instead of being counted)
 """
+
+import itertools
 
 import pytest
 
@@ -14,9 +20,24 @@ def _memory(algorithm, limit, window, **kw):
     return build(algorithm, limit, window, store="memory", **kw)
 
 
-STORES = {"memory": _memory}
+_prefixes = itertools.count()
+
+
+def _redis(url):
+    def make(algorithm, limit, window, **kw):
+        kw.setdefault("prefix", f"test:{next(_prefixes)}:")
+        kw.setdefault("timeout", 2.0)  # a loaded CI machine must not turn into fail-open decisions
+        lim = build(algorithm, limit, window, store=url, **kw)
+        lim.strict = True
+        return lim
+
+    return make
+
+
+STORES = {"memory": lambda request: _memory,
+          "redis": lambda request: _redis(request.getfixturevalue("redis_server").url)}
 
 
 @pytest.fixture(params=sorted(STORES))
 def make(request):
-    return STORES[request.param]
+    return STORES[request.param](request)

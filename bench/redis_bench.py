@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""The Redis store, measured in one run against one redis-server it starts itself:
+
+  1. µs per decision, single-threaded: our RedisStore (each algorithm) vs the `limits` library's
+     RedisStorage + strategies (moving-window, fixed-window, sliding-window-counter) -- `hit()` alone,
+     and `hit()` + `get_window_stats()` (what it takes to fill X-RateLimit-Remaining/Reset, which our
+     single call returns); plus PING and the memory store for scale.
+  2. The edge's latency p50/p99 with the memory store vs the Redis store, at a fixed rate, against the
+     backend directly (so the added latency is the difference).  A paced client on one keep-alive
+     connection with http.client (wrk.loadgen, the constant-rate generator, is not on this branch).
+  3. Accuracy: two edges, one client alternating at 2x the limit (the same measurement as
+     tests/test_edge_redis.py): admitted rate with local counters vs with Redis.
+
+    python3 bench/redis_bench.py [--calls 5000] [--rate 200] [--seconds 10] [--no-edge]
+
+Prints markdown tables (docs/redis.md records one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import math
+import platform
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from limiter import build  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+from tests.support import Backend, Edge, request  # noqa: E402
+
+ALGORITHMS = ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"]
+
+
+def measure(paths, calls: int, rounds: int = 5) -> list[tuple[str, float]]:
+    """µs per call for each (name, fn(i)); the paths take turns, round after round, and the best round
+    counts -- on a shared machine the minimum is the least disturbed, and taking turns keeps a burst of
+    background load from landing on one path only."""
+    for _, fn in paths:
+        for i in range(200):  # warm up: connections, script cache
+            fn(i)
+    best = {name: math.inf for name, _ in paths}
+    for _ in range(rounds):
+        for name, fn in paths:
+            t = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            best[name] = min(best[name], (time.perf_counter() - t) / calls * 1e6)
+    return [(name, best[name]) for name, _ in paths]
+
+
+def decisions(url: str, calls: int) -> list[tuple[str, float]]:
+    import redis
+    from limits import RateLimitItemPerSecond
+    from limits.storage import RedisStorage
+    from limits.strategies import (FixedWindowRateLimiter, MovingWindowRateLimiter,
+                                   SlidingWindowCounterRateLimiter)
+
+    paths = []
+    r = redis.Redis.from_url(url)
+    paths.append(("redis-py PING (one round trip, for scale)", lambda i: r.ping()))
+    keys = [f"client-{i}" for i in range(100)]
+    for a in ALGORITHMS:
+        lim = build(a, 100, 1.0)
+        paths.append((f"ours, memory store, {a}", lambda i, lim=lim: lim.allow(keys[i % 100], time.time())))
+    ours = []
+    for a in ALGORITHMS:
+        lim = build(a, 100, 1.0, store=url, prefix=f"bench:{uuid.uuid4().hex[:6]}:", timeout=1.0)
+        ours.append(lim)
+        paths.append((f"ours, RedisStore, {a} (full Decision)",
+                      lambda i, lim=lim: lim.allow(keys[i % 100], time.time())))
+    item = RateLimitItemPerSecond(100)
+    st = RedisStorage(url)
+    for name, cls in (("moving-window", MovingWindowRateLimiter), ("fixed-window", FixedWindowRateLimiter),
+                      ("sliding-window-counter", SlidingWindowCounterRateLimiter)):
+        s = cls(st)
+        ns = uuid.uuid4().hex[:6]
+        paths.append((f"limits {name}: hit()", lambda i, s=s, ns=ns: s.hit(item, ns, keys[i % 100])))
+        paths.append((f"limits {name}: hit() + get_window_stats()",
+                      lambda i, s=s, ns=ns + "s": (s.hit(item, ns, keys[i % 100]),
+                                                   s.get_window_stats(item, ns, keys[i % 100]))))
+    rows = measure(paths, calls)
+    assert all(lim.degraded == 0 and lim.drift == 0 for lim in ours), "a Redis call failed or drifted"
+    return rows
+
+
+def paced(port: int, rate: float, seconds: float, key: str) -> list[float]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    lat = []
+    start = time.monotonic()
+    n = int(rate * seconds)
+    for i in range(n):
+        pause = start + i / rate - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        t = time.perf_counter()
+        r = request(port, "GET", "/", {"X-Api-Key": key}, conn=conn)
+        lat.append(time.perf_counter() - t)
+        assert r.status == 200, r
+    conn.close()
+    return lat
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def edge_latency(url: str, backend: Backend, rate: float, seconds: float):
+    common = ["--backends", backend.url, "--limit", "100000/s"]
+    mem = Edge(*common, name="bench-edge-memory")
+    red = Edge(*common, "--store", url, name="bench-edge-redis")
+    try:
+        out = {}
+        for name, port in (("backend directly", backend.port), ("edge, memory store", mem.port),
+                           ("edge, Redis store", red.port)):
+            paced(port, rate, 1.0, "warm")
+            out[name] = paced(port, rate, seconds, f"bench-{uuid.uuid4().hex[:6]}")
+        return out
+    finally:
+        mem.stop()
+        red.stop()
+
+
+def accuracy(url: str, backend: Backend):
+    from tests.test_edge_redis import admitted_per_second, paced_alternating
+    limit = 50
+    common = ["--backends", backend.url, "--limit", f"{limit}/s", "--algorithm", "fixed-window"]
+    mem = [Edge(*common, name=f"bench-mem-{i}") for i in "ab"]
+    red = [Edge(*common, "--store", url, "--redis-timeout", "1.0", name=f"bench-redis-{i}") for i in "ab"]
+    res = {}
+    try:
+        key = f"acc-{uuid.uuid4().hex[:6]}"
+        ts = [threading.Thread(target=lambda n=n, es=es: res.__setitem__(
+            n, paced_alternating([e.port for e in es], key, 2 * limit, 12.5))) for n, es in (("memory", mem),
+                                                                                          ("redis", red))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        for e in mem + red:
+            e.stop()
+    t0 = math.ceil(min(s[0][0] for s in res.values())) + 1.0
+    return limit, {n: admitted_per_second(s, t0, t0 + 10.0) for n, s in res.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--no-edge", action="store_true", help="only the per-decision table")
+    args = ap.parse_args()
+    server = RedisServer().start()
+    try:
+        import redis
+        print(f"# {platform.python_implementation()} {platform.python_version()}, redis-py {redis.__version__}, "
+              f"redis-server {redis.Redis.from_url(server.url).info()['redis_version']}, "
+              f"{platform.machine()}, {__import__('os').cpu_count()} CPUs\n")
+        print(f"## µs per decision, single thread, {args.calls} calls per round, best of 5 interleaved rounds, "
+              f"100 keys\n")
+        print("| path | µs/decision |\n|---|---:|")
+        for name, us in decisions(server.url, args.calls):
+            print(f"| {name} | {us:.1f} |")
+        if args.no_edge:
+            return
+        backend = Backend("bench")
+        try:
+            lat = edge_latency(server.url, backend, args.rate, args.seconds)
+            print(f"\n## Latency at {args.rate:g} req/s for {args.seconds:g} s, one keep-alive connection "
+                  f"(paced http.client loop), every request admitted\n")
+            print("| target | p50 ms | p99 ms | added p50 ms | added p99 ms |\n|---|---:|---:|---:|---:|")
+            base = lat["backend directly"]
+            for name, xs in lat.items():
+                print(f"| {name} | {pct(xs, 50) * 1e3:.3f} | {pct(xs, 99) * 1e3:.3f} | "
+                      f"{(pct(xs, 50) - pct(base, 50)) * 1e3:.3f} | {(pct(xs, 99) - pct(base, 99)) * 1e3:.3f} |")
+            limit, rates = accuracy(server.url, backend)
+            print(f"\n## Accuracy: two edges, one client alternating at {2 * limit} req/s, limit {limit}/s "
+                  f"(fixed-window), 10 whole 1-s windows after the first\n")
+            print("| store | admitted/s | vs limit |\n|---|---:|---:|")
+            for n in ("memory", "redis"):
+                print(f"| {n} | {rates[n]:.1f} | {rates[n] / limit:.3f}x |")
+        finally:
+            backend.stop()
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""The Redis store: per-key state for one algorithm in a Redis server, shared by every edge process.
+
+Division of labour (why the rules still live in one place):
+
+* The check-and-consume is ONE server-side operation: a Lua script per algorithm (registered once,
+  run with EVALSHA; redis-py reloads it transparently on NOSCRIPT, e.g. after a restart or SCRIPT
+  FLUSH).  The script reads the key's state, applies the algorithm's admission rule -- the same float
+  expressions as limiter.algorithms, over the same state shapes -- writes the new state with its TTL,
+  and returns whether it admitted plus the state it read (the "pre-state").
+* The Decision's fields are then computed here by the algorithm's own Python step(pre_state, now):
+  step is pure, so on the state the script saw it reproduces the script's verdict and yields exactly
+  the remaining/reset/retry_after the memory store would report (the ulp-exact retry_after search of
+  the sliding counter is not duplicated in Lua).  Every call cross-checks the two verdicts; a
+  disagreement is counted in `drift` (and raises when `strict`), and the shared behavioural suite
+  (tests/test_limiter.py) runs on both stores.
+
+State in Redis (floats written with %.17g, which round-trips every double exactly):
+
+    token-bucket     STRING "tokens stamp"                 (TokenBucket state)
+    fixed-window     STRING "k count"                      (FixedWindow state)
+    sliding-counter  STRING "k prev cur"                   (SlidingCounter state)
+    sliding-log      ZSET   score = expiry instant e = t + W, member "<e>#<i>" (i disambiguates equal e)
+
+Key: <prefix>{<client key>} -- the hash tag puts every key of one client in one Redis Cluster slot.
+TTL: PEXPIRE ceil((algorithm.expires_at(new_state) - now) * 1000) + grace ms, on every write.  From
+expires_at on, a state behaves exactly like a missing key, so expiring late never changes a decision;
+the grace (default 1 s) keeps it from expiring early when edge clocks differ by a few ms.
+
+Time: the caller's `now` (see docs/redis.md for why not the server's TIME).
+
+Faults: short socket timeouts, no client-side retries, a bounded connection pool, and a small circuit
+breaker shared by every store on the same Redis (one per URL per process): after a failure no request
+touches Redis until `retry_interval` has passed, then one request probes it.  Meanwhile the failure
+policy decides: fail-open (admit), fail-closed (deny with unavailable=True: the edge answers 503) or
+local (an in-process MemoryStore of the same algorithm).  One log line per state change.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from time import monotonic
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from .algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from .memory import MemoryStore
+
+log = logging.getLogger("edge")
+
+POLICIES = ("fail-open", "fail-closed", "local")
+_new = tuple.__new__
+
+
+class FailOpenDecision(Decision):
+    """Admitted by the fail-open policy while Redis is unavailable."""
+
+    __slots__ = ()
+    unavailable = False
+    degraded = True
+
+
+class UnavailableDecision(Decision):
+    """Denied by the fail-closed policy: the edge answers 503, not 429."""
+
+    __slots__ = ()
+    unavailable = True
+    degraded = True
+
+
+class LocalDecision(Decision):
+    """Decided by the local (in-process) fallback limiter while Redis is unavailable."""
+
+    __slots__ = ()
+    unavailable = False
+    degraded = True
+
+
+class DriftError(AssertionError):
+    """The Lua script and the Python algorithm disagreed on a verdict (a bug: they must mirror)."""
+
+
+# ------------------------------------------------------------------------------------ the scripts
+
+# Shared by every script: the window index (FixedWindow/SlidingCounter._window_index) and the TTL.
+_COMMON = """
+local function window_index(now, w)
+  local k = math.floor(now / w)
+  if (k + 1) * w <= now then k = k + 1 elseif k * w > now then k = k - 1 end
+  return k
+end
+local function ttl_ms(expires_at, now, grace)
+  local ms = math.ceil((expires_at - now) * 1000) + grace
+  if ms < 1 then ms = 1 end
+  return ms
+end
+local now = tonumber(ARGV[1])
+local grace = tonumber(ARGV[2])
+"""
+
+# ARGV (here and below): now, then the limiter's constants -- grace_ms, capacity, per_token (T), rate
+TOKEN_BUCKET = _COMMON + """
+local cap = tonumber(ARGV[3])
+local T = tonumber(ARGV[4])
+local rate = tonumber(ARGV[5])
+local raw = redis.call('GET', KEYS[1])
+local tokens, stamp
+if not raw then
+  tokens = cap - 1.0
+  stamp = now
+else
+  local sep = string.find(raw, ' ', 1, true)
+  tokens = tonumber(string.sub(raw, 1, sep - 1))
+  stamp = tonumber(string.sub(raw, sep + 1))
+  if not (tokens >= 1.0 or now >= stamp + (1.0 - tokens) * T) then
+    return {0, raw}
+  end
+  if now > stamp then
+    if now >= stamp + (cap - tokens) * T then tokens = cap else tokens = tokens + (now - stamp) * rate end
+    stamp = now
+  end
+  if tokens < 1.0 then tokens = 1.0 end
+  tokens = tokens - 1.0
+end
+redis.call('SET', KEYS[1], string.format('%.17g %.17g', tokens, stamp),
+           'PX', ttl_ms(stamp + (cap - tokens) * T, now, grace))
+return {1, raw}
+"""
+
+# ARGV: now, grace_ms, window, limit
+FIXED_WINDOW = _COMMON + """
+local w = tonumber(ARGV[3])
+local limit = tonumber(ARGV[4])
+local k = window_index(now, w)
+local raw = redis.call('GET', KEYS[1])
+local count = 0
+if raw then
+  local sep = string.find(raw, ' ', 1, true)
+  local sk = tonumber(string.sub(raw, 1, sep - 1))
+  local sc = tonumber(string.sub(raw, sep + 1))
+  if sk == k then
+    count = sc
+  elseif sk > k then  -- an older instant than the state: count in the newer window
+    k = sk
+    count = sc
+  end
+end
+if count < limit then
+  count = count + 1
+  redis.call('SET', KEYS[1], string.format('%.17g %d', k, count), 'PX', ttl_ms((k + 1) * w, now, grace))
+  return {1, raw}
+end
+return {0, raw}
+"""
+
+# ARGV: now, grace_ms, window, limit
+SLIDING_COUNTER = _COMMON + """
+local w = tonumber(ARGV[3])
+local limit = tonumber(ARGV[4])
+local k = window_index(now, w)
+local at = now
+local raw = redis.call('GET', KEYS[1])
+local prev, cur = 0, 0
+local changed = true
+if raw then
+  local a, b, c = string.match(raw, '^(%S+) (%S+) (%S+)$')
+  local sk = tonumber(a)
+  prev = tonumber(b)
+  cur = tonumber(c)
+  if k == sk then
+    changed = false
+  elseif k == sk + 1 then
+    prev = cur
+    cur = 0
+  elseif k > sk then
+    prev = 0
+    cur = 0
+  else  -- an instant older than the state's window: judged at that window's start
+    k = sk
+    at = sk * w
+    changed = false
+  end
+end
+local ok = false
+if prev ~= 0 then
+  local p = prev * (1.0 - (at - k * w) / w)
+  if p + cur < limit then
+    cur = cur + 1
+    ok = true
+  end
+elseif cur < limit then
+  cur = cur + 1
+  ok = true
+end
+if ok or changed then
+  local expires = (k + 1) * w
+  if cur ~= 0 then expires = (k + 2) * w end
+  redis.call('SET', KEYS[1], string.format('%.17g %d %d', k, prev, cur), 'PX', ttl_ms(expires, now, grace))
+end
+if ok then return {1, raw} end
+return {0, raw}
+"""
+
+# ARGV: now, grace_ms, window, limit.  Returns {admitted, n (after pruning), first, last} -- all the
+# SlidingLog step needs of the pruned log (its length, oldest and newest expiry).
+SLIDING_LOG = _COMMON + """
+local w = tonumber(ARGV[3])
+local limit = tonumber(ARGV[4])
+local key = KEYS[1]
+redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[1])
+local n = redis.call('ZCARD', key)
+local first, last = false, false
+local lastn = -math.huge
+if n > 0 then
+  first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2]
+  last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+  lastn = tonumber(last)
+end
+if n < limit then
+  local e = now + w
+  local es = string.format('%.17g', e)
+  local i = 0
+  if lastn >= e then i = redis.call('ZCOUNT', key, es, es) end  -- equal expiries need distinct members
+  redis.call('ZADD', key, es, es .. '#' .. i)
+  if lastn > e then e = lastn end
+  redis.call('PEXPIRE', key, ttl_ms(e, now, grace))
+  return {1, n, first, last}
+end
+return {0, n, first, last}
+"""
+
+
+def _pair(raw, kind=float):
+    a, b = raw.split()
+    return kind(float(a)), int(b) if kind is int else float(b)
+
+
+def _tb_state(reply):
+    raw = reply[1]
+    return None if raw is None else _pair(raw)
+
+
+def _fw_state(reply):
+    raw = reply[1]
+    if raw is None:
+        return None
+    a, b = raw.split()
+    return int(float(a)), int(b)
+
+
+def _sc_state(reply):
+    raw = reply[1]
+    if raw is None:
+        return None
+    a, b, c = raw.split()
+    return int(float(a)), int(b), int(c)
+
+
+def _sl_state(reply):
+    n = reply[1]
+    if not n:
+        return None
+    first = float(reply[2])
+    if n == 1:
+        return [first]
+    # The pruned log's decision-relevant facts are its length, oldest and newest expiry: step() on this
+    # stand-in (same length, same ends, sorted) decides and reports exactly as on the real log.
+    log_ = [float(reply[3])] * n
+    log_[0] = first
+    return log_
+
+
+_SCRIPTS = {
+    TokenBucket: (TOKEN_BUCKET, _tb_state, lambda a: (a.capacity, a.per_token, a.rate)),
+    FixedWindow: (FIXED_WINDOW, _fw_state, lambda a: (a.window, a.limit)),
+    SlidingCounter: (SLIDING_COUNTER, _sc_state, lambda a: (a.window, a.limit)),
+    SlidingLog: (SLIDING_LOG, _sl_state, lambda a: (a.window, a.limit)),
+}
+
+
+# ------------------------------------------------------------------------- the shared connection
+
+class RedisLink:
+    """One client + connection pool + circuit breaker per Redis URL (and timeout, pool size) per process.
+
+    Shared by every RedisStore on that URL, so an edge with several rates logs one line per state
+    change and keeps one pool.
+    """
+
+    def __init__(self, url: str, timeout: float, pool_size: int, retry_interval: float):
+        self.url = url
+        self.timeout = timeout
+        self.retry_interval = retry_interval
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=pool_size, timeout=timeout,  # bounded wait for a free connection
+            socket_timeout=timeout, socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),  # redis-py's default retries would multiply the timeout
+            health_check_interval=0,
+        )
+        self.client = redis.Redis(connection_pool=pool)
+        self.up = True
+        self.down_since = 0.0
+        self.retry_at = 0.0  # while down: the next instant (monotonic) one request may probe Redis
+        self.failures = 0  # failed Redis calls (timeouts, refused, errors)
+        self._lock = threading.Lock()
+
+    def may_try(self) -> bool:
+        """While down: True for exactly one caller per retry_interval (the probe)."""
+        if self.up:
+            return True
+        with self._lock:
+            t = monotonic()
+            if self.up or t >= self.retry_at:
+                self.retry_at = t + self.retry_interval
+                return True
+            return False
+
+    def failed(self, error: Exception) -> None:
+        with self._lock:
+            self.failures += 1
+            t = monotonic()
+            self.retry_at = t + self.retry_interval
+            if self.up:
+                self.up = False
+                self.down_since = t
+                log.warning("limiter store %s unavailable (%s: %s); failure policy applies, retrying every %gs",
+                            self.url, type(error).__name__, error, self.retry_interval)
+
+    def succeeded(self) -> bool:
+        """Called after a success while down; True for the one caller that flips the state back."""
+        with self._lock:
+            if self.up:
+                return False
+            self.up = True
+            log.warning("limiter store %s back after %.1fs; enforcing shared limits again",
+                        self.url, monotonic() - self.down_since)
+            return True
+
+
+_LINKS: dict[tuple, RedisLink] = {}
+_LINKS_LOCK = threading.Lock()
+
+
+def link_for(url: str, timeout: float = 0.05, pool_size: int = 64, retry_interval: float = 0.5) -> RedisLink:
+    key = (url, float(timeout), int(pool_size), float(retry_interval))
+    with _LINKS_LOCK:
+        link = _LINKS.get(key)
+        if link is None:
+            link = _LINKS[key] = RedisLink(url, timeout, pool_size, retry_interval)
+        return link
+
+
+# ---------------------------------------------------------------------------------------- the store
+
+class RedisStore:
+    """allow(key, now) for one algorithm, with state held in Redis (one Lua script call per decision)."""
+
+    def __init__(self, algorithm, url: str, *, prefix: str | None = None, timeout: float = 0.05,
+                 pool_size: int = 64, on_error: str = "fail-open", retry_interval: float = 0.5,
+                 ttl_grace: float = 1.0, max_keys: int = 100_000):
+        if on_error not in POLICIES:
+            raise ValueError(f"on_error must be one of {', '.join(POLICIES)}; got {on_error!r}")
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size <= 0:
+            raise ValueError(f"pool_size must be a positive integer, got {pool_size!r}")
+        if prefix is None:
+            prefix = f"rl:{algorithm.name}:{algorithm.limit}/{algorithm.window!r}:"
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"prefix must not contain '{{' or '}}' (the client key is the hash tag): {prefix!r}")
+        if not (ttl_grace >= 0):
+            raise ValueError(f"ttl_grace must be >= 0 seconds, got {ttl_grace!r}")
+        try:
+            lua, self._state, args = _SCRIPTS[type(algorithm)]
+        except KeyError:
+            raise ValueError(f"no Redis script for {algorithm!r}") from None
+        self.algorithm = algorithm
+        self.limit = algorithm.limit
+        self.url = url
+        self.prefix = prefix
+        self.on_error = on_error
+        self.link = link_for(url, timeout, pool_size, retry_interval)
+        # The configuration is baked into this limiter's copy of the script (a local ARGV shadowing the
+        # real one; one SHA per configuration), so each call sends only the key and now.
+        consts = [str(math.ceil(ttl_grace * 1000)), *(repr(float(x)) for x in args(algorithm))]
+        self.lua = "local ARGV = {ARGV[1], %s}\n%s" % (", ".join(f"'{c}'" for c in consts), lua)
+        self.script = self.link.client.register_script(self.lua)
+        self._step = algorithm.step
+        self.local = MemoryStore(algorithm, max_keys=max_keys) if on_error == "local" else None
+        self.degraded = 0  # decisions made by the failure policy
+        self.drift = 0  # Lua and Python verdicts disagreed (must stay 0)
+        self.strict = False  # raise DriftError instead of counting (tests)
+
+    def key(self, key: str) -> str:
+        return f"{self.prefix}{{{key}}}"
+
+    def allow(self, key, now: float):
+        link = self.link
+        if link.up or link.may_try():
+            try:
+                reply = self.script((f"{self.prefix}{{{key}}}",), (repr(float(now)),))
+            except RedisError as e:
+                link.failed(e)
+            else:
+                if not link.up and link.succeeded() and self.local is not None:
+                    self.local.clear()
+                _, d = self._step(self._state(reply), now)
+                if d.allowed != (reply[0] == 1):
+                    self._drifted(key, now, reply, d)
+                return d
+        return self._fallback(key, now)
+
+    def _fallback(self, key, now):
+        self.degraded += 1
+        policy = self.on_error
+        if policy == "fail-open":
+            a = self.algorithm
+            return _new(FailOpenDecision, (True, self.limit, self.limit - 1, a.window, 0.0))
+        if policy == "fail-closed":
+            wait = max(0.0, self.link.retry_at - monotonic())
+            return _new(UnavailableDecision, (False, self.limit, 0, wait, wait))
+        return _new(LocalDecision, self.local.allow(key, now))
+
+    def _drifted(self, key, now, reply, d):
+        self.drift += 1
+        msg = (f"RedisStore drift: Lua {'admitted' if reply[0] == 1 else 'denied'} but {self.algorithm!r}.step "
+               f"{'admitted' if d.allowed else 'denied'} key={key!r} now={now!r} reply={reply!r}")
+        if self.strict:
+            raise DriftError(msg)
+        if self.drift == 1:
+            log.error("%s (logged once; counted in .drift)", msg)
+
+    @property
+    def failures(self) -> int:
+        return self.link.failures
+
+    def __repr__(self):
+        return f"RedisStore({self.algorithm!r}, {self.url!r}, prefix={self.prefix!r}, on_error={self.on_error!r})"

@@ -1,0 +1,174 @@
+"""The edge with --store redis://: one global limit across edges, and Redis failures at the edge.
+
+Real processes: edges (tests.support.Edge), a demo backend, redis-server (tests/redis_server.py).
+"""
+
+import http.client
+import math
+import re
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from tests.support import Backend, Edge, request, wait_until
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = Backend("r")
+    yield b
+    b.stop()
+
+
+def paced_alternating(ports, key, rate, seconds):
+    """One client sending `rate` requests/s, alternating between the edges on `ports` (one keep-alive
+    connection each), on a fixed schedule; returns [(send wall-clock time, status, seconds taken)]."""
+    conns = [http.client.HTTPConnection("127.0.0.1", p, timeout=10) for p in ports]
+    out = []
+    start = time.monotonic()
+    wall0 = time.time() - start
+    i = 0
+    while True:
+        due = start + i / rate
+        if due - start >= seconds:
+            break
+        pause = due - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        t = time.monotonic()
+        r = request(ports[i % len(ports)], "GET", "/", {"X-Api-Key": key}, conn=conns[i % len(conns)])
+        out.append((wall0 + t, r.status, time.monotonic() - t))
+        i += 1
+    for c in conns:
+        c.close()
+    return out
+
+
+def admitted_per_second(samples, t0, t1):
+    return sum(1 for t, status, _ in samples if t0 <= t < t1 and status == 200) / (t1 - t0)
+
+
+def test_two_edges_one_client_at_twice_the_limit_redis_holds_the_limit_memory_doubles_it(backend, redis_server):
+    """fixed-window 50/s on every edge; one client alternates between two edges at 100 req/s for 12 s.
+
+    Measured in the steady state: the whole 1-s windows (the edges' windows are aligned to the epoch
+    second) from the second full window on, 10 of them -- so no partial window at either end and no
+    start-up effect.  Local counters: each edge sees 50/s and admits all of it (about 2x the limit).
+    Redis: the two edges share one counter per window: 50/s, within 2%.  Both configurations run at once.
+    """
+    limit, demand = 50, 100
+    common = ["--backends", backend.url, "--limit", f"{limit}/s", "--algorithm", "fixed-window"]
+    # A generous Redis timeout: this test is about accuracy, not faults (a loaded CI box must not fail open).
+    mem = [Edge(*common, name=f"edge-mem-{i}") for i in "ab"]
+    red = [Edge(*common, "--store", redis_server.url, "--redis-timeout", "1.0", name=f"edge-redis-{i}")
+           for i in "ab"]
+    results = {}
+    try:
+        key = f"client-{uuid.uuid4().hex[:8]}"
+        threads = [threading.Thread(target=lambda n=n, es=es: results.__setitem__(
+            n, paced_alternating([e.port for e in es], key, demand, 12.5))) for n, es in (("memory", mem),
+                                                                                           ("redis", red))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert set(results) == {"memory", "redis"}
+    finally:
+        for e in mem + red:
+            e.stop()
+    first = min(s[0][0] for s in results.values())
+    t0 = math.ceil(first) + 1.0  # skip the first (partial) window and the one after, then 10 whole windows
+    t1 = t0 + 10.0
+    rates = {n: admitted_per_second(s, t0, t1) for n, s in results.items()}
+    sent = {n: sum(1 for t, _, _ in s if t0 <= t < t1) / 10.0 for n, s in results.items()}
+    print(f"\nlimit {limit}/s, client {sent['memory']:.1f} req/s over two edges: memory admits "
+          f"{rates['memory']:.1f}/s ({rates['memory'] / limit:.2f}x), redis admits {rates['redis']:.1f}/s "
+          f"({rates['redis'] / limit:.3f}x); redis sent {sent['redis']:.1f} req/s")
+    assert sent["redis"] >= 1.9 * limit and sent["memory"] >= 1.9 * limit  # the demand really was 2x
+    assert rates["memory"] >= 1.8 * limit
+    assert abs(rates["redis"] - limit) <= 0.02 * limit
+    statuses = Counter(st for _, st, _ in results["redis"])
+    assert set(statuses) <= {200, 429}, statuses  # no fail-open / 503 slipped in
+
+
+def _phase(samples, a, b):
+    return [s for s in samples if a <= s[0] < b]
+
+
+def test_killing_redis_mid_traffic_applies_each_policy_and_enforcement_resumes_after_restart(backend, own_redis):
+    """Three edges on one Redis, one per --on-store-error policy, each with its own client at 40 req/s
+    (limit 10/s, fixed-window).  Redis is SIGKILLed mid-traffic, then restarted on the same port.
+
+    * no request takes longer than the Redis timeout (0.1 s) plus 0.2 s, before, during or after;
+    * while Redis is down: fail-open answers 200, fail-closed 503, local limits in-process (200 + 429);
+    * one log line per state change (unavailable, back) in each edge's log;
+    * after the restart each edge enforces through Redis again (429s, no 503s), without being restarted.
+    """
+    policies = ["fail-open", "fail-closed", "local"]
+    timeout = 0.1
+    edges = {p: Edge("--backends", backend.url, "--limit", "10/s", "--algorithm", "fixed-window",
+                     "--store", own_redis.url, "--redis-timeout", str(timeout), "--on-store-error", p,
+                     "--admin", "127.0.0.1:0", name=f"edge-{p}") for p in policies}
+    samples = {p: [] for p in policies}
+    stop = threading.Event()
+
+    def client(p):
+        conn = http.client.HTTPConnection("127.0.0.1", edges[p].port, timeout=10)
+        key = f"{p}-{uuid.uuid4().hex[:6]}"
+        nxt = time.monotonic()
+        while not stop.is_set():
+            nxt += 1 / 40
+            time.sleep(max(0.0, nxt - time.monotonic()))
+            t = time.monotonic()
+            r = request(edges[p].port, "GET", "/", {"X-Api-Key": key}, conn=conn)
+            samples[p].append((t, r.status, time.monotonic() - t))
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in policies]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        killed = time.monotonic()
+        own_redis.kill()
+        time.sleep(1.5)
+        restarted = time.monotonic()
+        own_redis.start()
+        for p in policies:
+            edges[p].wait_log(r"limiter store \S+ back after", timeout=10)
+        back = time.monotonic()
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        metrics = request(edges["fail-open"].admin_port, "GET", "/metrics").body.decode()
+        logs = {p: e.log() for p, e in edges.items()}
+        for e in edges.values():
+            e.stop()
+
+    for p in policies:
+        s = samples[p]
+        slowest = max(took for _, _, took in s)
+        before = Counter(st for _, st, _ in _phase(s, killed - 1.2, killed - 0.15))  # sent and answered before
+        down = Counter(st for _, st, _ in _phase(s, killed + 0.05, restarted))
+        after = Counter(st for _, st, _ in _phase(s, back + 0.3, back + 1.5))
+        print(f"\n{p}: slowest {slowest * 1000:.0f} ms; up {dict(before)}, down {dict(down)}, back {dict(after)}")
+        assert slowest < timeout + 0.2, (p, slowest)
+        assert before[429] > 0 and before[200] > 0 and before[503] == 0, (p, before)
+        if p == "fail-open":
+            assert set(down) == {200}, down
+        elif p == "fail-closed":
+            assert set(down) == {503}, down
+        else:
+            assert down[200] > 0 and down[429] > 0 and down[503] == 0, down
+            # 1.45 s of a local 10/s fixed window touches at most 3 windows (partial, whole, partial)
+            assert down[200] <= 10 * (math.ceil(restarted - killed) + 1), down
+        assert after[429] > 0 and after[200] > 0 and after[503] == 0, (p, after)
+        assert len(re.findall(r"limiter store \S+ unavailable", logs[p])) == 1, logs[p]
+        assert len(re.findall(r"limiter store \S+ back after", logs[p])) == 1, logs[p]
+    m = re.search(r"^lb_limiter_errors_total (\d+)", metrics, re.M)
+    assert m and int(m.group(1)) >= 20, metrics  # every fail-open decision is counted

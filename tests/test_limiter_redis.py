@@ -1,0 +1,238 @@
+"""What only the Redis store has: scripts on the server, key layout and expiry, the time source,
+cross-process atomicity, and failure policies (a real redis-server: killed, paused, restarted).
+
+The behavioural rules themselves are tested by the shared suite (tests/test_limiter.py, both stores).
+"""
+
+import itertools
+import json
+import logging
+import math
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from redis.crc import key_slot
+
+from limiter import ALGORITHMS, build
+from limiter.redis_store import FailOpenDecision, LocalDecision, UnavailableDecision
+from tests.support import ROOT, wait_until
+
+ALL = sorted(ALGORITHMS)
+_ids = itertools.count()
+
+
+def fresh(prefix="t"):
+    return f"{prefix}{next(_ids)}:{time.monotonic_ns()}:"
+
+
+# -------------------------------------------------------------------------------- scripts / NOSCRIPT
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_scripts_reload_transparently_after_script_flush(redis_server, algorithm):
+    lim = build(algorithm, 3, 60.0, store=redis_server.url, prefix=fresh(), timeout=2.0)
+    assert [lim.allow("c", 100.0).allowed for _ in range(2)] == [True, True]
+    redis_server.client().script_flush()
+    d = lim.allow("c", 100.0)  # NOSCRIPT -> SCRIPT LOAD -> EVALSHA, the state survived
+    assert d.allowed and d.remaining == 0
+    assert not lim.allow("c", 100.0).allowed
+    assert lim.failures == 0 and lim.degraded == 0
+
+
+def test_keys_carry_the_prefix_and_the_client_key_as_hash_tag(redis_server):
+    prefix = fresh("edge:x:")
+    r = redis_server.client()
+    for algorithm in ALL:
+        lim = build(algorithm, 5, 60.0, store=redis_server.url, prefix=f"{prefix}{algorithm}:", timeout=2.0)
+        lim.allow("10.0.0.1", 1000.0)
+        key = f"{prefix}{algorithm}:{{10.0.0.1}}".encode()
+        assert r.exists(key), (algorithm, sorted(r.scan_iter(match=prefix + "*")))
+    # Redis Cluster hashes only the tag: every key of this client lands in the client key's own slot.
+    assert {key_slot(f"{prefix}{a}:{{10.0.0.1}}".encode()) for a in ALL} == {key_slot(b"10.0.0.1")}
+    with pytest.raises(ValueError, match="prefix"):
+        build("fixed-window", 5, 1.0, store=redis_server.url, prefix="bad{tag}:")
+
+
+# ------------------------------------------------------------------------------------- expiry / TTL
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_every_key_written_has_a_ttl_from_expires_at_plus_grace(redis_server, algorithm):
+    """A mixed history (admits, denials, window rollovers, out-of-order instants); after each call every
+    key under the prefix has a TTL, no longer than expires_at(state) - now + grace."""
+    prefix = fresh()
+    grace = 0.25
+    lim = build(algorithm, 4, 2.0, store=redis_server.url, prefix=prefix, timeout=2.0, ttl_grace=grace)
+    r = redis_server.client()
+    t0 = time.time()
+    steps = [0.0, 0.0, 0.1, 0.1, 0.1, 0.1, 0.5, 1.9, 2.05, 2.0, 3.0, 3.0, 3.0, 3.0, 3.0, 4.5]
+    for i, dt in enumerate(steps):
+        now = t0 + dt
+        lim.allow(f"c{i % 3}", now)
+        for key in r.scan_iter(match=prefix + "*"):
+            pttl = r.pttl(key)
+            assert pttl > 0, (key, pttl)  # -1 would be a key without expiry
+            assert pttl <= math.ceil((2.0 * 2 + grace) * 1000), (key, pttl)  # at most two windows + grace
+
+
+def test_many_keys_expire_on_their_own_so_memory_stays_bounded(redis_server):
+    """4 000 client keys (1 000 per algorithm) with a 0.2 s window and 0.05 s grace, at real time: no key
+    is ever left without a TTL, and all of them disappear by themselves once their window has passed
+    (DB 1 of the session server, so the count is ours alone)."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"
+    r1 = type(redis_server.client())(port=redis_server.port, db=1)
+    r1.flushdb()
+    per = 1000
+    for algorithm in ALL:
+        lim = build(algorithm, 3, 0.2, store=url, prefix=f"exp:{algorithm}:", timeout=2.0, ttl_grace=0.05)
+        for i in range(per):
+            assert lim.allow(f"client-{i}", time.time()).allowed
+    assert r1.dbsize() > 0
+    assert all(r1.pttl(k) != -1 for k in r1.scan_iter(count=1000))  # -1: a key without expiry
+    # Expired keys are gone for readers at once; the server reclaims their memory by itself (active expiry).
+    wait_until(lambda: r1.dbsize() == 0, timeout=10, what="Redis to reclaim every expired key")
+    assert r1.info("stats")["expired_keys"] >= 4 * per
+
+
+# ------------------------------------------------------------------------------------- time source
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_the_callers_clock_decides_two_skewed_edges_get_what_the_arithmetic_says(redis_server, algorithm):
+    """The scripts use the caller's now, not Redis's TIME: edge B's clock runs 0.4 s ahead of edge A's.
+    Interleaved on one key, every decision equals the memory store's for the same (now) sequence --
+    i.e. exactly what the algorithm's arithmetic says for the instants each caller passed in."""
+    kw = {"burst": 4} if algorithm == "token-bucket" else {}
+    shared = build(algorithm, 3, 1.0, store=redis_server.url, prefix=fresh(), timeout=2.0, **kw)
+    shared.strict = True
+    reference = build(algorithm, 3, 1.0, **kw)
+    t = 5000.0
+    history = []
+    for i in range(60):
+        t += 0.07
+        history.append(t if i % 2 == 0 else t + 0.4)  # A, B, A, B ... ; B's instants are 0.4 s later
+    got = [shared.allow("k", now) for now in history]
+    want = [reference.allow("k", now) for now in history]
+    assert got == want
+    assert any(not d.allowed for d in got) and any(d.allowed for d in got)
+
+
+# ------------------------------------------------------------------------------------------ atomicity
+
+HAMMER = r"""
+import json, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from limiter import build
+url, prefix, start = sys.argv[2], sys.argv[3], float(sys.argv[4])
+algorithms = ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"]
+lims = {a: build(a, 500, 60.0, store=url, prefix=prefix + a + ":", timeout=5.0) for a in algorithms}
+for lim in lims.values():
+    lim.strict = True
+counts = {a: 0 for a in algorithms}
+lock = threading.Lock()
+def hammer():
+    while time.time() < start:
+        time.sleep(0.001)
+    for a in algorithms:
+        n = sum(lims[a].allow("hot", 7000.0).allowed for _ in range(25))
+        with lock:
+            counts[a] += n
+ts = [threading.Thread(target=hammer) for _ in range(16)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(json.dumps({"counts": counts, "degraded": sum(l.degraded for l in lims.values())}))
+"""
+
+
+def test_sixteen_threads_times_three_processes_on_one_key_admit_exactly_n(redis_server):
+    """3 processes x 16 threads x 25 attempts = 1200 per algorithm, at one injected instant: exactly 500."""
+    prefix = fresh("hammer:")
+    start = time.time() + 1.5  # every process is up and connected before anyone starts
+    procs = [subprocess.Popen([sys.executable, "-c", HAMMER, str(ROOT), redis_server.url, prefix, str(start)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    assert all(r["degraded"] == 0 for r in results)
+    for algorithm in ALL:
+        assert sum(r["counts"][algorithm] for r in results) == 500, (algorithm, results)
+        lim = build(algorithm, 500, 60.0, store=redis_server.url, prefix=f"{prefix}{algorithm}:", timeout=2.0)
+        assert not lim.allow("hot", 7000.0).allowed
+
+
+# ------------------------------------------------------------------------------------------- faults
+
+@pytest.fixture
+def edge_log(caplog):
+    caplog.set_level(logging.WARNING, logger="edge")
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "edge"]
+
+
+def _timed(lim, key, now):
+    t = time.monotonic()
+    d = lim.allow(key, now)
+    return d, time.monotonic() - t
+
+
+@pytest.mark.parametrize("policy", ["fail-open", "fail-closed", "local"])
+def test_a_paused_redis_costs_at_most_the_timeout_then_the_policy_decides_then_it_recovers(
+        own_redis, edge_log, policy):
+    """SIGSTOP: the server accepts but never answers (the slow-Redis case).  The first call waits the
+    timeout; the breaker then keeps every call off Redis (instant) and probes once per retry_interval;
+    after SIGCONT the store is back by itself.  One log line per state change."""
+    timeout, interval = 0.05, 0.3
+    lim = build("fixed-window", 10, 60.0, store=own_redis.url, prefix=fresh(), timeout=timeout,
+                retry_interval=interval, on_error=policy)
+    assert lim.allow("c", 100.0).allowed and lim.link.up
+    own_redis.pause()
+    try:
+        waits, decisions = [], []
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:
+            d, took = _timed(lim, "c", 100.0)
+            waits.append(took)
+            decisions.append(d)
+            time.sleep(0.005)
+        assert max(waits) < timeout + 0.2, max(waits)
+        assert sum(w > timeout * 0.8 for w in waits) <= 1 + 0.8 / interval + 1  # one probe per interval
+        assert not lim.link.up and lim.failures >= 2
+        if policy == "fail-open":
+            assert all(type(d) is FailOpenDecision and d.allowed and d.limit == 10 for d in decisions)
+        elif policy == "fail-closed":
+            assert all(type(d) is UnavailableDecision and not d.allowed and d.unavailable for d in decisions)
+        else:  # a fresh local limiter of the same algorithm: 10 per window, then 429s (not 503s)
+            assert all(type(d) is LocalDecision for d in decisions)
+            assert [d.allowed for d in decisions[:12]] == [True] * 10 + [False] * 2
+            assert not any(getattr(d, "unavailable", False) for d in decisions)
+    finally:
+        own_redis.resume()
+    wait_until(lambda: lim.allow("c", 100.0) and lim.link.up, timeout=5, what="the store to come back")
+    # Back on Redis: its state decides again, not the fallback's.  (1 admitted before the pause, plus
+    # whatever timed-out probes the paused server executed when it resumed: a request that timed out
+    # may or may not have been counted -- never more than once.)
+    d = lim.allow("c", 100.0)
+    assert type(d).__name__ == "Decision" and d.allowed and d.remaining <= 7
+    lines = edge_log()
+    assert len([m for m in lines if "unavailable" in m]) == 1, lines
+    assert len([m for m in lines if " back " in m]) == 1, lines
+
+
+def test_a_killed_redis_is_refused_fast_and_a_restart_on_the_same_port_is_picked_up(own_redis, edge_log):
+    """SIGKILL mid-traffic, then a new redis-server on the same port (empty: no state, no scripts --
+    the NOSCRIPT reload happens here too).  Enforcement resumes without rebuilding the limiter."""
+    lim = build("sliding-log", 2, 60.0, store=own_redis.url, prefix=fresh(), timeout=0.05,
+                retry_interval=0.2, on_error="fail-closed")
+    assert lim.allow("c", 100.0).allowed
+    own_redis.kill()
+    for _ in range(20):
+        d, took = _timed(lim, "c", 100.0)
+        assert took < 0.25 and d.unavailable and not d.allowed
+    own_redis.start()
+    wait_until(lambda: lim.allow("c", 100.0).allowed and lim.link.up, timeout=5, what="recovery")
+    assert lim.allow("c", 100.0).allowed          # the new server's log: 2 admitted, then denied
+    d = lim.allow("c", 100.0)
+    assert not d.allowed and not getattr(d, "unavailable", False) and d.retry_after == 60.0
+    lines = edge_log()
+    assert len([m for m in lines if "unavailable" in m]) == 1 and len([m for m in lines if " back " in m]) == 1
