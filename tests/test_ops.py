@@ -197,3 +197,29 @@ def test_the_systemd_unit_verifies(tmp_path):
     p = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "edge.service")], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and not p.stderr.strip(), p.stderr
+
+
+def test_two_workers_on_the_redis_store_hold_one_limit_per_key(backends, redis_server):
+    """The kernel spreads connections over both workers; the key's limit is still one limit."""
+    e = Edge("--backends", backends[0].url, "--workers", "2", "--limit", "20/m", "--algorithm", "sliding-log",
+             "--store", redis_server.url, "--redis-timeout", "1", "--admin", "127.0.0.1:0")
+    try:
+        e.wait_log(r"worker 1: admin on")
+        e.wait_log(r"worker 0: admin on")
+        statuses = Counter()
+        for _ in range(60):   # a new connection each time, so both workers take turns
+            statuses[request(e.port, "GET", "/", {"X-Api-Key": "one-key"}).status] += 1
+        assert statuses == {200: 20, 429: 40}
+        # each worker answered some of them, and together they kept the one limit
+        import re
+        per_worker = []
+        for port in re.findall(r"worker \d: admin on 127\.0\.0\.1:(\d+)", e.log()):
+            text = request(int(port), "GET", "/metrics").body.decode()
+            served = sum(int(float(line.split()[-1])) for line in text.splitlines()
+                         if line.startswith("lb_requests_total{"))
+            limited = int(re.search(r"^lb_rate_limited_total (\d+)", text, re.M).group(1))
+            per_worker.append((served, limited))
+        assert len(per_worker) == 2 and all(s + l > 0 for s, l in per_worker), per_worker
+        assert sum(s for s, _ in per_worker) == 20 and sum(l for _, l in per_worker) == 40
+    finally:
+        e.stop()
