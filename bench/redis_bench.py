@@ -22,7 +22,6 @@ import argparse
 import http.client
 import math
 import platform
-import statistics
 import sys
 import threading
 import time

@@ -12,14 +12,6 @@ from tests.support import Backend, Edge, request, wait_until
 ALGORITHMS = ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"]
 
 
-@pytest.fixture(scope="module")
-def backends():
-    bs = [Backend(n) for n in ("a", "b", "c")]
-    yield bs
-    for b in bs:
-        b.stop()
-
-
 def total(backends):
     return sum(b.stats()["count"] for b in backends)
 

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from tests.support import Backend, Edge, request, wait_until
+from tests.support import Backend, Edge, request
 
 
 @pytest.fixture(scope="module")

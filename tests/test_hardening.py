@@ -5,7 +5,6 @@ clean request afterwards.
 """
 
 import socket
-import threading
 import time
 
 import pytest

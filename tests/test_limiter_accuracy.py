@@ -11,21 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from limiter import ALGORITHMS, build
+from limiter.harness import max_in_window
 
 
 def max_in_trailing_window(times, window):
-    """Brute-force-equivalent: the most admitted instants s with a - window < s <= a over all a.
-
-    Uses the limiter's float rule (s counts at a iff a < s + window); the count only rises at an
-    admitted instant, so checking at each admitted instant covers every trailing window.
-    """
-    times = sorted(times)
-    best, j = 0, 0
-    for i, a in enumerate(times):
-        while not a < times[j] + window:
-            j += 1
-        best = max(best, i - j + 1)
-    return best
+    """The most admitted instants s with a - window < s <= a over all a: the harness's checker
+    (the limiter's float rule, s counts at a iff a < s + window), on sorted instants."""
+    return max_in_window(sorted(times), window)
 
 
 def brute_force_max(times, window):

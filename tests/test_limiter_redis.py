@@ -10,7 +10,6 @@ import logging
 import math
 import subprocess
 import sys
-import threading
 import time
 
 import pytest

@@ -6,22 +6,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections import Counter
 
 import pytest
 
-from tests.support import PY, ROOT, Backend, Edge, Proc, request, wait_until
-
-
-@pytest.fixture(scope="module")
-def backends():
-    bs = [Backend(n) for n in ("a", "b", "c")]
-    yield bs
-    for b in bs:
-        b.stop()
+from tests.support import PY, ROOT, Edge, request, wait_until
 
 
 def write_config(path, backends, extra=""):

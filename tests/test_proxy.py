@@ -2,7 +2,6 @@
 
 import http.client
 import json
-import socket
 import subprocess
 import threading
 from collections import Counter
@@ -14,14 +13,6 @@ from tests.support import PY, ROOT, Backend, Edge, raw, request, wait_until
 FORWARDING = {"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"}
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
        "proxy-authorization", "proxy-authenticate"}
-
-
-@pytest.fixture(scope="module")
-def backends():
-    bs = [Backend(n) for n in ("a", "b", "c")]
-    yield bs
-    for b in bs:
-        b.stop()
 
 
 @pytest.fixture
