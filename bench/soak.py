@@ -1,6 +1,6 @@
 """A bounded soak: good traffic, a slowloris crowd, and backends killed and restarted, all at once.
 
-    python -m bench.soak --seconds 180             # the figures in the README
+    python -m bench.soak --seconds 180 --redis     # the figures in the README
     (tests/test_soak.py runs the same thing for ~20 s in CI)
 
 Good clients send GET /echo?id=<unique> on keep-alive connections and check that each answer carries
@@ -150,7 +150,7 @@ def run(seconds: float = 20.0, clients: int = 4, slowloris: int = 40, chaos_ever
         log = edge.log()
         res["tracebacks"] = log.count("Traceback")
         res["log_lines"] = {k: log.count(k) for k in (" DOWN:", " UP:", " connect:", " reset:", " timeout:",
-                                                      " 408 ")}
+                                                      " 408 ", "unavailable", "back after")}
         res["seconds"] = seconds
     finally:
         stop.set()
@@ -165,8 +165,24 @@ def main():
     ap.add_argument("--seconds", type=float, default=180)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--slowloris", type=int, default=100)
+    ap.add_argument("--redis", action="store_true", help="limit through a redis-server of its own, "
+                    "killed and restarted every other backend restart")
     a = ap.parse_args()
-    r = run(a.seconds, a.clients, a.slowloris)
+    if a.redis:
+        from tests.redis_server import RedisServer
+        server = RedisServer().start()
+
+        def restart():
+            server.kill()
+            server.start()
+
+        try:
+            r = run(a.seconds, a.clients, a.slowloris, redis_restart=restart,
+                    extra_edge_args=("--limit", "1000000/s", "--store", server.url))
+        finally:
+            server.stop()
+    else:
+        r = run(a.seconds, a.clients, a.slowloris)
     print(json.dumps(r, indent=2))
 
 
