@@ -51,6 +51,7 @@ ENFORCED_KEY = "protocol-k1"            # the enforcement rows' client
 GENEROUS_LIMIT = "1000000/s"
 TOLERANCE = 0.02                        # enforcement: admitted within 2% of the limit
 TARGET_DELTA_MS = 0.5                   # edge p99 - baseline p99 at 1,000 req/s (memory store)
+TARGET_DELTA_REDIS_MS = 1.0             # the same, with the Redis store
 # Connections per row. wrk2 needs -t <= -c and usually runs -t2; ours runs -t1 at these rates
 # (docs/loadgen.md: -t2 only adds headroom above ~10k req/s and takes CPU from the system under test).
 LATENCY_CONNS, ENFORCE_CONNS = 50, 10
@@ -293,18 +294,33 @@ def warm_up(cfg, target: Target, key: str | None) -> None:
               "wrk/keyed.lua" if key else None)
 
 
-def step_latency(cfg, progress: Progress, base: Target) -> list[Result]:
-    """Steps 1 and 2: baseline and through-the-edge rows, interleaved, the whole sequence cfg.repeats times."""
+def step_latency(cfg, progress: Progress, base: Target, redis_url=None) -> list[Result]:
+    """Steps 1 and 2: baseline and through-the-edge rows, interleaved, the whole sequence cfg.repeats times.
+    With a Redis store, a third row per rate: the same edge limiting through Redis."""
     rows: list[Result] = []
-    with edge("edge", base.url, "--limit", GENEROUS_LIMIT) as e:
+    with contextlib.ExitStack() as stack:
+        e = stack.enter_context(edge("edge", base.url, "--limit", GENEROUS_LIMIT))
         cfg.targets.append(("edge (latency rows)", e.start_cmd))
+        er = None
+        if isinstance(redis_url, str):
+            try:
+                er = stack.enter_context(edge("edge-redis", base.url, "--limit", GENEROUS_LIMIT,
+                                              "--store", redis_url))
+                cfg.targets.append(("edge with the Redis store (latency rows)", er.start_cmd))
+            except Skip as why:
+                progress.skip("edge-redis latency rows", str(why))
         warm_up(cfg, base, None)
         warm_up(cfg, e, UNLIMITED_KEY)
+        if er:
+            warm_up(cfg, er, UNLIMITED_KEY)
         for run in range(1, cfg.repeats + 1):
             for rate in cfg.rates:
                 rows.append(measure(cfg, progress, "baseline", base, rate, run, cfg.duration, LATENCY_CONNS))
                 rows.append(measure(cfg, progress, "edge", e, rate, run, cfg.duration, LATENCY_CONNS,
                                     UNLIMITED_KEY, "wrk/keyed.lua"))
+                if er:
+                    rows.append(measure(cfg, progress, "edge-redis", er, rate, run, cfg.duration, LATENCY_CONNS,
+                                        UNLIMITED_KEY, "wrk/keyed.lua"))
     return rows
 
 
@@ -442,7 +458,7 @@ def machine(when: str) -> dict:
 
 def run_protocol(cfg) -> dict:
     cfg.targets = []
-    n_lat = len(cfg.rates) * 2 * cfg.repeats
+    n_lat = len(cfg.rates) * (3 if cfg.redis else 2) * cfg.repeats
     n_enf = len(cfg.algorithms) * (2 if cfg.redis else 1)
     planned = ([cfg.duration] * n_lat + [cfg.enforce_duration] * n_enf + [cfg.duration] * 2 * cfg.repeats)
     progress = Progress(planned)
@@ -457,7 +473,7 @@ def run_protocol(cfg) -> dict:
         cfg.targets.append((f"backend ({base.name})", base.start_cmd))
         if redis_cmd:
             cfg.targets.append(("redis", redis_cmd))
-        results += step_latency(cfg, progress, base)
+        results += step_latency(cfg, progress, base, redis_url)
         results += step_enforcement(cfg, progress, base, redis_url)
         results += step_pool(cfg, progress, base)
     info.update(machine("end"), finished=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -563,6 +579,31 @@ def render_markdown(cfg, out: dict, png_name: str) -> str:
           f"the rates of this run ({', '.join(f'{r:g}' for r in cfg.rates)}).")
     w("")
 
+    redis_rows = by("edge-redis")
+    if redis_rows:
+        w("### Through the edge with the Redis store")
+        w("")
+        w("The same edge limiting through Redis (`--store`, every request one EVALSHA round trip), "
+          "interleaved with the rows above; delta = its p99 - baseline p99 of the same run and rate.")
+        w("")
+        w("| rate req/s | run | edge+Redis p50 | p99 | p99.9 | **p99 delta** | kept up |")
+        w("|---|---|---|---|---|---|---|")
+        rdeltas = {}
+        for r in redis_rows:
+            b = next((x for x in base_rows if x.rate == r.rate and x.run == r.run), None)
+            d = None if b is None or b.lat("p99") is None or r.lat("p99") is None else r.lat("p99") - b.lat("p99")
+            rdeltas[(r.rate, r.run)] = d
+            w(f"| {r.rate:,.0f} | {r.run} | {_f(r.lat('p50'))} | {_f(r.lat('p99'))} | {_f(r.lat('p99.9'))} | "
+              f"**{_f(d)}** | {_kept(r)} |")
+        w("")
+        at = [(run, d) for (rate, run), d in rdeltas.items() if rate == 1000 and d is not None]
+        if at:
+            verdict = "MET" if all(d < TARGET_DELTA_REDIS_MS for _, d in at) else (
+                "MISSED" if all(d >= TARGET_DELTA_REDIS_MS for _, d in at) else "MIXED (met in one run, missed in another)")
+            w(f"**Target** (edge p99 - baseline p99 at 1,000 req/s < {TARGET_DELTA_REDIS_MS} ms, Redis store): "
+              f"**{verdict}** - " + ", ".join(f"run {run}: {d:+.2f} ms" for run, d in at) + ".")
+            w("")
+
     # 3
     w("## 3. Enforcement")
     w("")
@@ -667,7 +708,7 @@ def render_chart(cfg, out: dict, path: Path) -> None:
     results = out["results"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     ax = axes[0]
-    for step, color in (("baseline", "tab:blue"), ("edge", "tab:red")):
+    for step, color in (("baseline", "tab:blue"), ("edge", "tab:red"), ("edge-redis", "tab:purple")):
         for key, style in (("p50", ":"), ("p99", "-"), ("p99.9", "--")):
             for run in range(1, cfg.repeats + 1):
                 rows = [r for r in results if r.step == step and r.run == run and r.lat(key) is not None]
