@@ -34,14 +34,6 @@ IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
-class LimiterUnavailable(Exception):
-    """Raised by a limit stage whose store failed; carries the decision its failure policy made."""
-
-    def __init__(self, decision):
-        super().__init__("limiter store unavailable")
-        self.decision = decision
-
-
 class ClientGone(Exception):
     """The client closed or reset its connection while we were answering."""
 
@@ -150,6 +142,7 @@ class Edge:
         reader = Reader(sock)
         peer = addr[0].encode()
         peer_trusted = self.identifier.trusted(addr[0])   # once per connection, not per request
+        peer_ip = addr[0]
         conns = self.conns
         conns[sock] = False
         try:
@@ -177,7 +170,7 @@ class Edge:
                 except OSError:
                     return
                 try:
-                    if not self.handle(req, reader, sock, peer, peer_trusted):
+                    if not self.handle(req, reader, sock, peer, peer_trusted, peer_ip):
                         return
                 except ClientGone:
                     return
@@ -212,7 +205,7 @@ class Edge:
     # -- one request ----------------------------------------------------------------------------------
 
     def handle(self, req: Request, reader: Reader, sock: socket.socket, peer: bytes,
-               peer_trusted: bool = False) -> bool:
+               peer_trusted: bool = False, peer_ip: str = "") -> bool:
         """Serve one request; True when the client connection may carry another.
 
         Stage order (and why): a bad frame spends no token; a rejected request costs no backend
@@ -229,18 +222,16 @@ class Edge:
             return self._answer(sock, x, 413, "request body too large", False)
 
         # 1. identify
-        ip = self.identifier.client_ip(peer.decode(), peer_trusted, req.xff) if peer_trusted else None
+        peer_ip = peer_ip or peer.decode()
+        ip = self.identifier.client_ip(peer_ip, peer_trusted, req.xff) if peer_trusted else peer_ip
         try:
-            x.key, match = Identifier.limiter_key(req.api_key, ip or peer.decode())
+            x.key, match = Identifier.limiter_key(req.api_key, ip)
         except ValueError as e:
             return self._answer(sock, x, 400, str(e), False)
 
         # 2. rate limit
         if self.limiter is not None:
-            try:
-                d = self.limiter.check(x.key, match)
-            except LimiterUnavailable as e:
-                d = e.decision           # the store's failure policy decided (fail-open/closed/local)
+            d = self.limiter.check(x.key, match)
             if getattr(d, "degraded", False):    # the store was unreachable: its failure policy decided
                 self.metrics.limiter_error()
             x.rl = ratelimit_headers(d)
