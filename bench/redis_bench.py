@@ -12,6 +12,7 @@
      tests/test_edge_redis.py): admitted rate with local counters vs with Redis.
 
     python3 bench/redis_bench.py [--calls 5000] [--rate 200] [--seconds 10] [--no-edge]
+    python3 bench/redis_bench.py --commandstats    # only: server-side µs per call (INFO commandstats)
 
 Prints markdown tables (docs/redis.md records one run).
 """
@@ -90,6 +91,44 @@ def decisions(url: str, calls: int) -> list[tuple[str, float]]:
     return rows
 
 
+def commandstats(url: str, calls: int = 20000) -> list[tuple[str, float, str]]:
+    """Server-side cost per call of each path, alone on the server: CONFIG RESETSTAT, `calls` calls, then
+    INFO commandstats.  A script's EVALSHA time includes the commands it runs (which are also listed)."""
+    import redis
+    from limits import RateLimitItemPerSecond
+    from limits.storage import RedisStorage
+    from limits.strategies import (FixedWindowRateLimiter, MovingWindowRateLimiter,
+                                   SlidingWindowCounterRateLimiter)
+
+    r = redis.Redis.from_url(url)
+    keys = [f"client-{i}" for i in range(100)]
+    paths = []
+    for a in ALGORITHMS:
+        lim = build(a, 100, 1.0, store=url, prefix=f"cs:{uuid.uuid4().hex[:6]}:", timeout=1.0)
+        paths.append((f"ours, {a}: allow()", lambda i, lim=lim: lim.allow(keys[i % 100], time.time())))
+    item = RateLimitItemPerSecond(100)
+    st = RedisStorage(url)
+    for name, cls in (("moving-window", MovingWindowRateLimiter), ("fixed-window", FixedWindowRateLimiter),
+                      ("sliding-window-counter", SlidingWindowCounterRateLimiter)):
+        s, ns = cls(st), uuid.uuid4().hex[:6]
+        paths.append((f"limits {name}: hit()", lambda i, s=s, ns=ns: s.hit(item, ns, keys[i % 100])))
+        paths.append((f"limits {name}: get_window_stats()",
+                      lambda i, s=s, ns=ns: s.get_window_stats(item, ns, keys[i % 100])))
+    rows = []
+    for name, fn in paths:
+        for i in range(200):
+            fn(i)
+        r.config_resetstat()
+        for i in range(calls):
+            fn(i)
+        stats = {k[len("cmdstat_"):]: v for k, v in r.info("commandstats").items()
+                 if k not in ("cmdstat_config|resetstat", "cmdstat_info")}
+        top = stats.get("evalsha", {}).get("usec", 0) or sum(v["usec"] for v in stats.values())
+        rows.append((name, top / calls, ", ".join(f"{k} {v['calls'] / calls:g}x {v['usec_per_call']:.1f}"
+                                                   for k, v in sorted(stats.items()))))
+    return rows
+
+
 def paced(port: int, rate: float, seconds: float, key: str) -> list[float]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     lat = []
@@ -157,10 +196,16 @@ def main():
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--no-edge", action="store_true", help="only the per-decision table")
+    ap.add_argument("--commandstats", action="store_true", help="only the server-side µs per call")
     args = ap.parse_args()
     server = RedisServer().start()
     try:
         import redis
+        if args.commandstats:
+            print("| path | server µs per call | commands per call, µs each |\n|---|---:|---|")
+            for name, us, detail in commandstats(server.url):
+                print(f"| {name} | {us:.1f} | {detail} |")
+            return
         print(f"# {platform.python_implementation()} {platform.python_version()}, redis-py {redis.__version__}, "
               f"redis-server {redis.Redis.from_url(server.url).info()['redis_version']}, "
               f"{platform.machine()}, {__import__('os').cpu_count()} CPUs\n")

@@ -235,3 +235,35 @@ def test_a_killed_redis_is_refused_fast_and_a_restart_on_the_same_port_is_picked
     assert not d.allowed and not getattr(d, "unavailable", False) and d.retry_after == 60.0
     lines = edge_log()
     assert len([m for m in lines if "unavailable" in m]) == 1 and len([m for m in lines if " back " in m]) == 1
+
+
+def test_an_exhausted_pool_waits_at_most_the_timeout_and_a_release_hands_over(redis_server, edge_log):
+    """pool_size=1: while the one connection is busy, a caller waits for it at most `timeout` (then the
+    policy decides and it counts as a failure); a connection released within the wait is handed over."""
+    timeout = 0.2
+    lim = build("fixed-window", 10, 60.0, store=redis_server.url, prefix=fresh(), timeout=timeout, pool_size=1,
+                retry_interval=0.01, on_error="fail-closed")
+    assert lim.allow("c", 100.0).allowed
+    pool = lim.link.pool
+    held = pool.get()  # the only connection, busy elsewhere
+    d, took = _timed(lim, "c", 100.0)
+    assert d.unavailable and timeout * 0.9 <= took < timeout + 0.2, took
+    assert lim.failures == 1
+    time.sleep(0.02)  # past retry_interval: the next call may try Redis again
+    threading.Timer(0.05, pool.put, (held,)).start()  # released while the next caller waits
+    d, took = _timed(lim, "c", 100.0)
+    assert type(d).__name__ == "Decision" and d.allowed and d.remaining == 8 and took < timeout, took
+    assert lim.failures == 1 and lim.link.up
+
+
+def test_an_idle_connection_the_server_dropped_is_replaced_without_a_failure(redis_server):
+    """The server (or a middlebox) closes a pooled connection while it is idle: the next call notices
+    before sending, reconnects and succeeds -- no failure, no policy decision, nothing counted twice."""
+    lim = build("sliding-log", 5, 60.0, store=redis_server.url, prefix=fresh(), timeout=2.0)
+    assert lim.allow("c", 100.0).allowed
+    r = redis_server.client()
+    assert r.client_kill_filter(_type="normal", skipme=True) >= 1
+    time.sleep(0.05)  # the FIN has arrived
+    d = lim.allow("c", 100.0)
+    assert type(d).__name__ == "Decision" and d.allowed and d.remaining == 3
+    assert lim.failures == 0 and lim.degraded == 0
