@@ -10,6 +10,7 @@ import logging
 import math
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
