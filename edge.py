@@ -12,6 +12,7 @@ finish (up to --drain-timeout) and exit 0. See README.md for every flag and the 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -19,11 +20,32 @@ import threading
 from lb.config import ConfigError, load
 
 
+def pin_to_one_cpu(setting: str, worker: int | None) -> int | None:
+    """Run this process's threads on one CPU. Only one thread runs Python at a time (the GIL), and
+    handing it between threads on different CPUs costs a cross-CPU wake-up each time, which on a VM
+    is a VM exit: measured here, pinning gives 2.1-2.3x the requests per second (README). Called
+    before any thread starts, so every thread inherits the mask. Like nginx's worker_cpu_affinity."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if setting == "off" or len(allowed) < 2:
+        return None
+    cpus = allowed if setting == "auto" else [c for c in map(int, setting.split(",")) if c in allowed]
+    if not cpus:
+        return None
+    # worker i takes the i-th CPU; a single process picks by pid, so separate edges spread out
+    cpu = cpus[(worker if worker is not None else os.getpid()) % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
 def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None) -> int:
     """One serving process: build the app, handle signals, serve until told to stop, drain."""
     from lb.app import App
     log = logging.getLogger("edge")
+    cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
     app = App(cfg, argv, reuse_port=reuse_port, worker=worker)
+    if cpu is not None:
+        log.info("%son CPU %d (--cpu-affinity %s)", f"worker {worker}: " if worker is not None else "", cpu,
+                 cfg.cpu_affinity)
 
     def on_term(signum, frame):
         log.info("received %s: draining (up to %gs)", signal.Signals(signum).name, app.cfg.drain_timeout)

@@ -49,6 +49,7 @@ class Config:
     no_pool: bool = False
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
+    cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
     drain_timeout: float = 30.0              # SIGTERM: in-flight requests may finish within this
     max_connections: int = 1024
     header_timeout: float = 10.0             # whole request head, slowloris or not
@@ -169,7 +170,7 @@ _SECTIONS = {
                  "response_timeout": ("response_timeout", "f"), "pool_maxsize": ("pool_maxsize", "i"),
                  "pool_timeout": ("pool_timeout", "f"), "pool_idle_timeout": ("pool_idle_timeout", "f0"),
                  "no_pool": ("no_pool", "b")},
-    "server": {"workers": ("workers", "i"), "drain_timeout": ("drain_timeout", "f0"),
+    "server": {"workers": ("workers", "i"), "cpu_affinity": ("cpu_affinity", "s"), "drain_timeout": ("drain_timeout", "f0"),
                "max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
                "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
                "max_body_size": ("max_body_size", "i")},
@@ -272,6 +273,7 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--no-pool", action="store_true", help="a new TCP connection per request (to measure the win)")
     a("--workers", help="processes sharing the listening port (default 1); needs a redis:// store "
                         "when limiting")
+    a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
     a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     a("--max-connections", help="concurrent client connections (default 1024)")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
@@ -370,6 +372,14 @@ def validate(c: Config) -> Config:
     if c.workers > 1 and c.limit is not None and c.store == "memory":
         raise ConfigError(f"workers: {c.workers} workers with the memory store would each count apart, and a "
                           f"key could get {c.workers}x its limit; use store = \"redis://...\" or 1 worker")
+    if c.cpu_affinity not in ("auto", "off"):
+        try:
+            cpus = [int(x) for x in c.cpu_affinity.split(",")]
+            if not cpus or min(cpus) < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"cpu_affinity: expected auto, off or a list of CPU numbers like 0,1; "
+                              f"got {c.cpu_affinity!r}") from None
     if c.workers > 1 and c.demo:
         raise ConfigError("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return c

@@ -214,3 +214,32 @@ def test_two_workers_on_the_redis_store_hold_one_limit_per_key(backends, redis_s
         assert sum(s for s, _ in per_worker) == 20 and sum(l for _, l in per_worker) == 40
     finally:
         e.stop()
+
+
+def cpus_allowed(pid: int) -> str:
+    status = open(f"/proc/{pid}/status").read()
+    return status.split("Cpus_allowed_list:")[1].split()[0]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_each_process_is_pinned_to_one_cpu_unless_told_otherwise(backends):
+    e = Edge("--backends", backends[0].url)
+    off = Edge("--backends", backends[0].url, "--cpu-affinity", "off")
+    w = Edge("--backends", backends[0].url, "--workers", "2")
+    try:
+        cpu = e.wait_log(r"on CPU (\d+) \(--cpu-affinity auto\)").group(1)
+        assert cpus_allowed(e.popen.pid) == cpu                  # every thread inherits it
+        assert "," in cpus_allowed(off.popen.pid) or "-" in cpus_allowed(off.popen.pid)
+        w.wait_log(r"worker 1: on CPU")
+        workers = dict(__import__("re").findall(r"worker (\d): on CPU (\d+)", w.log()))
+        assert workers["0"] != workers["1"]                      # worker i takes the i-th CPU
+        assert request(e.port, "GET", "/").status == 200
+    finally:
+        for x in (e, off, w):
+            x.stop()
+
+
+def test_a_bad_cpu_affinity_is_a_configuration_error():
+    p = subprocess.run([PY, "edge.py", "--backends", "http://127.0.0.1:9", "--cpu-affinity", "fast"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 2 and "cpu_affinity" in p.stderr
