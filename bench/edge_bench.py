@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.placement import describe, place  # noqa: E402
 from wrk.nginx_target import nginx_target  # noqa: E402
 from tests.support import Edge, Proc  # noqa: E402
 from wrk import loadgen  # noqa: E402
@@ -76,17 +77,19 @@ def main() -> None:
     a = ap.parse_args()
     sat, fixed = (3, 5) if a.quick else (6, 10)
 
+    load_cpu, pin = place()            # before nginx and the generator start: they inherit it
     stack = contextlib.ExitStack()
     nginx_port = stack.enter_context(nginx_target())
 
     class nginx:
         url = f"http://127.0.0.1:{nginx_port}"
 
-    edge = Edge("--backends", nginx.url, "--health-interval", "30", name="bench-edge")
-    nopool = Edge("--backends", nginx.url, "--health-interval", "30", "--no-pool", name="bench-nopool")
+    edge = Edge("--backends", nginx.url, "--health-interval", "30", *pin, name="bench-edge")
+    nopool = Edge("--backends", nginx.url, "--health-interval", "30", "--no-pool", *pin, name="bench-nopool")
     limited = Edge("--backends", nginx.url, "--health-interval", "30", "--limit", "1000000/s",
-                   name="bench-limited")
-    yard = Proc([sys.executable, "bench/urlopen_proxy.py", "0", nginx.url], "bench-urlopen")
+                   *pin, name="bench-limited")
+    yard = Proc(["taskset", "-c", pin[-1], sys.executable, "bench/urlopen_proxy.py", "0", nginx.url]
+                if pin else [sys.executable, "bench/urlopen_proxy.py", "0", nginx.url], "bench-urlopen")
     yard_port = int(yard.wait_log(r"listening 127\.0\.0\.1:(\d+)").group(1))
     lines = []
 
@@ -99,7 +102,8 @@ def main() -> None:
             f"load average {os.getloadavg()[0]:.2f})")
         say(f"\nCommand: `python -m bench.edge_bench{' --quick' if a.quick else ''}`. Backend: nginx "
             f"`return 200` (Debian nginx-light). Closed loop: {'wrk -t1 -c16' if shutil.which('wrk') else 'wrk.loadgen -R0 -c16'}, "
-            f"{sat}s per run; open loop: wrk.loadgen -t1 -c32, {fixed}s per run.\n")
+            f"{sat}s per run; open loop: wrk.loadgen -t1 -c32, {fixed}s per run. Placement: "
+            f"{describe(load_cpu, pin)}; the urlopen proxy on the edge's CPU too.\n")
         say("## 1. Max throughput and CPU per request (closed loop, two runs each, interleaved)\n")
         say("| proxy | req/s run 1 | req/s run 2 | CPU ms/req run 1 | CPU ms/req run 2 |")
         say("|---|---|---|---|---|")

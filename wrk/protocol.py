@@ -205,7 +205,8 @@ def backend():
 @contextlib.contextmanager
 def edge(name: str, backend_url: str, *args: str, admin: bool = False):
     """`python edge.py` on a free port in front of one backend; raises Skip if it will not start."""
-    argv = ["--backends", backend_url.rstrip("/"), *args] + (["--admin", "127.0.0.1:0"] if admin else [])
+    argv = (["--backends", backend_url.rstrip("/"), *args] + (["--admin", "127.0.0.1:0"] if admin else [])
+            + EDGE_PIN)
     with process(name, [PY, "edge.py", "--listen", "127.0.0.1:0", *argv],
                  r"listening on 127\.0\.0\.1:(\d+)", admin=admin) as (m, admin_port):
         port = int(m.group(1))
@@ -456,7 +457,14 @@ def machine(when: str) -> dict:
     return {f"load_{when}": os.getloadavg()}
 
 
+EDGE_PIN: list[str] = []   # --cpu-affinity for the edges, set by run_protocol (bench/placement.py)
+
+
 def run_protocol(cfg) -> dict:
+    from bench.placement import describe, place
+    load_cpu, pin = place()    # the generator and the backend on one CPU, every edge on another
+    EDGE_PIN[:] = pin
+    cfg.placement = describe(load_cpu, pin)
     cfg.targets = []
     n_lat = len(cfg.rates) * (3 if cfg.redis else 2) * cfg.repeats
     n_enf = len(cfg.algorithms) * (2 if cfg.redis else 1)
@@ -541,6 +549,8 @@ def render_markdown(cfg, out: dict, png_name: str) -> str:
       f"{' / '.join(f'{x:.2f}' for x in info['load_start'])}, at end {' / '.join(f'{x:.2f}' for x in info['load_end'])}; "
       f"Python {info['python']}; {info['platform']}. Shared with other work: runs are noisy.")
     w(f"- **When:** {info['started']} to {info['finished']} ({info['elapsed_s'] / 60:.1f} min).")
+    w(f"- **Placement:** {getattr(cfg, 'placement', 'not pinned')}: the edge has a core of its own, as in "
+      "production where the load comes from other machines.")
     w(f"- **Backend:** {cfg.backend.name}"
       + (" (Debian nginx-light, one worker, `return 200 \"ok\\n\"`, access log off: a fast backend, so that "
          "the edge, not the backend, is what the through-edge rows add)" if cfg.backend.name == "nginx" else

@@ -1,0 +1,26 @@
+"""CPU placement for benchmarks on a small machine: the load generator and the backend on one CPU, the
+system under test on another, as it would be in production (the load comes from elsewhere).
+
+    load_cpu, edge_args = place()      # call before starting nginx or the generator: they inherit it
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def place() -> tuple[int | None, list[str]]:
+    """Pin this process (and so the children it starts) to the first allowed CPU; return the
+    --cpu-affinity arguments that put an edge on the last one. No-op on a single CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, []
+    os.sched_setaffinity(0, {cpus[0]})
+    return cpus[0], ["--cpu-affinity", str(cpus[-1])]
+
+
+def describe(load_cpu: int | None, edge_args: list[str]) -> str:
+    if load_cpu is None:
+        return "one CPU: generator, backend and edge share it"
+    return (f"generator and backend pinned to CPU {load_cpu}, the edge to CPU {edge_args[-1]} "
+            f"(`{' '.join(edge_args)}`)")
