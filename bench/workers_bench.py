@@ -1,7 +1,7 @@
 """Requests per second of the edge with 1 vs 2 worker processes at saturation, and p99 at a fixed
 moderate rate, side by side in one run (A B A B, because this 2-core machine is shared and noisy).
 
-    python -m bench.workers_bench [--store redis://127.0.0.1:6379/0] [--seconds 6]
+    python -m bench.workers_bench [--store auto|redis://127.0.0.1:6379/0] [--seconds 6]
 
 With --store the edge limits every request (a generous limit, so nothing is rejected) through that
 Redis: the configuration --workers is for. Without it, the edge runs with no limiter. Saturation is
@@ -26,10 +26,16 @@ from wrk.nginx_target import nginx_target  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", help="redis://HOST:PORT/DB: limit through Redis (workers need it)")
+    ap.add_argument("--store", help="redis://HOST:PORT/DB, or auto (a redis-server of its own): limit "
+                    "through Redis, the configuration --workers is for")
     ap.add_argument("--seconds", type=float, default=6.0)
     a = ap.parse_args()
     with contextlib.ExitStack() as stack:
+        if a.store == "auto":
+            from tests.redis_server import RedisServer
+            server = RedisServer().start()
+            stack.callback(server.stop)
+            a.store = server.url
         port = stack.enter_context(nginx_target())
         url = f"http://127.0.0.1:{port}"
         extra = ["--limit", "10000000/s", "--store", a.store] if a.store else []
