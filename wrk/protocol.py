@@ -530,6 +530,17 @@ def problems(results: list[Result]) -> list[str]:
     return out
 
 
+def target_line(deltas: dict, target_ms: float, store: str) -> str | None:
+    """The verdict on the p99 delta at 1,000 req/s over the runs, or None if that rate was not run."""
+    at = [(run, d) for (rate, run), d in deltas.items() if rate == 1000 and d is not None]
+    if not at:
+        return None
+    verdict = "MET" if all(d < target_ms for _, d in at) else (
+        "MISSED" if all(d >= target_ms for _, d in at) else "MIXED (met in one run, missed in another)")
+    return (f"**Target** (edge p99 - baseline p99 at 1,000 req/s < {target_ms} ms, {store}): **{verdict}** - "
+            + ", ".join(f"run {run}: {d:+.2f} ms" for run, d in at) + ".")
+
+
 def render_markdown(cfg, out: dict, png_name: str) -> str:
     info, results = out["info"], out["results"]
     by = lambda step: [r for r in results if r.step == step]  # noqa: E731
@@ -578,12 +589,9 @@ def render_markdown(cfg, out: dict, png_name: str) -> str:
         w(f"| {b.rate:,.0f} | {b.run} | {_f(b.lat('p50'))} | {_f(b.lat('p99'))} | {_f(b.lat('p99.9'))} | "
           f"{_f(e.lat('p50'))} | {_f(e.lat('p99'))} | {_f(e.lat('p99.9'))} | **{_f(d)}** | {_kept(b)} / {_kept(e)} |")
     w("")
-    at = [(run, d) for (rate, run), d in deltas.items() if rate == 1000 and d is not None]
-    if at:
-        verdict = "MET" if all(d < TARGET_DELTA_MS for _, d in at) else (
-            "MISSED" if all(d >= TARGET_DELTA_MS for _, d in at) else "MIXED (met in one run, missed in another)")
-        w(f"**Target** (edge p99 - baseline p99 at 1,000 req/s < {TARGET_DELTA_MS} ms, memory store): **{verdict}** - "
-          + ", ".join(f"run {run}: {d:+.2f} ms" for run, d in at) + ".")
+    line = target_line(deltas, TARGET_DELTA_MS, "memory store")
+    if line:
+        w(line)
     else:
         w(f"**Target** (p99 delta at 1,000 req/s < {TARGET_DELTA_MS} ms): not measured - 1,000 req/s is not among "
           f"the rates of this run ({', '.join(f'{r:g}' for r in cfg.rates)}).")
@@ -606,12 +614,9 @@ def render_markdown(cfg, out: dict, png_name: str) -> str:
             w(f"| {r.rate:,.0f} | {r.run} | {_f(r.lat('p50'))} | {_f(r.lat('p99'))} | {_f(r.lat('p99.9'))} | "
               f"**{_f(d)}** | {_kept(r)} |")
         w("")
-        at = [(run, d) for (rate, run), d in rdeltas.items() if rate == 1000 and d is not None]
-        if at:
-            verdict = "MET" if all(d < TARGET_DELTA_REDIS_MS for _, d in at) else (
-                "MISSED" if all(d >= TARGET_DELTA_REDIS_MS for _, d in at) else "MIXED (met in one run, missed in another)")
-            w(f"**Target** (edge p99 - baseline p99 at 1,000 req/s < {TARGET_DELTA_REDIS_MS} ms, Redis store): "
-              f"**{verdict}** - " + ", ".join(f"run {run}: {d:+.2f} ms" for run, d in at) + ".")
+        line = target_line(rdeltas, TARGET_DELTA_REDIS_MS, "Redis store")
+        if line:
+            w(line)
             w("")
 
     # 3
