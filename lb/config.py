@@ -293,13 +293,9 @@ def build_argparser() -> argparse.ArgumentParser:
     return p
 
 
-_FLAG_KINDS = {
-    "health_interval": "f", "health_timeout": "f", "unhealthy_threshold": "i", "healthy_threshold": "i",
-    "connect_timeout": "f", "read_timeout": "f", "response_timeout": "f", "pool_maxsize": "i",
-    "pool_timeout": "f", "pool_idle_timeout": "f0", "max_connections": "i", "workers": "i",
-    "drain_timeout": "f0", "header_timeout": "f",
-    "body_timeout": "f", "keepalive_timeout": "f", "max_body_size": "i", "redis_timeout": "f",
-}
+# Numeric flags take the kind their TOML key has: one table, no twin to keep in step.
+_FLAG_KINDS = {name: kind for section in _SECTIONS.values() for name, kind in section.values()
+               if kind in ("f", "f0", "i")}
 
 
 def _from_flags(ns: argparse.Namespace) -> dict:
