@@ -1,0 +1,243 @@
+"""The Redis connection layer: one bounded pool + circuit breaker per Redis URL per process.
+
+limiter.redis_store holds the scripts and the decisions; this module only moves bytes: it knows how to
+reach a Redis, keep connections, send one EVALSHA and read its reply, and when to stop trying.  Its
+interface to the store is small on purpose (so transports can change without touching a script):
+
+    link = link_for(url, timeout, pool_size, retry_interval)    # shared per process (and per fork)
+    link.evalsha(script, key_bytes, now) -> reply bytes          # raises redis.RedisError
+    link.up / link.may_try() / link.failed(e) / link.succeeded() / link.retry_at / link.failures
+
+The call path is deliberately lean (see docs/redis.md, "Measured"): redis-py's Connection (socket,
+connect, AUTH/SELECT, RESP parser, timeouts) but not its Redis client or pools, whose per-command
+bookkeeping (pool accounting, observability hooks, retry wrapper, a 3-syscall stale-connection check)
+cost more client CPU than the round trip itself on a busy host.  _Pool below keeps the same guarantees.
+
+Faults: short socket timeouts, no client-side retries, a bounded connection pool, and a small circuit
+breaker shared by every store on the same Redis: after a failure no request touches Redis until
+`retry_interval` has passed, then one request probes it.  One log line per state change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import select
+import threading
+from time import monotonic
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+from redis.retry import Retry
+
+log = logging.getLogger("edge")
+
+
+class _Slot:
+    """A pooled redis-py Connection, with a poller registered on its current socket."""
+
+    __slots__ = ("conn", "sock", "poll")
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.sock = None
+        self.poll = None
+
+
+class _Pool:
+    """At most `size` connections; a caller waits at most `timeout` for a free one, then gets
+    redis ConnectionError("No connection available.") -- what BlockingConnectionPool does, for ~0.1 µs
+    per checkout instead of a Condition-guarded queue (~3 µs) plus redis-py's accounting.
+
+    The fast path is a bare list.pop()/append() (atomic under the GIL).  Only a caller that finds no
+    idle connection takes the lock: it creates one while fewer than `size` exist, else it waits; a
+    release notifies only when someone is waiting.  (A waiter registers itself before looking at the
+    idle list, under the lock, so a release can't slip between its look and its wait unnoticed.)
+    """
+
+    def __init__(self, make, size: int, timeout: float):
+        self._make = make
+        self._idle: list[_Slot] = []
+        self._room = size  # connections that may still be created
+        self._waiters = 0
+        self._cond = threading.Condition(threading.Lock())
+        self.timeout = timeout
+
+    def get(self) -> _Slot:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self._get_slow()
+
+    def _get_slow(self) -> _Slot:
+        with self._cond:
+            self._waiters += 1
+            try:
+                deadline = None
+                while True:
+                    if self._idle:
+                        return self._idle.pop()
+                    if self._room > 0:
+                        self._room -= 1
+                        break
+                    if deadline is None:
+                        deadline = monotonic() + self.timeout
+                    left = deadline - monotonic()
+                    if left <= 0.0:
+                        raise RedisConnectionError("No connection available.")
+                    self._cond.wait(left)
+            finally:
+                self._waiters -= 1
+        try:
+            return _Slot(self._make())  # no I/O: the connection connects on first use
+        except BaseException:
+            with self._cond:
+                self._room += 1
+            raise
+
+    def put(self, slot: _Slot) -> None:
+        self._idle.append(slot)
+        if self._waiters:
+            with self._cond:
+                self._cond.notify()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().conn.disconnect()
+
+
+class RedisLink:
+    """One connection pool + circuit breaker per Redis URL (and timeout, pool size) per process.
+
+    Shared by every RedisStore on that URL, so an edge with several rates logs one line per state
+    change and keeps one pool.
+    """
+
+    def __init__(self, url: str, timeout: float, pool_size: int, retry_interval: float):
+        self.url = url
+        self.timeout = timeout
+        self.pool_size = pool_size
+        self.retry_interval = retry_interval
+        self.connection_kwargs = dict(
+            parse_url(url),
+            socket_timeout=timeout, socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),  # redis-py's default retries would multiply the timeout
+            health_check_interval=0,
+            protocol=2,  # RESP2: no HELLO handshake, no push messages that could sit unread on a connection
+        )
+        self.pool = self._new_pool()
+        self.up = True
+        self.down_since = 0.0
+        self.retry_at = 0.0  # while down: the next instant (monotonic) one request may probe Redis
+        self.failures = 0  # failed Redis calls (timeouts, refused, errors)
+        self._lock = threading.Lock()
+
+    def _new_pool(self) -> _Pool:
+        kwargs = dict(self.connection_kwargs)
+        cls = kwargs.pop("connection_class", redis.Connection)  # rediss:// and unix:// name their own
+        return _Pool(lambda: cls(**kwargs), self.pool_size, self.timeout)
+
+    def _after_fork(self) -> None:
+        # The parent's sockets (and possibly a held lock) came along: start with nothing shared.
+        self.pool = self._new_pool()
+        self._lock = threading.Lock()
+
+    def evalsha(self, script, key: bytes, now: float) -> bytes:
+        """Run one of our scripts on key at now; returns its reply (bytes).  Raises RedisError."""
+        n = repr(float(now)).encode()
+        # EVALSHA <sha> 1 <key> <now>, packed by hand (redis-py's generic packer costs ~3x more)
+        cmd = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (script.head, len(key), key, len(n), n)
+        slot = self.pool.get()
+        try:
+            conn = slot.conn
+            sock = conn._sock
+            # A connection back from the pool must have nothing to read: data would be a stale reply,
+            # EOF/HUP a server that closed it while idle.  One poll() syscall (redis-py's can_read() is
+            # three); on either, reconnect before sending anything, so nothing is ever sent twice.
+            if sock is None or sock is not slot.sock or slot.poll.poll(0):
+                if sock is not None:
+                    conn.disconnect()
+                conn.connect()
+                slot.sock = sock = conn._sock
+                slot.poll = select.poll()
+                slot.poll.register(sock, select.POLLIN)
+            conn.send_packed_command((cmd,), check_health=False)
+            try:
+                return conn.read_response()
+            except NoScriptError:  # a restarted or flushed server: load the script, run it again
+                conn.send_command("SCRIPT", "LOAD", script.text, check_health=False)
+                conn.read_response()
+                conn.send_packed_command((cmd,), check_health=False)
+                return conn.read_response()
+        finally:
+            self.pool.put(slot)
+
+    def may_try(self) -> bool:
+        """While down: True for exactly one caller per retry_interval (the probe)."""
+        if self.up:
+            return True
+        with self._lock:
+            t = monotonic()
+            if self.up or t >= self.retry_at:
+                self.retry_at = t + self.retry_interval
+                return True
+            return False
+
+    def failed(self, error: Exception) -> None:
+        with self._lock:
+            self.failures += 1
+            t = monotonic()
+            self.retry_at = t + self.retry_interval
+            if self.up:
+                self.up = False
+                self.down_since = t
+                log.warning("limiter store %s unavailable (%s: %s); failure policy applies, retrying every %gs",
+                            self.url, type(error).__name__, error, self.retry_interval)
+
+    def succeeded(self) -> bool:
+        """Called after a success while down; True for the one caller that flips the state back."""
+        with self._lock:
+            if self.up:
+                return False
+            self.up = True
+            log.warning("limiter store %s back after %.1fs; enforcing shared limits again",
+                        self.url, monotonic() - self.down_since)
+            return True
+
+
+_LINKS: dict[tuple, RedisLink] = {}
+_LINKS_LOCK = threading.Lock()
+
+
+def link_for(url: str, timeout: float = 0.05, pool_size: int = 64, retry_interval: float = 0.5) -> RedisLink:
+    key = (url, float(timeout), int(pool_size), float(retry_interval))
+    with _LINKS_LOCK:
+        link = _LINKS.get(key)
+        if link is None:
+            link = _LINKS[key] = RedisLink(url, timeout, pool_size, retry_interval)
+        return link
+
+
+def _after_fork_in_child():
+    global _LINKS_LOCK
+    _LINKS_LOCK = threading.Lock()
+    for link in _LINKS.values():
+        link._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Script:
+    """A script's text, SHA1 and the constant head of its EVALSHA command."""
+
+    __slots__ = ("text", "sha", "head")
+
+    def __init__(self, text: str):
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+        self.head = b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % self.sha.encode()
