@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 import socket
-from time import monotonic
+from email.utils import formatdate
+from http import HTTPStatus
+from time import monotonic, time
 
 CRLF = b"\r\n"
 
@@ -48,6 +50,10 @@ class UpstreamError(Exception):
     def __init__(self, kind: str, detail: str):
         super().__init__(detail)
         self.kind, self.detail = kind, detail
+
+
+class ClientGone(Exception):
+    """The client closed or reset its connection while we were answering."""
 
 
 class Reader:
@@ -351,3 +357,33 @@ def parse_response(head: bytes) -> ResponseHead:
         close = True
     r.close = close
     return r
+
+
+# ------------------------------------------------------------------------------ responses of our own
+
+_date_cache = [0, b""]
+
+
+def http_date() -> bytes:
+    now = int(time())
+    if _date_cache[0] != now:
+        _date_cache[1] = formatdate(now, usegmt=True).encode()
+        _date_cache[0] = now
+    return _date_cache[1]
+
+
+def own_response(status: int, reason: str, close: bool, extra: bytes = b"", head_only: bool = False) -> bytes:
+    """A short text/plain answer from the edge itself (errors, 429, 503)."""
+    body = reason.encode("utf-8", "replace") + b"\n"
+    phrase = HTTPStatus(status).phrase.encode() if status in HTTPStatus._value2member_map_ else b"Error"
+    head = b"HTTP/1.1 %d %s\r\nDate: %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n%s%s\r\n" % (
+        status, phrase, http_date(), len(body), extra, b"Connection: close\r\n" if close else b"")
+    return head if head_only else head + body
+
+
+def send(sock: socket.socket, data) -> None:
+    """sendall to the client; its failure is the client's (ClientGone), never a backend's."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        raise ClientGone() from None

@@ -1,7 +1,8 @@
 """The proxy: a threaded server, one thread per client connection, HTTP/1.1 keep-alive on both sides.
 
 Per request: read and check the head -> (identify, rate limit: the composed edge) -> choose a backend
--> forward on a pooled connection -> relay the response as it arrives -> record.
+-> read the body -> forward on a pooled connection and relay the response as it arrives (lb/forward.py)
+-> record.
 
 The per-request path is budgeted: the request head and a small body leave in one sendall, the response
 head and a small body return in one sendall, and nothing is formatted for logging unless something
@@ -15,49 +16,14 @@ import logging
 import socket
 import socketserver
 import threading
-from email.utils import formatdate
-from http import HTTPStatus
-from time import monotonic, time
+from time import monotonic
 
-from urllib3.exceptions import HTTPError as Urllib3Error
-
-from .backends import Backend, PoolExhausted
+from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
 from .ratelimit import headers as ratelimit_headers
-from .httpio import (HOP_BY_HOP, HttpError, Reader, Request, UpstreamError, iter_chunked,
-                     parse_request, parse_response)
+from .httpio import ClientGone, HttpError, Reader, Request, iter_chunked, own_response, parse_request, send
 
 log = logging.getLogger("edge")
-
-SMALL_BODY = 65536           # request bodies up to this are read whole and sent with the head
-IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
-_NO_BODY_STATUS = frozenset({204, 304})
-
-
-class ClientGone(Exception):
-    """The client closed or reset its connection while we were answering."""
-
-
-# ------------------------------------------------------------------------------ responses of our own
-
-_date_cache = [0, b""]
-
-
-def http_date() -> bytes:
-    now = int(time())
-    if _date_cache[0] != now:
-        _date_cache[1] = formatdate(now, usegmt=True).encode()
-        _date_cache[0] = now
-    return _date_cache[1]
-
-
-def own_response(status: int, reason: str, close: bool, extra: bytes = b"", head_only: bool = False) -> bytes:
-    """A short text/plain answer from the edge itself (errors, 429, 503)."""
-    body = reason.encode("utf-8", "replace") + b"\n"
-    phrase = HTTPStatus(status).phrase.encode() if status in HTTPStatus._value2member_map_ else b"Error"
-    head = b"HTTP/1.1 %d %s\r\nDate: %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n%s%s\r\n" % (
-        status, phrase, http_date(), len(body), extra, b"Connection: close\r\n" if close else b"")
-    return head if head_only else head + body
 
 
 # ------------------------------------------------------------------------------------------- server
@@ -133,6 +99,7 @@ class Edge:
         self.refused_connections = 0
         self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
+        self.forwarder = Forwarder(self)     # the upstream half: lb/forward.py
 
     # -- the connection loop ------------------------------------------------------------------------
 
@@ -269,8 +236,8 @@ class Edge:
                 body = b""
         except (EOFError, OSError):
             raise ClientGone() from None   # socket.timeout is an OSError: a silent client is gone too
-        # 5. forward and relay
-        return self.forward(x, backend, body, reader, sock, peer, peer_trusted)
+        # 5. forward and relay (lb/forward.py)
+        return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
 
     @staticmethod
     def _iter_fixed(reader: Reader, n: int):
@@ -292,264 +259,7 @@ class Edge:
         if self.access_log is not None:
             self.access_log.record(x, status, monotonic() - x.start)
 
-    @staticmethod
-    def _send(sock: socket.socket, data) -> None:
-        try:
-            sock.sendall(data)
-        except OSError:
-            raise ClientGone() from None
-
-    # -- forwarding -----------------------------------------------------------------------------------
-
-    def upstream_head(self, req: Request, backend: Backend, peer: bytes, trusted: bool = False) -> bytearray:
-        """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended.
-
-        X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
-        are; from anyone else they are replaced with what the edge saw.
-        """
-        out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
-        tokens = req.conn_tokens
-        replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
-        for name, lname, value in req.headers:
-            if lname in HOP_BY_HOP or (tokens and lname in tokens):
-                continue
-            if lname in replaced:
-                continue
-            out += name + b": " + value + b"\r\n"
-        if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
-            out += b"Host: " + backend.spec.host.encode() + b":%d\r\n" % backend.spec.port
-        out += b"X-Forwarded-For: " + (req.xff + b", " + peer if req.xff else peer) + b"\r\n"
-        if not (trusted and req.proto):
-            out += b"X-Forwarded-Proto: http\r\n"
-        if req.host and not (trusted and req.fwd_host):
-            out += b"X-Forwarded-Host: " + req.host + b"\r\n"
-        if req.chunked:
-            out += b"Transfer-Encoding: chunked\r\n"
-        if self.cfg.no_pool:
-            out += b"Connection: close\r\n"
-        out += b"\r\n"
-        return out
-
-    def forward(self, x: "Exchange", backend: Backend, body, reader: Reader, sock: socket.socket,
-                peer: bytes, trusted: bool = False) -> bool:
-        cfg = self.cfg
-        req, start = x.req, x.start
-        pool = backend.pool
-        replayable = isinstance(body, bytes)
-        keep_if_failed = req.keep_alive and replayable   # a streamed body may be half read
-        try:
-            conn = pool.acquire()
-        except PoolExhausted as e:
-            return self._upstream_failed(sock, x, "pool", 503, str(e), keep_if_failed)
-        head = self.upstream_head(req, backend, peer, trusted)
-        with backend.lock:
-            backend.inflight += 1
-        try:
-            retried = False
-            while True:
-                reused = conn.sock is not None
-                try:
-                    if not reused:
-                        conn.connect()
-                    up = conn.sock
-                    up.settimeout(cfg.read_timeout)
-                    if replayable:
-                        up.sendall(head + body if body else head)
-                    else:
-                        self._send_streamed(up, head, body, req.chunked)
-                    ur = Reader(up)
-                    ur.timeout = cfg.read_timeout
-                    ur.deadline = start + cfg.response_timeout
-                    rhead = ur.read_head(max_first_line=8192)
-                    while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
-                        rhead = ur.read_head(max_first_line=8192)   # interim 1xx: not relayed
-                    if rhead is None:
-                        raise UpstreamError("reset", "closed the connection without a response")
-                    rh = parse_response(rhead)
-                except HttpError as e:
-                    pool.release(conn, False)
-                    if e.status in (414, 431):   # our reader's limit hit by the *response* head
-                        return self._upstream_failed(sock, x, "protocol", 502, "response head too large", False)
-                    # a request body we were streaming turned out malformed
-                    log.warning("client %s: %d %s", peer.decode(), e.status, e.reason)
-                    return self._answer(sock, x, e.status, e.reason, False)
-                except ClientGone:
-                    pool.release(conn, False)
-                    raise
-                except (socket.timeout, UpstreamError, OSError, Urllib3Error) as e:
-                    pool.release(conn, False)
-                    kind, status, detail = _classify(e, reused)
-                    if kind == "reset" and reused and not retried and replayable and req.method in IDEMPOTENT:
-                        # A kept-alive connection the backend had already closed: nothing was processed.
-                        retried = True
-                        conn = pool.acquire_fresh()
-                        continue
-                    return self._upstream_failed(sock, x, kind, status, detail, keep_if_failed)
-                break
-            return self._relay(x, rh, ur, conn, sock)
-        finally:
-            with backend.lock:
-                backend.inflight -= 1
-
-    @staticmethod
-    def _send_streamed(up: socket.socket, head: bytes, body, chunked: bool) -> None:
-        up.sendall(head)
-        try:
-            for piece in body:
-                if chunked:
-                    if piece:
-                        up.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
-                else:
-                    up.sendall(piece)
-        except (EOFError, socket.timeout):
-            raise ClientGone() from None
-        if chunked:
-            up.sendall(b"0\r\n\r\n")
-
-    def _upstream_failed(self, sock, x: "Exchange", kind, status, detail, keep) -> bool:
-        req, backend = x.req, x.backend
-        log.warning("backend %s %s: %s %s -> %d (%s)", backend.url, kind, req.method.decode(),
-                    req.target[:200].decode("latin-1"), status, detail)
-        self.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
-        self._done(x, status)
-        reason = {"connect": "backend unreachable", "reset": "backend closed the connection",
-                  "timeout": "backend timed out", "protocol": "backend sent an invalid response",
-                  "pool": "backend connection limit reached"}[kind]
-        self._send(sock, own_response(status, reason, close=not keep, extra=x.rl,
-                                      head_only=req.method == b"HEAD"))
-        return keep
-
-    # -- relaying the response ------------------------------------------------------------------------
-
-    def _relay(self, x: "Exchange", rh, ur: Reader, conn, sock: socket.socket) -> bool:
-        req, backend, start = x.req, x.backend, x.start
-        out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
-        tokens = None
-        for name, lname, value in rh.headers:
-            if lname == b"connection":
-                tokens = {t.strip() for t in value.lower().split(b",")}
-        limiting = bool(x.rl)
-        for name, lname, value in rh.headers:
-            if lname in HOP_BY_HOP or (tokens and lname in tokens):
-                continue
-            if limiting and lname[:12] == b"x-ratelimit-":
-                continue               # ours replace the backend's, never duplicate them
-            out += name + b": " + value + b"\r\n"
-        if limiting:
-            out += x.rl
-        if x.set_cookie:
-            out += x.set_cookie
-
-        client_keep = req.keep_alive and not self.draining
-        http10 = req.version == b"HTTP/1.0"
-        if req.method == b"HEAD" or rh.status in _NO_BODY_STATUS or rh.status < 200:
-            mode = "none"
-        elif rh.content_length is not None:
-            mode = "length"
-        elif rh.chunked:
-            mode = "chunked"
-        else:
-            mode = "eof"      # delimited by the backend closing
-        if mode in ("chunked", "eof"):
-            if http10:
-                client_keep = False   # an HTTP/1.0 client reads to EOF
-            else:
-                out += b"Transfer-Encoding: chunked\r\n"
-        if not client_keep:
-            out += b"Connection: close\r\n"
-        elif http10:
-            out += b"Connection: keep-alive\r\n"
-        out += b"\r\n"
-
-        if mode == "length" and rh.content_length <= SMALL_BODY:
-            # Read a small body before anything goes to the client: if the backend fails now, the
-            # client still gets a clean 502 rather than a truncated response.
-            try:
-                out += ur.read_exact(rh.content_length)
-            except (socket.timeout, OSError, EOFError) as e:
-                backend.pool.release(conn, False)
-                kind = "timeout" if isinstance(e, socket.timeout) else "reset"
-                return self._upstream_failed(sock, x, kind, 504 if kind == "timeout" else 502,
-                                             "failed inside a response body", req.keep_alive)
-            mode = "sent-with-head"
-
-        upstream_ok = False
-        try:
-            if mode in ("none", "sent-with-head"):
-                self._send(sock, out)
-                upstream_ok = True
-            elif mode == "length":
-                upstream_ok = self._relay_length(rh.content_length, out, ur, sock)
-            else:
-                upstream_ok = self._relay_chunks(mode, http10, out, ur, sock)
-        except (socket.timeout, UpstreamError, OSError, EOFError, HttpError) as e:
-            # The head is gone to the client: all we can do is close, so the truncation shows.
-            kind = "timeout" if isinstance(e, socket.timeout) else "reset"
-            log.warning("backend %s %s mid-response: %s %s (closing the client connection)",
-                        backend.url, kind, req.method.decode(), req.target[:200].decode("latin-1"))
-            self.metrics.upstream_error(backend.url, kind, rh.status, monotonic() - start)
-            self._done(x, rh.status)
-            backend.pool.release(conn, False)
-            return False
-        except ClientGone:
-            backend.pool.release(conn, False)
-            raise
-        reusable = upstream_ok and not rh.close and mode != "eof" and not ur.buf
-        backend.pool.release(conn, reusable)
-        self.metrics.backend_done(backend.url, rh.status, monotonic() - start)
-        self._done(x, rh.status)
-        return client_keep
-
-    def _relay_length(self, n: int, out: bytearray, ur: Reader, sock) -> bool:
-        """A large body: the head and what has arrived, then the rest as it comes."""
-        buf = ur.buf
-        n -= len(buf)
-        out += buf
-        buf.clear()
-        self._send(sock, out)
-        while n > 0:
-            data = ur.read_some(min(n, 262144))
-            n -= len(data)
-            self._send(sock, data)
-        return True
-
-    def _relay_chunks(self, mode: str, http10: bool, out: bytearray, ur: Reader, sock) -> bool:
-        """Chunked or EOF-delimited from the backend -> chunked to an HTTP/1.1 client, raw to 1.0."""
-        pending = out
-        if mode == "eof":
-            while True:
-                if not ur.buf and not ur.fill():
-                    break
-                data = bytes(ur.buf)
-                ur.buf.clear()
-                pending += data if http10 else b"%x\r\n%s\r\n" % (len(data), data)
-                self._send(sock, pending)
-                pending = bytearray()
-            if not http10:
-                pending += b"0\r\n\r\n"
-            self._send(sock, pending)
-            return False
-        while True:
-            line = ur.read_line(1024)
-            size_s = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_s, 16)
-            except ValueError:
-                raise UpstreamError("protocol", "invalid chunk size") from None
-            if size == 0:
-                while ur.read_line(8192):   # trailers: dropped (not announced to the client)
-                    pass
-                if not http10:
-                    pending += b"0\r\n\r\n"
-                self._send(sock, pending)
-                return True
-            data = ur.read_exact(size + 2)
-            if data[-2:] != b"\r\n":
-                raise UpstreamError("protocol", "chunk longer than declared")
-            pending += data[:-2] if http10 else line + b"\r\n" + data
-            if not ur.buf:             # about to block on the backend: flush what we have
-                self._send(sock, pending)
-                pending = bytearray()
+    _send = staticmethod(send)
 
 
 class Exchange:
@@ -572,22 +282,3 @@ def route_cookie(cookie: bytes) -> str | None:
         if eq and name == b"route":
             return value.decode("latin-1")
     return None
-
-
-# Forwarding headers we write ourselves (after the client's), and Expect, which the edge answered.
-_REPLACED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"expect"})
-_REPLACED_TRUSTED = frozenset({b"x-forwarded-for", b"expect"})
-
-
-def _classify(e: BaseException, reused: bool) -> tuple[str, int, str]:
-    """(kind, status, detail) for a failure before any response byte reached the client."""
-    if isinstance(e, UpstreamError):
-        return e.kind, (504 if e.kind == "timeout" else 502), e.detail
-    name = type(e).__name__
-    if isinstance(e, Urllib3Error):   # raised by connect(): refused, unreachable, connect timeout
-        return "connect", 502, name
-    if isinstance(e, socket.timeout):
-        return "timeout", 504, "no response within the read timeout"
-    if isinstance(e, ConnectionRefusedError):
-        return "connect", 502, "connection refused"
-    return "reset", 502, (e.strerror or name) if isinstance(e, OSError) else name
