@@ -7,6 +7,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .netaddr import bind_options, family
+
 
 def start_admin(addr, app) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
@@ -31,7 +33,14 @@ def start_admin(addr, app) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(body)
 
-    srv = ThreadingHTTPServer(addr, Handler)
+    class Server(ThreadingHTTPServer):
+        address_family = family(addr[0])
+
+        def server_bind(self):
+            bind_options(self.socket, addr[0])
+            super().server_bind()
+
+    srv = Server(addr, Handler)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, name="admin", daemon=True).start()
     return srv

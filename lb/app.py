@@ -25,6 +25,7 @@ from .config import BackendSpec, Config, ConfigError, load
 from .health import HealthChecker
 from .identity import Identifier
 from .metrics import Metrics
+from .netaddr import hostport
 from .proxy import Edge, EdgeServer
 
 log = logging.getLogger("edge")
@@ -58,10 +59,11 @@ class App:
         self.access_log = AccessLog(cfg.access_log) if cfg.access_log else None
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log)
+        self.edge.tls = self._tls_context(cfg)
         self.server = (ReusePortServer if reuse_port else EdgeServer)(cfg.listen, self.edge)
-        host, port = self.server.server_address[:2]
         who = f"worker {worker}: " if worker is not None else ""
-        log.info("%slistening on %s:%d, %d backends (%s): %s", who, host, port, len(backends), cfg.strategy,
+        log.info("%slistening on %s%s, %d backends (%s): %s", who, hostport(*self.server.server_address[:2]),
+                 f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
         if cfg.limit:
             log.info("%slimiting %s per key (%s, %s store%s), %d overrides", who, cfg.limit, cfg.algorithm,
@@ -73,7 +75,7 @@ class App:
             if worker is not None and addr[1]:
                 addr = (addr[0], addr[1] + worker)   # one admin port per worker: N, N+1, ...
             self.admin = start_admin(addr, self)
-            log.info("%sadmin on %s:%d (/metrics, /status)", who, *self.admin.server_address[:2])
+            log.info("%sadmin on %s (/metrics, /status)", who, hostport(*self.admin.server_address[:2]))
         for b in backends:
             self.health.watch(b)
 
@@ -81,6 +83,14 @@ class App:
         specs = tuple(BackendSpec(url=f"http://127.0.0.1:{s.server_address[1]}", host="127.0.0.1",
                                   port=s.server_address[1]) for s in self.demo_servers)
         return replace(cfg, backends=cfg.backends + specs) if specs else cfg
+
+    @staticmethod
+    def _tls_context(cfg: Config):
+        """The listener's TLS context, read from disk anew (SIGHUP picks up a replaced pair)."""
+        if not cfg.tls_cert:
+            return None
+        from .tls import server_context
+        return server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ciphers, cfg.tls_min_version)
 
     def _limit_stage(self, cfg: Config, old):
         if not cfg.limit:
@@ -97,7 +107,8 @@ class App:
 
     def status(self) -> dict:
         return {
-            "listen": "%s:%d" % self.server.server_address[:2],
+            "listen": hostport(*self.server.server_address[:2]),
+            "tls": bool(self.edge.tls),
             "worker": self.worker,
             "strategy": self.cfg.strategy,
             "connections": self.server.active,
@@ -128,6 +139,7 @@ class App:
                     new = replace(new, **{name: getattr(old, name)})
             try:
                 limiter = self._limit_stage(new, self.edge.limiter)
+                tls = self._tls_context(new)   # a broken new pair: rejected here, the old one serves on
             except (ValueError, ConfigError) as e:
                 log.error("reload rejected, the running configuration stays: %s", e)
                 sdnotify.notify("READY=1")
@@ -152,6 +164,7 @@ class App:
             # One assignment each: a request in flight sees the old or the new part, never half of one.
             self.edge.cfg = new
             self.edge.limiter = limiter
+            self.edge.tls = tls                # new connections handshake with the new pair
             self.edge.identifier = Identifier(new.trusted_proxies)
             self.balancer.set_backends(keep, new.strategy)
             self.cfg = new

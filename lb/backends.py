@@ -24,9 +24,10 @@ class PoolExhausted(Exception):
 
 class BackendPool(urllib3.HTTPConnectionPool):
     def __init__(self, host: str, port: int, *, maxsize: int, pool_timeout: float,
-                 connect_timeout: float, read_timeout: float, idle_timeout: float, reuse: bool = True):
+                 connect_timeout: float, read_timeout: float, idle_timeout: float, reuse: bool = True,
+                 **tls):
         super().__init__(host, port, maxsize=maxsize, block=True, retries=False,
-                         timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
+                         timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout), **tls)
         self.pool_timeout = pool_timeout
         self.idle_timeout = idle_timeout
         self.reuse = reuse
@@ -62,6 +63,11 @@ class BackendPool(urllib3.HTTPConnectionPool):
         self._put_conn(conn)
 
 
+class TLSBackendPool(BackendPool, urllib3.HTTPSConnectionPool):
+    """An https:// backend: the same pool, each connection's certificate verified (system CAs, or
+    [upstream] ca_file) against the backend's host name or address."""
+
+
 class Backend:
     """One upstream. Health fields are written by the health thread only; `up` is read by pickers."""
 
@@ -85,7 +91,10 @@ class Backend:
 
 
 def make_backend(spec: BackendSpec, cfg) -> Backend:
-    pool = BackendPool(spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
-                       connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-                       idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool)
+    cls, tls = BackendPool, {}
+    if spec.scheme == "https":
+        cls, tls = TLSBackendPool, {"cert_reqs": "CERT_REQUIRED", "ca_certs": cfg.ca_file}
+    pool = cls(spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
+               connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
+               idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool, **tls)
     return Backend(spec, pool)

@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
+from .netaddr import hostport, split_hostport
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message is the one line the operator sees."""
@@ -19,10 +21,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class BackendSpec:
-    url: str          # http://host:port, normalised (no path, no trailing slash)
+    url: str          # http://host:port or http://[v6]:port, normalised (no path, no trailing slash)
     weight: int = 1
-    host: str = ""
+    host: str = ""    # without brackets
     port: int = 80
+    scheme: str = "http"   # or https: TLS to the backend, verified
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Config:
     pool_timeout: float = 1.0                # wait for a free pooled connection, then 503
     pool_idle_timeout: float = 30.0          # a pooled connection idle longer is closed, not reused
     no_pool: bool = False
+    ca_file: str | None = None               # https:// backends are verified against this (default: system CAs)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
@@ -64,6 +68,11 @@ class Config:
     redis_timeout: float = 0.05              # seconds per Redis call (connect and read) before on_store_error
     on_store_error: str = "fail-open"        # fail-open | fail-closed (503) | local (in-process limiter)
     trusted_proxies: tuple[str, ...] = ()
+    # TLS termination: both set -> the listener speaks HTTPS
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ciphers: str | None = None           # OpenSSL cipher list for TLS 1.2 (1.3's suites are fixed)
+    tls_min_version: str = "TLSv1.2"         # or TLSv1.3; 1.0 and 1.1 are never offered
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
     config_path: str | None = field(default=None, compare=False)
@@ -83,10 +92,10 @@ ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 # ---------------------------------------------------------------------------------------- parsers
 
 def parse_hostport(value: str, key: str) -> tuple[str, int]:
-    host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+    parts = split_hostport(value)
+    if parts is None or not parts[1].isdigit() or not 0 <= int(parts[1]) <= 65535:
+        raise ConfigError(f"{key}: expected HOST:PORT or [IPV6]:PORT, got {value!r}")
+    return parts[0], int(parts[1])
 
 
 def parse_backend_url(url: str, weight, key: str) -> BackendSpec:
@@ -95,12 +104,14 @@ def parse_backend_url(url: str, weight, key: str) -> BackendSpec:
         port = parts.port
     except ValueError:
         raise ConfigError(f"{key}: bad backend URL {url!r}") from None
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
-        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT], no path)")
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT] or https://..., "
+                          f"[IPV6] in brackets, no path)")
     if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
         raise ConfigError(f"{key}: weight must be a whole number >= 1, got {weight!r} for {url}")
-    port = port or 80
-    return BackendSpec(url=f"http://{parts.hostname}:{port}", weight=weight, host=parts.hostname, port=port)
+    port = port or (443 if parts.scheme == "https" else 80)
+    return BackendSpec(url=f"{parts.scheme}://{hostport(parts.hostname, port)}", weight=weight,
+                       host=parts.hostname, port=port, scheme=parts.scheme)
 
 
 def parse_backends_flag(value: str) -> tuple[BackendSpec, ...]:
@@ -169,11 +180,13 @@ _SECTIONS = {
     "upstream": {"connect_timeout": ("connect_timeout", "f"), "read_timeout": ("read_timeout", "f"),
                  "response_timeout": ("response_timeout", "f"), "pool_maxsize": ("pool_maxsize", "i"),
                  "pool_timeout": ("pool_timeout", "f"), "pool_idle_timeout": ("pool_idle_timeout", "f0"),
-                 "no_pool": ("no_pool", "b")},
+                 "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s")},
     "server": {"workers": ("workers", "i"), "cpu_affinity": ("cpu_affinity", "s"), "drain_timeout": ("drain_timeout", "f0"),
                "max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
                "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
                "max_body_size": ("max_body_size", "i")},
+    "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
+            "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
                "redis_timeout": ("redis_timeout", "f"), "on_store_error": ("on_store_error", "s"),
                "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table")},
@@ -280,6 +293,11 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
     a("--keepalive-timeout", help="seconds an idle client connection is kept (default 75)")
     a("--max-body-size", help="bytes (default 10485760) -> 413")
+    a("--tls-cert", help="PEM certificate (chain) file: the listener speaks HTTPS (with --tls-key)")
+    a("--tls-key", help="PEM private key file for --tls-cert")
+    a("--tls-min-version", help="TLSv1.2 (default) | TLSv1.3")
+    a("--tls-ciphers", help="OpenSSL cipher list for TLS 1.2 (default: Python's secure defaults)")
+    a("--ca-file", help="PEM CA bundle that https:// backends are verified against (default: system CAs)")
     a("--limit", help="N/PERIOD for every key, e.g. 100/s, 600/m, 50/10s (default: no limiting)")
     a("--key-limit", action="append", help="KEY=N/PERIOD override, repeatable")
     a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
@@ -336,6 +354,23 @@ def load(argv: list[str] | None = None) -> Config:
     return validate(replace(Config(), config_path=path, **values))
 
 
+def check_tls(c: Config) -> None:
+    if bool(c.tls_cert) != bool(c.tls_key):
+        raise ConfigError("tls: cert and key go together (--tls-cert FILE --tls-key FILE)")
+    from .tls import MIN_VERSIONS, server_context
+    if c.tls_min_version not in MIN_VERSIONS:
+        raise ConfigError(f"tls.min_version: {c.tls_min_version!r} is not one of {', '.join(MIN_VERSIONS)} "
+                          f"(TLS 1.0 and 1.1 are not offered)")
+    if c.tls_cert:
+        server_context(c.tls_cert, c.tls_key, c.tls_ciphers, c.tls_min_version)   # the pair must load
+    if c.ca_file:
+        import ssl
+        try:
+            ssl.create_default_context(cafile=c.ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"upstream.ca_file: cannot use {c.ca_file}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def validate(c: Config) -> Config:
     if c.strategy not in STRATEGIES:
         raise ConfigError(f"strategy: {c.strategy!r} is not one of {', '.join(STRATEGIES)}")
@@ -376,6 +411,7 @@ def validate(c: Config) -> Config:
         except ValueError:
             raise ConfigError(f"cpu_affinity: expected auto, off or a list of CPU numbers like 0,1; "
                               f"got {c.cpu_affinity!r}") from None
+    check_tls(c)
     if c.workers > 1 and c.demo:
         raise ConfigError("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return c

@@ -27,6 +27,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from .netaddr import family
+
 
 class IdentityHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -156,13 +158,14 @@ class IdentityServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, addr, name: str):
+        self.address_family = family(addr[0])      # ::1 as well as 127.0.0.1
+        self.stopping = threading.Event()
         super().__init__(addr, IdentityHandler)
         self.name = name
         self.healthy = True
         self.count = 0
         self.last: list[str] = []
         self.lock = threading.Lock()
-        self.stopping = threading.Event()
 
     def server_close(self):
         self.stopping.set()

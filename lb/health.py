@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import ssl
 import threading
 
 from .backends import Backend
@@ -18,7 +19,11 @@ log = logging.getLogger("edge")
 
 def probe(b: Backend, path: str, timeout: float) -> tuple[bool, str]:
     """One GET on a fresh connection (not from the request pool): (passed, why)."""
-    conn = http.client.HTTPConnection(b.spec.host, b.spec.port, timeout=timeout)
+    if b.spec.scheme == "https":    # verified as the request pool verifies it
+        ctx = ssl.create_default_context(cafile=getattr(b.pool, "ca_certs", None))
+        conn = http.client.HTTPSConnection(b.spec.host, b.spec.port, timeout=timeout, context=ctx)
+    else:
+        conn = http.client.HTTPConnection(b.spec.host, b.spec.port, timeout=timeout)
     try:
         conn.request("GET", path, headers={"Connection": "close", "User-Agent": "edge-health"})
         resp = conn.getresponse()

@@ -27,6 +27,7 @@ class Metrics:
         self.rate_limited = 0
         self.unavailable = 0
         self.limiter_errors = 0
+        self.tls_failures = 0                                     # handshakes that did not complete
         self.hist = [0] * (len(BUCKETS) + 1)
         self.hist_sum = 0.0
         self.hist_count = 0
@@ -62,6 +63,10 @@ class Metrics:
                 self.unavailable += 1
             self.observe(seconds)
 
+    def tls_failed(self) -> None:
+        with self.lock:
+            self.tls_failures += 1
+
     def limiter_error(self) -> None:
         with self.lock:
             self.limiter_errors += 1
@@ -74,6 +79,7 @@ class Metrics:
             errs = dict(self.upstream_errors)
             edge = dict(self.edge_responses)
             limited, unavailable, lim_err = self.rate_limited, self.unavailable, self.limiter_errors
+            tls_failures = self.tls_failures
             hist, hsum, hcount = list(self.hist), self.hist_sum, self.hist_count
         out = []
         w = out.append
@@ -102,6 +108,10 @@ class Metrics:
         w("# HELP lb_limiter_errors_total Limiter store failures (the configured failure policy applied).")
         w("# TYPE lb_limiter_errors_total counter")
         w(f"lb_limiter_errors_total {lim_err}")
+        w("# HELP lb_tls_handshake_failures_total TLS connections that never completed a handshake "
+          "(timeout, refused protocol version, plain HTTP on the HTTPS port).")
+        w("# TYPE lb_tls_handshake_failures_total counter")
+        w(f"lb_tls_handshake_failures_total {tls_failures}")
         w("# HELP lb_backend_up 1 when the backend is in rotation.")
         w("# TYPE lb_backend_up gauge")
         for b in backends:

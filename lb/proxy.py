@@ -18,6 +18,7 @@ import socketserver
 import threading
 from time import monotonic
 
+from . import netaddr, tls
 from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
 from .ratelimit import headers as ratelimit_headers
@@ -44,7 +45,12 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.edge = edge
         self.active = 0
         self._active_lock = threading.Lock()
+        self.address_family = netaddr.family(addr[0])
         super().__init__(addr, None)
+
+    def server_bind(self):
+        netaddr.bind_options(self.socket, self.server_address[0])
+        super().server_bind()
 
     def process_request(self, request, client_address):
         with self._active_lock:
@@ -100,18 +106,40 @@ class Edge:
         self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
         self.forwarder = Forwarder(self)     # the upstream half: lb/forward.py
+        self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
 
     # -- the connection loop ------------------------------------------------------------------------
 
     def serve_connection(self, sock: socket.socket, addr) -> None:
         cfg = self.cfg
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer_ip = netaddr.client_ip(addr[0])
+        ctx = self.tls
+        if ctx is None:
+            return self._serve(sock, peer_ip, False)
+        tsock, why = tls.accept(ctx, sock, monotonic() + cfg.header_timeout)
+        if tsock is None:
+            self.metrics.tls_failed()
+            if why == "plain-http":
+                # nginx's 497: plain HTTP on the HTTPS port gets a plain-text 400, then the close.
+                self._refuse(sock, 400, "plain HTTP request sent to the HTTPS port", peer_ip)
+                _linger(sock)
+            else:
+                log.info("client %s: %s", peer_ip, why)
+            return
+        try:
+            self._serve(tsock, peer_ip, True)
+        finally:
+            tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
+
+    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool) -> None:
+        cfg = self.cfg
         reader = Reader(sock)
-        peer = addr[0].encode()
-        peer_trusted = self.identifier.trusted(addr[0])   # once per connection, not per request
-        peer_ip = addr[0]
+        peer = peer_ip.encode()
+        peer_trusted = self.identifier.trusted(peer_ip)   # once per connection, not per request
         conns = self.conns
         conns[sock] = False
+        first = True
         try:
             while not self.draining:
                 reader.deadline = None
@@ -119,6 +147,11 @@ class Edge:
                     if not reader.buf:
                         reader.timeout = cfg.keepalive_timeout   # idle between requests
                         if not reader.fill():
+                            return
+                    if first:
+                        first = False
+                        if reader.buf[0] == tls.HANDSHAKE and not over_tls:
+                            log.info("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
                     conns[sock] = True
                     reader.timeout = None
@@ -128,11 +161,11 @@ class Edge:
                         return
                     req = parse_request(head)
                 except HttpError as e:
-                    self._refuse(sock, e.status, e.reason, addr)
+                    self._refuse(sock, e.status, e.reason, peer_ip)
                     return
                 except socket.timeout:
                     if reader.buf:
-                        self._refuse(sock, 408, "request head not received in time", addr)
+                        self._refuse(sock, 408, "request head not received in time", peer_ip)
                     return
                 except OSError:
                     return
@@ -151,7 +184,9 @@ class Edge:
         for sock, busy in list(self.conns.items()):
             if not busy:
                 try:
-                    sock.shutdown(socket.SHUT_RD)   # the blocked recv returns b"": the thread exits
+                    # the blocked recv returns b"" and the thread exits; socket.socket's own shutdown,
+                    # because an SSLSocket's would drop its TLS state under the reading thread
+                    socket.socket.shutdown(sock, socket.SHUT_RD)
                     n += 1
                 except OSError:
                     pass
@@ -160,9 +195,9 @@ class Edge:
     def busy(self) -> int:
         return sum(1 for b in list(self.conns.values()) if b)
 
-    def _refuse(self, sock, status: int, reason: str, addr) -> None:
+    def _refuse(self, sock, status: int, reason: str, peer_ip: str) -> None:
         """Answer a request we could not read, then the caller closes: framing is lost."""
-        log.warning("client %s: %d %s", addr[0], status, reason)
+        log.warning("client %s: %d %s", peer_ip, status, reason)
         self.metrics.edge_answered(status, 0.0)
         try:
             sock.sendall(own_response(status, reason, close=True))
@@ -273,6 +308,19 @@ class Exchange:
         self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
         self.backend = None
         self.set_cookie = b""
+
+
+def _linger(sock: socket.socket, seconds: float = 1.0) -> None:
+    """Half-close and read what the client still sends (briefly): closing with unread bytes sends a
+    RST that can overtake the answer we just wrote."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(seconds)
+        end = monotonic() + seconds
+        while sock.recv(65536) and monotonic() < end:
+            pass
+    except OSError:
+        pass
 
 
 def route_cookie(cookie: bytes) -> str | None:

@@ -16,17 +16,19 @@ import time
 from dataclasses import replace
 
 from . import sdnotify
+from .netaddr import bind_options, family, hostport
 
 log = logging.getLogger("edge")
 
 
 def run(cfg, argv) -> int:
-    reserve = socket.socket(socket.AF_INET6 if ":" in cfg.listen[0] else socket.AF_INET)
+    reserve = socket.socket(family(cfg.listen[0]))
     reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    bind_options(reserve, cfg.listen[0])      # the same V6ONLY as the workers' sockets, or no sharing
     reserve.bind(cfg.listen)
     host, port = reserve.getsockname()[:2]
     cfg = replace(cfg, listen=(host, port))
-    argv = list(argv or []) + ["--listen", f"{host}:{port}"]   # a worker's reload keeps this port
+    argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
     children: dict[int, int] = {}          # pid -> worker index
     last_start: dict[int, float] = {}
     stopping = False
@@ -58,7 +60,7 @@ def run(cfg, argv) -> int:
 
     for i in range(cfg.workers):
         start(i)
-    log.info("listening on %s:%d with %d workers (supervisor pid %d)", host, port, cfg.workers, os.getpid())
+    log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers, os.getpid())
     sdnotify.notify("READY=1", f"STATUS={cfg.workers} workers")
     while children:
         while got:

@@ -91,11 +91,12 @@ class Proc:
 class Backend(Proc):
     """`python -m lb.demo` on a port of its own choosing (or the one given, to restart in place)."""
 
-    def __init__(self, name: str, port: int = 0):
-        super().__init__([PY, "-m", "lb.demo", "--port", str(port), "--name", name], f"backend-{name}")
-        m = self.wait_log(r"listening 127\.0\.0\.1:(\d+)")
+    def __init__(self, name: str, port: int = 0, host: str = "127.0.0.1"):
+        super().__init__([PY, "-m", "lb.demo", "--host", host, "--port", str(port), "--name", name],
+                         f"backend-{name}")
+        m = self.wait_log(r"listening \S+:(\d+) ")
         self.port = int(m.group(1))
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{'[%s]' % host if ':' in host else host}:{self.port}"
 
     def stats(self) -> dict:
         import json
@@ -107,11 +108,11 @@ class Edge(Proc):
 
     def __init__(self, *args: str, name: str = "edge", env: dict | None = None):
         super().__init__([PY, "edge.py", "--listen", "127.0.0.1:0", *args], name, env)
-        m = self.wait_log(r"listening on 127\.0\.0\.1:(\d+)")
-        self.port = int(m.group(1))
+        m = self.wait_log(r"listening on (\S+):(\d+)")   # 127.0.0.1:P, [::1]:P
+        self.port = int(m.group(2))
         self.admin_port = None
         if "--admin" in args:
-            self.admin_port = int(self.wait_log(r"admin on 127\.0\.0\.1:(\d+)").group(1))
+            self.admin_port = int(self.wait_log(r"admin on (\S+):(\d+)").group(2))
 
 
 class Response:

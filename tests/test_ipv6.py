@@ -1,0 +1,109 @@
+"""IPv6 against real processes on ::1: listeners, backends, dual-stack, brackets everywhere, identity."""
+
+import http.client
+import json
+import socket
+import subprocess
+
+import pytest
+
+from tests.support import PY, ROOT, Backend, Edge
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+
+
+def get6(port, path="/", headers=None, host="::1"):
+    c = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        c.request("GET", path, headers=headers or {})
+        r = c.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def backend6():
+    b = Backend("v6", host="::1")
+    yield b
+    b.stop()
+
+
+def test_ipv6_listener_and_backend_written_with_brackets_everywhere(backend6):
+    assert backend6.url.startswith("http://[::1]:")
+    e = Edge("--listen", "[::1]:0", "--backends", backend6.url, "--admin", "[::1]:0", "--health-interval", "0.2")
+    try:
+        assert e.wait_log(r"listening on \[::1\]:\d+, 1 backends \(weighted\): http://\[::1\]:\d+=1")
+        status, hdrs, body = get6(e.port, "/echo")
+        info = json.loads(body)
+        assert status == 200 and info["name"] == "v6"
+        fwd = {k.lower(): v for k, v in info["headers"]}
+        assert fwd["x-forwarded-for"] == "::1"
+        st = json.loads(get6(e.admin_port, "/status")[2])
+        assert st["listen"] == f"[::1]:{e.port}"
+        assert st["backends"][0]["url"] == backend6.url and st["backends"][0]["state"] == "UP"
+        assert "HTTP 200" in st["backends"][0]["last_probe"] or st["backends"][0]["last_probe"] == ""
+        metrics = get6(e.admin_port, "/metrics")[2].decode()
+        assert f'lb_backend_up{{backend="{backend6.url}"}} 1' in metrics
+        assert f'lb_requests_total{{backend="{backend6.url}"}} 1' in metrics
+    finally:
+        e.stop()
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="the OS has no dual-stack IPv6 sockets")
+def test_dual_stack_listener_serves_ipv4_clients_as_ipv4(backend6):
+    e = Edge("--listen", "[::]:0", "--backends", backend6.url, "--health-interval", "30")
+    try:
+        assert e.wait_log(r"listening on \[::\]:\d+")
+        for host, client in (("127.0.0.1", "127.0.0.1"), ("::1", "::1")):
+            status, _, body = get6(e.port, "/echo", host=host)
+            fwd = {k.lower(): v for k, v in json.loads(body)["headers"]}
+            assert status == 200 and fwd["x-forwarded-for"] == client    # never ::ffff:127.0.0.1
+    finally:
+        e.stop()
+
+
+def test_identity_by_ipv6_address_and_trusted_ipv6_proxies(backend6):
+    common = ["--listen", "[::1]:0", "--backends", backend6.url, "--health-interval", "30", "--limit", "2/m"]
+    direct = Edge(*common, "--key-limit", "::1=7/m")
+    behind = Edge(*common, "--trusted-proxies", "::1/128,fd00::/8", "--key-limit", "2001:db8::7=5/m")
+    try:
+        # The peer ::1 is the client: its own override applies.
+        _, hdrs, _ = get6(direct.port)
+        assert hdrs["X-RateLimit-Limit"] == "7"
+        # An untrusted peer cannot pick its identity with X-Forwarded-For.
+        _, hdrs, _ = get6(direct.port, headers={"X-Forwarded-For": "2001:db8::7"})
+        assert hdrs["X-RateLimit-Limit"] == "7"
+        # Behind trusted IPv6 proxies (::1, then fd00::1), the rightmost untrusted address is the client.
+        _, hdrs, _ = get6(behind.port, headers={"X-Forwarded-For": "2001:db8::7, fd00::1"})
+        assert hdrs["X-RateLimit-Limit"] == "5"
+        # Another IPv6 client has the default limit and a quota of its own.
+        codes = [get6(behind.port, headers={"X-Forwarded-For": "2001:db8::8"})[0] for _ in range(3)]
+        assert codes == [200, 200, 429]
+        assert get6(behind.port, headers={"X-Forwarded-For": "2001:db8::9"})[0] == 200
+    finally:
+        direct.stop()
+        behind.stop()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--listen", "::1:8080"], "[IPV6]:PORT"),
+    (["--trusted-proxies", "2001:db8::/129"], "trusted_proxies"),
+    (["--backends", "http://::1:9001"], "bad backend URL"),
+])
+def test_bad_ipv6_configuration_exits_2_with_one_line(args, needle):
+    p = subprocess.run([PY, "edge.py", "--backends", "http://[::1]:1", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=20)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
