@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from time import monotonic
 
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from .backends import Backend, PoolExhausted
+from .netaddr import hostport
 from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, own_response,
                      parse_response, send)
 
@@ -52,7 +54,7 @@ class UpstreamFailed(Exception):
 
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
-                  close: bool = False) -> bytearray:
+                  close: bool = False, proto: bytes = b"http") -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended.
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
@@ -68,10 +70,10 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
             continue
         out += name + b": " + value + b"\r\n"
     if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
-        out += b"Host: " + backend.spec.host.encode() + b":%d\r\n" % backend.spec.port
+        out += b"Host: " + hostport(backend.spec.host, backend.spec.port).encode() + b"\r\n"
     out += b"X-Forwarded-For: " + (req.xff + b", " + peer if req.xff else peer) + b"\r\n"
     if not (trusted and req.proto):
-        out += b"X-Forwarded-Proto: http\r\n"
+        out += b"X-Forwarded-Proto: " + proto + b"\r\n"      # https when it came over our TLS
     if req.host and not (trusted and req.fwd_host):
         out += b"X-Forwarded-Host: " + req.host + b"\r\n"
     if req.chunked:
@@ -87,6 +89,10 @@ def classify(e: BaseException, reused: bool) -> tuple[str, int, str]:
     if isinstance(e, UpstreamError):
         return e.kind, (504 if e.kind == "timeout" else 502), e.detail
     name = type(e).__name__
+    if isinstance(e, ssl.SSLError) and not reused:   # an https:// backend's handshake or certificate
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return "connect", 502, f"TLS: certificate verify failed ({e.verify_message})"
+        return "connect", 502, "TLS: " + str(getattr(e, "reason", None) or e).replace("_", " ").lower()
     if isinstance(e, Urllib3Error):   # raised by connect(): refused, unreachable, connect timeout
         return "connect", 502, name
     if isinstance(e, socket.timeout):
@@ -127,7 +133,7 @@ class Forwarder:
         """
         req = x.req
         keep_if_failed = req.keep_alive and isinstance(body, bytes)   # a streamed body may be half read
-        head = upstream_head(req, backend, peer, trusted, self.edge.cfg.no_pool)
+        head = upstream_head(req, backend, peer, trusted, self.edge.cfg.no_pool, x.proto)
         with backend.lock:
             backend.inflight += 1
         try:

@@ -170,7 +170,7 @@ class Edge:
                 except OSError:
                     return
                 try:
-                    if not self.handle(req, reader, sock, peer, peer_trusted, peer_ip):
+                    if not self.handle(req, reader, sock, peer, peer_trusted, peer_ip, over_tls):
                         return
                 except ClientGone:
                     return
@@ -207,7 +207,7 @@ class Edge:
     # -- one request ----------------------------------------------------------------------------------
 
     def handle(self, req: Request, reader: Reader, sock: socket.socket, peer: bytes,
-               peer_trusted: bool = False, peer_ip: str = "") -> bool:
+               peer_trusted: bool = False, peer_ip: str = "", over_tls: bool = False) -> bool:
         """Serve one request; True when the client connection may carry another.
 
         Stage order (and why): a bad frame spends no token; a rejected request costs no backend
@@ -215,7 +215,7 @@ class Edge:
         its token, so hammering a failing pool is not free.
         """
         cfg = self.cfg
-        x = Exchange(req, monotonic())
+        x = Exchange(req, monotonic(), b"https" if over_tls else b"http")
         has_body = req.chunked or bool(req.content_length)
         # After an early answer, an unread body would be read as the next request: close instead.
         keep_if_early = req.keep_alive and not has_body
@@ -300,10 +300,11 @@ class Edge:
 class Exchange:
     """What the stages learned about one request, carried to wherever its response is written."""
 
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie")
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto")
 
-    def __init__(self, req: Request, start: float):
+    def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
+        self.proto = proto           # the scheme the client used: X-Forwarded-Proto
         self.key = ""
         self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
         self.backend = None

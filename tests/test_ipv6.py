@@ -56,6 +56,14 @@ def test_ipv6_listener_and_backend_written_with_brackets_everywhere(backend6):
         metrics = get6(e.admin_port, "/metrics")[2].decode()
         assert f'lb_backend_up{{backend="{backend6.url}"}} 1' in metrics
         assert f'lb_requests_total{{backend="{backend6.url}"}} 1' in metrics
+        # HTTP/1.0 without Host: the edge writes one for the backend, the IPv6 address in brackets.
+        with socket.create_connection(("::1", e.port), timeout=10) as s:
+            s.sendall(b"GET /echo HTTP/1.0\r\n\r\n")
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        host = {k.lower(): v for k, v in json.loads(out.split(b"\r\n\r\n", 1)[1])["headers"]}["host"]
+        assert host == f"[::1]:{backend6.port}"
     finally:
         e.stop()
 

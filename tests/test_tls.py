@@ -55,7 +55,7 @@ def peer_cert(port, pki) -> bytes:
             return t.getpeercert(binary_form=True)
 
 
-def test_https_in_keep_alive_and_alpn(backends, pki):
+def test_https_in_keep_alive_alpn_and_forwarded_proto(backends, pki):
     e = tls_edge(pki, backends, "--admin", "127.0.0.1:0")
     try:
         c = https(e.port, pki)
@@ -64,6 +64,17 @@ def test_https_in_keep_alive_and_alpn(backends, pki):
         assert c.sock.selected_alpn_protocol() == "http/1.1"
         c.close()
         assert [i["target"] for i in infos] == [f"/echo/{i}" for i in range(5)]
+        for info in infos:
+            hdrs = {k.lower(): v for k, v in info["headers"]}
+            assert hdrs["x-forwarded-proto"] == "https"
+        # A trusted proxy's word stands (it terminated TLS in front of us, or did not).
+        trusted = tls_edge(pki, backends, "--trusted-proxies", "127.0.0.1/32")
+        try:
+            info = json.loads(request(trusted.port, "GET", "/echo", {"X-Forwarded-Proto": "http"},
+                                      conn=https(trusted.port, pki)).body)
+            assert {k.lower(): v for k, v in info["headers"]}["x-forwarded-proto"] == "http"
+        finally:
+            trusted.stop()
         status = json.loads(request(e.admin_port, "GET", "/status").body)
         assert status["tls"] is True
         # A client offering only h2 gets no ALPN agreement: we never claim to speak HTTP/2.
@@ -250,7 +261,7 @@ def test_https_backend_is_verified_against_the_ca_file(backends, pki):
         assert status["backends"][0]["url"] == url and status["backends"][0]["state"] == "UP"
         r = request(unverified.port, "GET", "/")
         assert r.status == 502
-        unverified.wait_log(r"backend https://127\.0\.0\.1:\d+ .*certificate verify failed")
+        unverified.wait_log(r"backend https://127\.0\.0\.1:\d+ connect: GET / -> 502 \(TLS: certificate verify failed")
     finally:
         e.stop()
         unverified.stop()
