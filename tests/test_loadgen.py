@@ -12,6 +12,7 @@ import pytest
 
 from tests.support import PY, ROOT, Backend, free_port
 from wrk import loadgen
+from wrk import report
 from wrk.report import parse_output
 
 DATA = Path(__file__).parent / "data"
@@ -149,13 +150,13 @@ def test_flags_and_units_follow_wrk():
     assert loadgen.parse_duration("2h") == 7200 and loadgen.parse_duration("30") == 30
     assert loadgen.parse_metric("2k") == 2000 and loadgen.parse_metric("150") == 150
     # wrk's units: a step up at 85% of the next unit; seconds and minutes past 1 s.
-    assert loadgen.format_time_us(812) == "812.00us"
-    assert loadgen.format_time_us(850) == "0.85ms"
-    assert loadgen.format_time_us(6670) == "6.67ms"
-    assert loadgen.format_time_us(1_200_000) == "1.20s"
-    assert loadgen.format_time_us(60_000_000) == "1.00m"
-    assert loadgen.format_binary(19.81 * 1024 * 1024) == "19.81M"
-    assert loadgen._units_col("6.67ms", 10) == "    6.67ms" and loadgen._units_col("1.20s", 10) == "    1.20s "
+    assert report.format_time_us(812) == "812.00us"
+    assert report.format_time_us(850) == "0.85ms"
+    assert report.format_time_us(6670) == "6.67ms"
+    assert report.format_time_us(1_200_000) == "1.20s"
+    assert report.format_time_us(60_000_000) == "1.00m"
+    assert report.format_binary(19.81 * 1024 * 1024) == "19.81M"
+    assert report._units_col("6.67ms", 10) == "    6.67ms" and report._units_col("1.20s", 10) == "    1.20s "
 
 
 # ------------------------------------------------------------------------------------- the parser

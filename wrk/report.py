@@ -1,4 +1,5 @@
-"""Read a load-test run's text output, wrk2's or wrk.loadgen's, into one dict.
+"""A load-test run's text, in wrk2's layout: written by wrk.loadgen (format_report), read back from
+either tool's output (parse_output) into one dict. The writer and the reader of one format live together.
 
     from wrk.report import parse_output
     r = parse_output(text, requested_rate=1000)
@@ -32,7 +33,12 @@ import re
 
 PCT_KEYS = {50.0: "p50", 75.0: "p75", 90.0: "p90", 99.0: "p99", 99.9: "p99.9", 99.99: "p99.99",
             99.999: "p99.999", 100.0: "max"}
-KEEP_UP_RATE = 0.99   # the same rule wrk.loadgen applies (for wrk2 output: on the rate alone)
+JSON_PERCENTILES = {k: p for p, k in PCT_KEYS.items()}      # the --json names
+FULL_PERCENTILES = tuple(PCT_KEYS)                          # --latency
+SHORT_PERCENTILES = (50.0, 90.0, 99.0, 99.9, 100.0)
+KEEP_UP_RATE = 0.99       # achieved / requested at or above this (for wrk2 output: the whole rule)...
+KEEP_UP_LAG_MS = 10.0     # ...and send-lag p99 at or below this (wrk.loadgen): "kept up"
+KEEP_UP_RULE = f"achieved >= {KEEP_UP_RATE:.0%} of requested and send lag p99 <= {KEEP_UP_LAG_MS:g} ms"
 
 _TIME = r"(\d+(?:\.\d+)?)(us|ms|s|m|h)"
 _TIME_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
@@ -59,6 +65,95 @@ _RX = {
     "warning": re.compile(r"^WARNING: (.*)$"),
 }
 
+
+# ------------------------------------------------------------------------------- writing (wrk.loadgen)
+
+def _format_units(n: float, base: str, units: tuple, scale: int, digits: int) -> str:
+    """wrk's format_units(): step up a unit once the amount reaches 85% of the next one."""
+    amt, unit = n, base
+    for i in range(len(units) - 1):
+        if amt < scale * 0.85:
+            break
+        amt /= scale
+        unit = units[i]
+    return f"{amt:.{digits}f}{unit}"
+
+
+def format_time_us(us: float) -> str:
+    """wrk's format_time_us(): 812.00us, 6.67ms, 1.20s, 1.00m."""
+    if us >= 1_000_000:
+        return _format_units(us / 1_000_000, "s", ("m", "h", None), 60, 2)
+    return _format_units(us, "us", ("ms", "s", None), 1000, 2)
+
+
+def format_binary(n: float) -> str:
+    return _format_units(n, "", ("K", "M", "G", "T", "P", None), 1024, 2)
+
+
+def _units_col(msg: str, width: int) -> str:
+    """wrk's print_units(): right-align in width, two trailing spaces less one per letter of unit."""
+    pad = 2 - (msg[-1:].isalpha()) - (msg[-2:-1].isalpha())
+    w = width - pad
+    return msg[:w].rjust(w) + "  "[:pad]
+
+
+def format_report(r: dict, full_latency: bool = False) -> str:
+    """wrk2's text layout, line for line where the two tools share a line (so wrk.report reads both):
+    the percentile rows, 'N requests in T, XB read', 'Socket errors: ...', 'Non-2xx or 3xx responses: N'
+    (wrk counts status > 399 there), 'Requests/sec:', 'Transfer/sec:'. Then our own lines, which
+    wrk/limit.lua also prints under wrk2: 'responses: N', 'status CODE: N',
+    'admitted: N requests, R req/s (non-429)'. Then, only from us: 'Intended rate: ...', 'Send lag ...',
+    'Generator CPU ...' and, when it fell behind, 'WARNING: could not keep up: ...'."""
+    out = []
+    dur = r["duration_s"]
+    lm = r["latency_ms"]
+    us = lambda ms: format_time_us(ms * 1000.0) if ms is not None else "-"  # noqa: E731
+    out.append(f"Running {_format_units(r.get('requested_duration_s') or dur, 's', ('m', 'h', None), 60, 0)} "
+               f"test @ {r['url']}")
+    out.append(f"  {r['threads']} threads and {r['connections']} connections")
+    if r["mode"] == "open":
+        out.append(f"  Generator: wrk.loadgen, open loop at {r['intended_rate']:g} req/s; "
+                   f"latency from each request's intended send time")
+    else:
+        out.append("  Generator: wrk.loadgen, CLOSED loop (-R 0): max throughput; latency from actual send time")
+    if r.get("command"):
+        out.append(f"  Command: {r['command']}")
+    out.append("  Thread Stats%6s%11s%8s%12s" % ("Avg", "Stdev", "Max", "+/- Stdev"))
+    within = lm["within_stdev_pct"] if lm["within_stdev_pct"] is not None else 0.0
+    out.append("    %-10s" % "Latency" + _units_col(us(lm["mean"]), 8) + _units_col(us(lm["stdev"]), 10)
+               + _units_col(us(lm["max"]), 9) + "%8.2f%%" % within)
+    out.append(f"  Latency Distribution (exact - Recorded Latency{', from intended send time' if r['mode'] == 'open' else ''})")
+    for p in (FULL_PERCENTILES if full_latency else SHORT_PERCENTILES):
+        out.append("%7.3f%%" % p + _units_col(us(lm.get(PCT_KEYS[p])), 10))
+    lg = r["send_lag_ms"]
+    out.append(f"  Send lag (actual - intended send time): p50 {us(lg['p50'])}, p99 {us(lg['p99'])}, "
+               f"max {us(lg['max'])}")
+    out.append("----------------------------------------------------------")
+    out.append(f"  {r['completed']} requests in {format_time_us(dur * 1e6)}, {format_binary(r['bytes_read'])}B read")
+    e = r["errors"]
+    out.append(f"  Socket errors: connect {e['connect']}, read {e['read']}, write {e['write']}, "
+               f"timeout {e['timeout']}")
+    out.append(f"  Non-2xx or 3xx responses: {sum(v for k, v in r['status'].items() if int(k) > 399)}")
+    out.append("Requests/sec: %9.2f" % r["requests_per_sec"])
+    out.append("Transfer/sec: %10sB" % format_binary(r["bytes_read"] / dur if dur else 0))
+    out.append(f"responses: {r['completed']}")
+    for code, n in r["status"].items():
+        out.append(f"status {code}: {n}")
+    out.append(f"admitted: {r['admitted']} requests, {r['admitted_per_sec']:.2f} req/s (non-429)")
+    if r["mode"] == "open":
+        out.append(f"Intended rate: {r['intended_rate']:.2f} req/s, achieved {r['achieved_rate']:.2f} req/s "
+                   f"({r['achieved_rate'] / r['intended_rate']:.2%}); sent {r['sent']} of "
+                   f"{r['intended_requests']} scheduled; unsent {r['unsent']}; reconnects {r['reconnects']}")
+    else:
+        out.append(f"Closed loop: achieved {r['achieved_rate']:.2f} req/s; reconnects {r['reconnects']}")
+    out.append(f"Generator CPU: {r['generator_cpu_s']:.2f}s ({r['generator_cpu_pct_of_core']}% of one core)")
+    if r["kept_up"] is False:
+        out.append("WARNING: could not keep up: " + "; ".join(r["not_kept_up_because"])
+                   + f"  [rule: {KEEP_UP_RULE}]")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- reading (either tool)
 
 def _ms(value: str, unit: str) -> float:
     return float(value) * _TIME_MS[unit]
