@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.placement import describe, place  # noqa: E402
+from wrk.placement import describe, place  # noqa: E402
 from wrk.nginx_target import nginx_target  # noqa: E402
 from tests.support import Edge, Proc  # noqa: E402
 from wrk import loadgen  # noqa: E402

@@ -1,5 +1,6 @@
-"""CPU placement for benchmarks on a small machine: the load generator and the backend on one CPU, the
-system under test on another, as it would be in production (the load comes from elsewhere).
+"""CPU placement for load runs on a small machine: the load generator and the backend on one CPU, the
+system under test on another, as it would be in production (the load comes from elsewhere). One home for
+wrk.protocol and the benchmarks in bench/ (which depend on wrk/, never the other way round).
 
     load_cpu, edge_args = place()      # call before starting nginx or the generator: they inherit it
 """
