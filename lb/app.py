@@ -21,7 +21,7 @@ from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
 from .balancer import Balancer
-from .config import BackendSpec, Config, ConfigError, load
+from .config import BackendSpec, Config, ConfigError, load, redis_files
 from .health import HealthChecker
 from .identity import Identifier
 from .metrics import Metrics
@@ -96,7 +96,8 @@ class App:
         if not cfg.limit:
             return None
         from .ratelimit import LimitStage
-        redis = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error} if cfg.store != "memory" else {}
+        redis = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error,
+                 **{k: v for k, v in redis_files(cfg).items() if v is not None}} if cfg.store != "memory" else {}
         reuse = None
         if old is not None and (old.algorithm, old.store, old.options) == (
                 cfg.algorithm, cfg.store, tuple(sorted(redis.items()))):

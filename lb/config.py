@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
+from limiter import redis_url
+
 from .netaddr import hostport, split_hostport
 
 
@@ -67,6 +69,10 @@ class Config:
     store: str = "memory"
     redis_timeout: float = 0.05              # seconds per Redis call (connect and read) before on_store_error
     on_store_error: str = "fail-open"        # fail-open | fail-closed (503) | local (in-process limiter)
+    redis_password_file: str | None = None   # the Redis password's file (else the URL or EDGE_REDIS_PASSWORD)
+    redis_ca_file: str | None = None         # rediss://: the CA that signed the server's certificate
+    redis_cert_file: str | None = None       # rediss://: a client certificate (with redis_key_file)
+    redis_key_file: str | None = None
     trusted_proxies: tuple[str, ...] = ()
     # TLS termination: both set -> the listener speaks HTTPS
     tls_cert: str | None = None
@@ -157,6 +163,12 @@ def check_rate(value: str, key: str) -> str:
     return value
 
 
+def redis_files(c: "Config") -> dict:
+    """The [limits] redis_*_file settings, as limiter.redis_url.parse / RedisStore keyword arguments."""
+    return {"password_file": c.redis_password_file, "ca_file": c.redis_ca_file,
+            "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
+
+
 def check_cidrs(values, key: str) -> tuple[str, ...]:
     out = []
     for v in values:
@@ -189,6 +201,8 @@ _SECTIONS = {
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
                "redis_timeout": ("redis_timeout", "f"), "on_store_error": ("on_store_error", "s"),
+               "redis_password_file": ("redis_password_file", "s"), "redis_ca_file": ("redis_ca_file", "s"),
+               "redis_cert_file": ("redis_cert_file", "s"), "redis_key_file": ("redis_key_file", "s"),
                "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table")},
 }
 
@@ -301,7 +315,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--limit", help="N/PERIOD for every key, e.g. 100/s, 600/m, 50/10s (default: no limiting)")
     a("--key-limit", action="append", help="KEY=N/PERIOD override, repeatable")
     a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
-    a("--store", help="memory (default) | redis://HOST:PORT/DB")
+    a("--store", help="memory (default) | redis://[USER:PASS@]HOST:PORT/DB | rediss://... (TLS) | "
+                      "redis-sentinel://H:P,.../MASTER | redis-cluster://H:P,...")
     a("--redis-timeout", help="seconds per Redis call before --on-store-error applies (default 0.05)")
     a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
@@ -394,8 +409,13 @@ def validate(c: Config) -> Config:
         check_rate(rate, f"limits.keys.{k}")
     if c.key_limits and c.limit is None:
         raise ConfigError("limits.keys: per-key limits need a default limit (--limit / limits.default)")
-    if c.store != "memory" and not c.store.startswith("redis://"):
-        raise ConfigError(f"store: expected memory or redis://HOST:PORT/DB, got {c.store!r}")
+    if c.store != "memory":
+        try:
+            redis_url.parse(c.store, **redis_files(c))  # one line, never the password
+        except ValueError as e:
+            raise ConfigError(str(e) if str(e).startswith(("store", "redis_", "the Redis")) else f"store: {e}") from None
+    elif any(redis_files(c).values()):
+        raise ConfigError("limits.redis_*_file: only apply to a Redis store (limits.store)")
     if c.on_store_error not in STORE_ERROR_POLICIES:
         raise ConfigError(f"limits.on_store_error: {c.on_store_error!r} is not one of "
                           f"{', '.join(STORE_ERROR_POLICIES)}")

@@ -14,6 +14,7 @@ import re
 
 from .algorithms import ALGORITHMS, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from .memory import MemoryStore
+from .redis_url import SCHEMES as REDIS_SCHEMES
 
 __all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
 
@@ -25,11 +26,12 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     algorithm  one of ALGORITHMS: token-bucket, fixed-window, sliding-log, sliding-counter
     limit      N requests per window (token bucket: refill N per window, capacity N unless burst=)
     window     the period in seconds
-    store      "memory", or "redis://HOST:PORT/DB" (limiter.redis_store: state shared by every edge)
+    store      "memory", or redis://, rediss://, redis-sentinel://, redis-cluster:// (limiter.redis_url;
+               limiter.redis_store: state shared by every edge)
     burst      token-bucket only: bucket capacity, apart from N
     max_keys   hard cap on keys holding state in memory (idle keys are evicted long before)
-    redis_options  store="redis://..." only: prefix, timeout, pool_size, on_error, retry_interval,
-               ttl_grace (see limiter.redis_store.RedisStore)
+    redis_options  Redis stores only: prefix, timeout, pool_size, on_error, retry_interval, ttl_grace,
+               password_file, ca_file, cert_file, key_file (see limiter.redis_store.RedisStore)
     """
     try:
         cls = ALGORITHMS[algorithm]
@@ -42,10 +44,12 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
         if redis_options:
             raise ValueError(f"options {', '.join(sorted(redis_options))} only apply to store='redis://...'")
         return MemoryStore(algo, max_keys=max_keys)
-    if isinstance(store, str) and store.startswith("redis://"):
+    if isinstance(store, str) and store.partition("://")[0] in REDIS_SCHEMES:
         from .redis_store import RedisStore  # imports redis only when it is used
         return RedisStore(algo, store, max_keys=max_keys, **redis_options)
-    raise ValueError(f"store must be 'memory' or 'redis://HOST:PORT/DB'; got {store!r}")
+    from .redis_url import parse
+    parse(store)  # raises the one-line reason (never echoing a password)
+    raise AssertionError("unreachable")
 
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

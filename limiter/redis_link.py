@@ -1,10 +1,11 @@
-"""The Redis connection layer: one bounded pool + circuit breaker per Redis URL per process.
+"""The Redis connection layer: one bounded pool + circuit breaker per Redis server per process.
 
 limiter.redis_store holds the scripts and the decisions; this module only moves bytes: it knows how to
 reach a Redis, keep connections, send one EVALSHA and read its reply, and when to stop trying.  Its
 interface to the store is small on purpose (so transports can change without touching a script):
 
-    link = link_for(url, timeout, pool_size, retry_interval)    # shared per process (and per fork)
+    link = link_for(target, timeout, pool_size, retry_interval) # target: limiter.redis_url.parse(url)
+    node = link.route(key_bytes)                                 # the server owning the key (a cluster's node)
     link.evalsha(script, key_bytes, now) -> reply bytes          # raises redis.RedisError
     link.up / link.may_try() / link.failed(e) / link.succeeded() / link.retry_at / link.failures
 
@@ -29,10 +30,11 @@ from time import monotonic
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
+
+from .redis_url import Target
 
 log = logging.getLogger("edge")
 
@@ -111,19 +113,22 @@ class _Pool:
 
 
 class RedisLink:
-    """One connection pool + circuit breaker per Redis URL (and timeout, pool size) per process.
+    """One connection pool + circuit breaker per Redis server (and timeout, pool size) per process.
 
-    Shared by every RedisStore on that URL, so an edge with several rates logs one line per state
-    change and keeps one pool.
+    Shared by every RedisStore on that server, so an edge with several rates logs one line per state
+    change and keeps one pool.  `name` (what the logs show) never holds the password.
     """
 
-    def __init__(self, url: str, timeout: float, pool_size: int, retry_interval: float):
-        self.url = url
+    def __init__(self, target: Target, timeout: float, pool_size: int, retry_interval: float,
+                 host: str | None = None, port: int | None = None):
+        self.target = target
+        host, port = (host, port) if host is not None else target.hosts[0]
+        self.name = target.display if target.kind == "single" else f"{target.display} node {host}:{port}"
         self.timeout = timeout
         self.pool_size = pool_size
         self.retry_interval = retry_interval
         self.connection_kwargs = dict(
-            parse_url(url),
+            target.connection_kwargs(host, port),
             socket_timeout=timeout, socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),  # redis-py's default retries would multiply the timeout
             health_check_interval=0,
@@ -136,9 +141,17 @@ class RedisLink:
         self.failures = 0  # failed Redis calls (timeouts, refused, errors)
         self._lock = threading.Lock()
 
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.connection_kwargs["host"], self.connection_kwargs["port"]
+
+    def route(self, key: bytes) -> "RedisLink":
+        """The server that owns key: this one (a cluster routes by slot)."""
+        return self
+
     def _new_pool(self) -> _Pool:
-        kwargs = dict(self.connection_kwargs)
-        cls = kwargs.pop("connection_class", redis.Connection)  # rediss:// and unix:// name their own
+        kwargs = self.connection_kwargs
+        cls = redis.SSLConnection if self.target.tls else redis.Connection
         return _Pool(lambda: cls(**kwargs), self.pool_size, self.timeout)
 
     def _after_fork(self) -> None:
@@ -196,7 +209,7 @@ class RedisLink:
                 self.up = False
                 self.down_since = t
                 log.warning("limiter store %s unavailable (%s: %s); failure policy applies, retrying every %gs",
-                            self.url, type(error).__name__, error, self.retry_interval)
+                            self.name, type(error).__name__, error, self.retry_interval)
 
     def succeeded(self) -> bool:
         """Called after a success while down; True for the one caller that flips the state back."""
@@ -205,7 +218,7 @@ class RedisLink:
                 return False
             self.up = True
             log.warning("limiter store %s back after %.1fs; enforcing shared limits again",
-                        self.url, monotonic() - self.down_since)
+                        self.name, monotonic() - self.down_since)
             return True
 
 
@@ -213,12 +226,13 @@ _LINKS: dict[tuple, RedisLink] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def link_for(url: str, timeout: float = 0.05, pool_size: int = 64, retry_interval: float = 0.5) -> RedisLink:
-    key = (url, float(timeout), int(pool_size), float(retry_interval))
+def link_for(target: Target, timeout: float = 0.05, pool_size: int = 64, retry_interval: float = 0.5) -> RedisLink:
+    """The process's one link to target (limiter.redis_url.parse(url, ...)): a Redis server for now."""
+    key = (target, float(timeout), int(pool_size), float(retry_interval))
     with _LINKS_LOCK:
         link = _LINKS.get(key)
         if link is None:
-            link = _LINKS[key] = RedisLink(url, timeout, pool_size, retry_interval)
+            link = _LINKS[key] = RedisLink(target, timeout, pool_size, retry_interval)
         return link
 
 

@@ -44,7 +44,8 @@ from redis.exceptions import RedisError
 
 from .algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from .memory import MemoryStore
-from .redis_link import _Script, link_for
+from .redis_link import RedisLink, _Script, link_for
+from .redis_url import parse
 
 log = logging.getLogger("edge")
 
@@ -284,11 +285,16 @@ _SCRIPTS = {
 # ---------------------------------------------------------------------------------------- the store
 
 class RedisStore:
-    """allow(key, now) for one algorithm, with state held in Redis (one Lua script call per decision)."""
+    """allow(key, now) for one algorithm, with state held in Redis (one Lua script call per decision).
+
+    url: redis://, rediss://, redis-sentinel:// or redis-cluster:// (limiter.redis_url); password_file,
+    ca_file, cert_file, key_file: the [limits] redis_* settings.
+    """
 
     def __init__(self, algorithm, url: str, *, prefix: str | None = None, timeout: float = 0.05,
                  pool_size: int = 64, on_error: str = "fail-open", retry_interval: float = 0.5,
-                 ttl_grace: float = 1.0, max_keys: int = 100_000):
+                 ttl_grace: float = 1.0, max_keys: int = 100_000, password_file: str | None = None,
+                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None):
         if on_error not in POLICIES:
             raise ValueError(f"on_error must be one of {', '.join(POLICIES)}; got {on_error!r}")
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
@@ -305,19 +311,25 @@ class RedisStore:
             lua, self._state, args = _SCRIPTS[type(algorithm)]
         except KeyError:
             raise ValueError(f"no Redis script for {algorithm!r}") from None
+        target = parse(url, password_file=password_file, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
         self.algorithm = algorithm
         self.limit = algorithm.limit
-        self.url = url
+        self.url = target.display  # never the password
         self.prefix = prefix
         self.on_error = on_error
-        self.link = link_for(url, timeout, pool_size, retry_interval)
+        self.link = link_for(target, timeout, pool_size, retry_interval)
+        self._route = self.link.route
         # The configuration is baked into this limiter's copy of the script (a local ARGV shadowing the
         # real one; one SHA per configuration), so each call sends only the key and now.
         consts = [str(math.ceil(ttl_grace * 1000)), *(repr(float(x)) for x in args(algorithm))]
         self.lua = "local ARGV = {ARGV[1], %s}\n%s" % (", ".join(f"'{c}'" for c in consts), lua)
         self.script = _Script(self.lua)
         self._step = algorithm.step
-        self.local = MemoryStore(algorithm, max_keys=max_keys) if on_error == "local" else None
+        self.max_keys = max_keys
+        # on_error="local": one in-process limiter per Redis server that failed (a cluster has several),
+        # created on its first fallback, dropped by the first decision that reaches that server again --
+        # whichever store's call it was that found the server back (every store checks its own).
+        self._locals: dict[RedisLink, MemoryStore] = {}
         self.degraded = 0  # decisions made by the failure policy
         self.drift = 0  # Lua and Python verdicts disagreed (must stay 0)
         self.strict = False  # raise DriftError instead of counting (tests)
@@ -326,31 +338,38 @@ class RedisStore:
         return f"{self.prefix}{{{key}}}"
 
     def allow(self, key, now: float):
-        link = self.link
-        if link.up or link.may_try():
+        k = f"{self.prefix}{{{key}}}".encode()
+        node = self._route(k)
+        if node.up or node.may_try():
             try:
-                reply = link.evalsha(self.script, f"{self.prefix}{{{key}}}".encode(), now)
+                reply = node.evalsha(self.script, k, now)
             except RedisError as e:
-                link.failed(e)
+                # a redirected call names the server that actually failed
+                (getattr(e, "node", None) or node).failed(e)
             else:
-                if not link.up and link.succeeded() and self.local is not None:
-                    self.local.clear()
+                if not node.up:
+                    node.succeeded()
+                if self._locals:  # this server answers again: its local counts are stale
+                    self._locals.pop(node, None)
                 _, d = self._step(self._state(reply[2:] or None), now)
                 if d.allowed != (reply[0] == 49):  # b"1..."
                     self._drifted(key, now, reply, d)
                 return d
-        return self._fallback(key, now)
+        return self._fallback(key, now, node)
 
-    def _fallback(self, key, now):
+    def _fallback(self, key, now, node):
         self.degraded += 1
         policy = self.on_error
         if policy == "fail-open":
             a = self.algorithm
             return _new(FailOpenDecision, (True, self.limit, self.limit - 1, a.window, 0.0))
         if policy == "fail-closed":
-            wait = max(0.0, self.link.retry_at - monotonic())
+            wait = max(0.0, node.retry_at - monotonic())
             return _new(UnavailableDecision, (False, self.limit, 0, wait, wait))
-        return _new(LocalDecision, self.local.allow(key, now))
+        local = self._locals.get(node)
+        if local is None:
+            local = self._locals.setdefault(node, MemoryStore(self.algorithm, max_keys=self.max_keys))
+        return _new(LocalDecision, local.allow(key, now))
 
     def _drifted(self, key, now, reply, d):
         self.drift += 1

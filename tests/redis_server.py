@@ -20,9 +20,13 @@ from tests.support import free_port
 
 
 class RedisServer:
-    """`redis-server --port P --save '' --appendonly no`; start(), stop(), kill(), pause()/resume()."""
+    """`redis-server --port P --save '' --appendonly no`; start(), stop(), kill(), pause()/resume().
 
-    def __init__(self, port: int | None = None):
+    extra: more redis-server arguments (TLS, a password, cluster mode...); ping: redis.Redis keyword
+    arguments the readiness PING needs to get through them (ssl=..., password=...).
+    """
+
+    def __init__(self, port: int | None = None, extra: tuple = (), ping: dict | None = None):
         exe = shutil.which("redis-server") or next(
             (p for p in ("/usr/bin/redis-server", "/usr/local/bin/redis-server") if os.path.exists(p)), None)
         if exe is None:
@@ -33,14 +37,16 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
         self.dir = tempfile.mkdtemp(prefix="redis-test-")
+        self.extra = [str(a) for a in extra]
+        self.ping_kwargs = ping or {}
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--loglevel", "warning"],
+             "--dir", self.dir, "--loglevel", "warning", *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
-        c = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        c = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5, **self.ping_kwargs)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -57,7 +63,7 @@ class RedisServer:
         return self
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, socket_timeout=5, **self.ping_kwargs)
 
     def kill(self) -> None:
         """SIGKILL: the server vanishes mid-traffic (connections reset, then refused)."""

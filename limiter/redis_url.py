@@ -1,0 +1,155 @@
+"""Store URLs: one parser for every Redis topology, and the one place the secret and the TLS files come in.
+
+    redis://[USER[:PASSWORD]@]HOST:PORT[/DB]                        one Redis
+    rediss://[USER[:PASSWORD]@]HOST:PORT[/DB]                       one Redis over TLS
+    redis-sentinel://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]/MASTER[/DB]
+    redis-cluster://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]      seed nodes (a cluster has db 0 only)
+
+The password comes from exactly one of: the URL, `[limits] redis_password_file` (its first line), or the
+environment variable EDGE_REDIS_PASSWORD.  Two sources are refused: silently preferring one would leave an
+operator debugging the other.  With Sentinel the credentials are the master's (the sentinels are asked
+without them).  A Target's repr and `display` never contain the password; nothing here logs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from urllib.parse import unquote
+
+SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster")
+SUPPORTED = ("single",)  # the kinds limiter.redis_store can serve; the others are refused at start-up
+ENV_PASSWORD = "EDGE_REDIS_PASSWORD"
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: str                                   # "single", "sentinel" or "cluster"
+    hosts: tuple[tuple[str, int], ...]          # the server, the sentinels, or the cluster's seed nodes
+    db: int = 0
+    master: str | None = None                   # sentinel: the monitored master's name
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @property
+    def display(self) -> str:
+        """The URL without credentials: what logs, /status and errors may show."""
+        scheme = {"single": "rediss" if self.tls else "redis", "sentinel": "redis-sentinel",
+                  "cluster": "redis-cluster"}[self.kind]
+        hosts = ",".join(f"{_host(h)}:{p}" for h, p in self.hosts)
+        if self.kind == "sentinel":
+            return f"{scheme}://{hosts}/{self.master}" + (f"/{self.db}" if self.db else "")
+        if self.kind == "cluster":
+            return f"{scheme}://{hosts}"
+        return f"{scheme}://{hosts}/{self.db}"
+
+    def connection_kwargs(self, host: str, port: int) -> dict:
+        """redis-py Connection / SSLConnection keyword arguments for one server of this target."""
+        kw = dict(host=host, port=port, db=self.db, username=self.username, password=self.password)
+        if self.tls:
+            kw.update(ssl_ca_certs=self.ca_file, ssl_certfile=self.cert_file, ssl_keyfile=self.key_file,
+                      ssl_cert_reqs="required", ssl_check_hostname=True)
+        return kw
+
+
+def _host(h: str) -> str:
+    return f"[{h}]" if ":" in h else h
+
+
+def _hostport(text: str, url: str) -> tuple[str, int]:
+    if text.startswith("["):  # [::1]:6379
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{_redact(url)}: expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
+
+
+def _read_password_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.readline().rstrip("\r\n")
+    except OSError as e:
+        raise ValueError(f"redis_password_file: cannot read {path}: {e.strerror or e}") from None
+    if not secret:
+        raise ValueError(f"redis_password_file: {path} is empty (its first line is the password)")
+    return secret
+
+
+def _check_file(path: str | None, what: str) -> None:
+    if path is not None and not os.access(path, os.R_OK):
+        raise ValueError(f"{what}: cannot read {path}")
+
+
+def parse(url: str, *, password_file: str | None = None, ca_file: str | None = None,
+          cert_file: str | None = None, key_file: str | None = None, environ=None) -> Target:
+    """A store URL (and the [limits] secret/TLS settings) -> Target.  ValueError: one line, no secret."""
+    if not isinstance(url, str):
+        raise ValueError(f"store URL must be a string, got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"store: expected memory, {', '.join(s + '://' for s in SCHEMES)}; got {_redact(url)!r}")
+    userinfo, at, rest = rest.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+        if not colon and user:  # redis://SECRET@host: the lone field is the password (redis-py's reading)
+            username, password = None, unquote(user)
+    path = ""
+    if "/" in rest:
+        rest, _, path = rest.partition("/")
+    if "?" in path or "?" in rest:
+        raise ValueError(f"{_redact(url)}: query options are not supported (use the [limits] redis_* keys)")
+    hosts = tuple(_hostport(h, url) for h in rest.split(",")) if rest else ()
+    if not hosts:
+        raise ValueError(f"{_redact(url)}: no HOST:PORT")
+    parts = [p for p in path.split("/") if p] if path else []
+    master, db = None, 0
+    if scheme == "redis-sentinel":
+        if not parts:
+            raise ValueError(f"{_redact(url)}: the master's name is missing (redis-sentinel://H:P,.../MASTER)")
+        master, parts = unquote(parts[0]), parts[1:]
+    if parts:
+        if scheme == "redis-cluster" or len(parts) > 1 or not parts[0].isdigit():
+            raise ValueError(f"{_redact(url)}: expected /DB (a number)" if scheme != "redis-cluster"
+                             else f"{_redact(url)}: a cluster has no database number (it has db 0 only)")
+        db = int(parts[0])
+    if len(hosts) > 1 and scheme in ("redis", "rediss"):
+        raise ValueError(f"{_redact(url)}: one HOST:PORT for {scheme}:// (several: redis-cluster:// or "
+                         f"redis-sentinel://)")
+    tls = scheme == "rediss"
+    if (ca_file or cert_file or key_file) and not tls:
+        raise ValueError(f"redis_ca_file/redis_cert_file/redis_key_file apply to rediss:// only, "
+                         f"not {_redact(url)}")
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("redis_cert_file and redis_key_file go together (a client certificate and its key)")
+    _check_file(ca_file, "redis_ca_file")
+    _check_file(cert_file, "redis_cert_file")
+    _check_file(key_file, "redis_key_file")
+    environ = os.environ if environ is None else environ
+    sources = [s for s, present in (("the store URL", password is not None),
+                                    ("redis_password_file", password_file is not None),
+                                    (ENV_PASSWORD, bool(environ.get(ENV_PASSWORD)))) if present]
+    if len(sources) > 1:
+        raise ValueError(f"the Redis password is given twice ({' and '.join(sources)}); give it in one place")
+    if password_file is not None:
+        password = _read_password_file(password_file)
+    elif password is None and environ.get(ENV_PASSWORD):
+        password = environ[ENV_PASSWORD]
+    kind = {"redis": "single", "rediss": "single", "redis-sentinel": "sentinel", "redis-cluster": "cluster"}[scheme]
+    if kind not in SUPPORTED:
+        raise ValueError(f"store: {scheme}:// is not supported yet; use redis:// or rediss:// (one Redis)")
+    return Target(kind, hosts, db, master, tls, username, password, ca_file, cert_file, key_file)
