@@ -1,5 +1,8 @@
 """The admin listener: /metrics (Prometheus text) and /status (JSON), on a port of its own so that no
-backend path is ever shadowed. http.server is fine here: this is not the per-request path."""
+backend path is ever shadowed, and the deploy actions POST /backends/<route>/drain and .../enable
+(<route> is the backend's id in /status, or its HOST:PORT). http.server is fine here: this is not the
+per-request path. Off unless --admin is given; it binds only where configured.
+"""
 
 from __future__ import annotations
 
@@ -17,21 +20,36 @@ def start_admin(addr, app) -> ThreadingHTTPServer:
         def log_message(self, *args):
             pass
 
-        def do_GET(self):
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                body, ctype = app.metrics.render(app.balancer.backends).encode(), "text/plain; version=0.0.4"
-            elif path == "/status":
-                body, ctype = json.dumps(app.status(), indent=2).encode(), "application/json"
-            else:
-                body, ctype = b"not found: try /metrics or /status\n", "text/plain"
-                self.send_response(404)
-            if path in ("/metrics", "/status"):
-                self.send_response(200)
+        def _reply(self, status: int, body: bytes, ctype: str = "text/plain") -> None:
+            self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, app.metrics.render(app.balancer.backends).encode(), "text/plain; version=0.0.4")
+            elif path == "/status":
+                self._reply(200, json.dumps(app.status(), indent=2).encode(), "application/json")
+            elif path.startswith("/backends/"):
+                self._reply(405, b"use POST /backends/<route>/drain or /enable\n")
+            else:
+                self._reply(404, b"not found: try /metrics or /status\n")
+
+        def do_POST(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(min(n, 65536))          # nothing to read in it; keep the connection sane
+            parts = self.path.split("?", 1)[0].strip("/").split("/")
+            if len(parts) != 3 or parts[0] != "backends" or parts[2] not in ("drain", "enable"):
+                return self._reply(404, b"not found: POST /backends/<route>/drain or /backends/<route>/enable\n")
+            b = app.find_backend(parts[1])
+            if b is None:
+                return self._reply(404, f"no backend {parts[1]!r}: see /status for the routes\n".encode())
+            st = app.set_drained(b, parts[2] == "drain")
+            self._reply(200, json.dumps(st, indent=2).encode(), "application/json")
 
     class Server(ThreadingHTTPServer):
         address_family = family(addr[0])

@@ -26,7 +26,9 @@ from .health import HealthChecker
 from .identity import Identifier
 from .metrics import Metrics
 from .netaddr import hostport
+from .outlier import Ejector
 from .proxy import Edge, EdgeServer
+from .retrybudget import RetryBudget
 
 log = logging.getLogger("edge")
 
@@ -53,12 +55,16 @@ class App:
         self.cfg = cfg
         self.metrics = Metrics()
         backends = [make_backend(s, cfg) for s in cfg.backends]
-        self.balancer = Balancer(backends, cfg.strategy)
+        self.balancer = Balancer(backends, cfg.strategy, slow_start=cfg.slow_start)
+        self.ejector = Ejector(cfg.eject_after, cfg.eject_for, cfg.max_ejected_percent)
+        self.retry_budget = RetryBudget(cfg.retry_budget_percent, cfg.retry_budget_min)
+        self.metrics.retry_budget = self.retry_budget
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
                                     rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold)
         self.access_log = AccessLog(cfg.access_log) if cfg.access_log else None
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
-                         identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log)
+                         identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
+                         ejector=self.ejector, retry_budget=self.retry_budget)
         self.edge.tls = self._tls_context(cfg)
         self.server = (ReusePortServer if reuse_port else EdgeServer)(cfg.listen, self.edge)
         who = f"worker {worker}: " if worker is not None else ""
@@ -75,7 +81,8 @@ class App:
             if worker is not None and addr[1]:
                 addr = (addr[0], addr[1] + worker)   # one admin port per worker: N, N+1, ...
             self.admin = start_admin(addr, self)
-            log.info("%sadmin on %s (/metrics, /status)", who, hostport(*self.admin.server_address[:2]))
+            log.info("%sadmin on %s (/metrics, /status, POST /backends/<route>/drain|enable)", who,
+                     hostport(*self.admin.server_address[:2]))
         for b in backends:
             self.health.watch(b)
 
@@ -107,6 +114,8 @@ class App:
     # -- status -------------------------------------------------------------------------------------
 
     def status(self) -> dict:
+        self.edge.sweep_ejections()     # an ejection whose time is up shows as over, traffic or not
+        now = time.monotonic()
         return {
             "listen": hostport(*self.server.server_address[:2]),
             "tls": bool(self.edge.tls),
@@ -115,11 +124,38 @@ class App:
             "connections": self.server.active,
             "draining": self.edge.draining,
             "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": self.cfg.store.split("@")[-1],
-            "backends": [{"url": b.url, "weight": b.weight, "state": "UP" if b.up else "DOWN",
-                          "fail_streak": b.fail_streak, "pass_streak": b.pass_streak,
-                          "last_probe": b.last_probe, "inflight": b.inflight}
-                         for b in self.balancer.backends],
+            "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
+                        "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
+            "backends": [self.backend_status(b, now) for b in self.balancer.backends],
         }
+
+    def backend_status(self, b, now: float) -> dict:
+        return {"url": b.url, "route": b.route, "weight": b.weight,
+                "effective_weight": round(self.balancer.effective_weight(b, now), 3),
+                "state": b.state, "in_rotation": b.in_rotation, "health": "UP" if b.up else "DOWN",
+                "drained": b.drained, "ejected": b.ejected,
+                "ejected_for": round(max(0.0, b.ejected_until - now), 3) if b.ejected else 0,
+                "times_ejected": b.times_ejected, "fail_streak": b.fail_streak, "pass_streak": b.pass_streak,
+                "last_probe": b.last_probe, "inflight": b.inflight}
+
+    # -- admin actions ------------------------------------------------------------------------------
+
+    def find_backend(self, name: str):
+        """A backend by its route id (as in /status and the sticky cookie) or its HOST:PORT."""
+        for b in self.balancer.backends:
+            if name in (b.route, f"{b.spec.host}:{b.spec.port}", hostport(b.spec.host, b.spec.port)):
+                return b
+        return None
+
+    def set_drained(self, b, drained: bool) -> dict:
+        """Drain: no new requests (sticky clients are reassigned), in-flight ones finish. Enable: back."""
+        if b.drained != drained:
+            b.drained = drained
+            b.refresh()
+            self.metrics.admin_action(b.url, "drain" if drained else "enable")
+            log.warning("backend %s %s by the admin API (%d in flight)", b.url,
+                        "DRAINED" if drained else "ENABLED", b.inflight)
+        return self.backend_status(b, time.monotonic())
 
     # -- reload -------------------------------------------------------------------------------------
 
@@ -151,7 +187,7 @@ class App:
             for spec in new.backends:
                 b = current.pop(spec.url, None)
                 if b is None:
-                    b = make_backend(spec, new)
+                    b = make_backend(spec, new, joined_at=time.monotonic())   # slow start, if on
                     added.append(b)
                 else:
                     b.weight = spec.weight
@@ -162,17 +198,20 @@ class App:
             h = self.health
             h.path, h.interval, h.timeout = new.health_path, new.health_interval, new.health_probe_timeout
             h.rise, h.fall = new.healthy_threshold, new.unhealthy_threshold
+            self.ejector.configure(new.eject_after, new.eject_for, new.max_ejected_percent)
+            self.retry_budget.configure(new.retry_budget_percent, new.retry_budget_min)
             # One assignment each: a request in flight sees the old or the new part, never half of one.
             self.edge.cfg = new
             self.edge.limiter = limiter
             self.edge.tls = tls                # new connections handshake with the new pair
             self.edge.identifier = Identifier(new.trusted_proxies)
-            self.balancer.set_backends(keep, new.strategy)
+            self.balancer.set_backends(keep, new.strategy, new.slow_start)
             self.cfg = new
             for b in added:
                 self.health.watch(b)
             for b in removed:
                 self.health.unwatch(b)
+                self.ejector.forget(b)
                 threading.Thread(target=self._drain_backend, args=(b,), daemon=True,
                                  name=f"drain {b.url}").start()
             log.info("reloaded: %d backends (%d added, %d removed), limit %s", len(keep), len(added),

@@ -69,7 +69,9 @@ class TLSBackendPool(BackendPool, urllib3.HTTPSConnectionPool):
 
 
 class Backend:
-    """One upstream. Health fields are written by the health thread only; `up` is read by pickers."""
+    """One upstream. `up` is the active checks' verdict (written by the health thread only); `ejected`
+    is passive health (lb/outlier.py); `drained` is the operator's (admin API). Pickers read only
+    `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
     def __init__(self, spec: BackendSpec, pool: BackendPool):
         self.spec = spec
@@ -79,6 +81,14 @@ class Backend:
         self.route = hashlib.sha1(spec.url.encode()).hexdigest()[:10]
         self.current = 0          # smooth weighted round robin's running weight
         self.up = True            # a backend starts UP; health checks take it out
+        self.ejected = False      # passive health: too many consecutive failures (lb/outlier.py)
+        self.ejected_until = 0.0  # monotonic time the ejection ends
+        self.times_ejected = 0    # the ejection time's multiplier (decays while it behaves)
+        self.returned_at = 0.0    # when its last ejection ended
+        self.fail_run = 0         # consecutive failed requests (connect failures, timeouts, 5xx)
+        self.drained = False      # the operator took it out (POST /backends/<route>/drain)
+        self.in_rotation = True
+        self.joined_at = None     # when it last (re)joined the rotation: slow start ramps from here
         self.fail_streak = 0
         self.pass_streak = 0
         self.last_probe = ""      # why the last probe passed or failed
@@ -86,15 +96,32 @@ class Backend:
         self.inflight = 0
         self.lock = threading.Lock()
 
+    def refresh(self, now: float | None = None) -> bool:
+        """Recompute in_rotation; a backend that (re)joins starts its slow start at `now`. True on a change."""
+        with self.lock:
+            was = self.in_rotation
+            self.in_rotation = self.up and not self.ejected and not self.drained
+            if self.in_rotation and not was:
+                self.joined_at = monotonic() if now is None else now
+                self.current = 0   # no running credit or debt carried over from before it left
+            return self.in_rotation != was
+
+    @property
+    def state(self) -> str:
+        """What /status shows: the most specific reason it is out, else UP."""
+        return ("DRAINED" if self.drained else "DOWN" if not self.up else "EJECTED" if self.ejected else "UP")
+
     def __repr__(self):
-        return f"<Backend {self.url} w={self.weight} {'UP' if self.up else 'DOWN'}>"
+        return f"<Backend {self.url} w={self.weight} {self.state}>"
 
 
-def make_backend(spec: BackendSpec, cfg) -> Backend:
+def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None) -> Backend:
     cls, tls = BackendPool, {}
     if spec.scheme == "https":
         cls, tls = TLSBackendPool, {"cert_reqs": "CERT_REQUIRED", "ca_certs": cfg.ca_file}
     pool = cls(spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
                connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool, **tls)
-    return Backend(spec, pool)
+    b = Backend(spec, pool)
+    b.joined_at = joined_at   # None at start: the whole pool starts together, nobody ramps
+    return b

@@ -44,6 +44,11 @@ class Config:
     health_timeout: float | None = None      # None: derived, shorter than the interval
     unhealthy_threshold: int = 2
     healthy_threshold: int = 2
+    # passive health (outlier ejection) and slow start
+    eject_after: int = 5                     # consecutive connect failures/timeouts/5xx -> ejected; 0 off
+    eject_for: float = 30.0                  # base ejection time, multiplied by the times ejected
+    max_ejected_percent: float = 50.0        # never more of the pool ejected at once
+    slow_start: float = 0.0                  # seconds a (re)joining backend ramps its weight; 0 off
     # upstream
     connect_timeout: float = 2.0
     read_timeout: float = 30.0
@@ -53,6 +58,9 @@ class Config:
     pool_idle_timeout: float = 30.0          # a pooled connection idle longer is closed, not reused
     no_pool: bool = False
     ca_file: str | None = None               # https:// backends are verified against this (default: system CAs)
+    retries: int = 2                         # a connect failure is retried on another backend, N times
+    retry_budget_percent: float = 20.0       # retries in flight at most this % of active requests...
+    retry_budget_min: int = 3                # ...but always this many concurrent (Envoy's retry budget)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
@@ -90,7 +98,7 @@ class Config:
         return max(0.05, min(2.0, self.health_interval * 0.8))
 
 
-STRATEGIES = ("round-robin", "weighted")
+STRATEGIES = ("round-robin", "weighted", "least-request")
 STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 
@@ -181,18 +189,23 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------------- TOML
 
-# file key -> (Config field, kind); kind: "f" float > 0, "f0" float >= 0, "i" int >= 1, "s" string, "b" bool
+# file key -> (Config field, kind); kind: "f" float > 0, "f0" float >= 0, "i" int >= 1, "i0" int >= 0,
+# "pct" a number 0..100, "s" string, "b" bool
 _TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s",
         "sticky": "b"}
 _SECTIONS = {
     "health": {"path": ("health_path", "s"), "interval": ("health_interval", "f"),
                "timeout": ("health_timeout", "f"),
                "unhealthy_threshold": ("unhealthy_threshold", "i"),
-               "healthy_threshold": ("healthy_threshold", "i")},
+               "healthy_threshold": ("healthy_threshold", "i"),
+               "eject_after": ("eject_after", "i0"), "eject_for": ("eject_for", "f"),
+               "max_ejected_percent": ("max_ejected_percent", "pct"), "slow_start": ("slow_start", "f0")},
     "upstream": {"connect_timeout": ("connect_timeout", "f"), "read_timeout": ("read_timeout", "f"),
                  "response_timeout": ("response_timeout", "f"), "pool_maxsize": ("pool_maxsize", "i"),
                  "pool_timeout": ("pool_timeout", "f"), "pool_idle_timeout": ("pool_idle_timeout", "f0"),
-                 "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s")},
+                 "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", "i0"),
+                 "retry_budget_percent": ("retry_budget_percent", "pct"),
+                 "retry_budget_min": ("retry_budget_min", "i0")},
     "server": {"workers": ("workers", "i"), "cpu_affinity": ("cpu_affinity", "s"), "drain_timeout": ("drain_timeout", "f0"),
                "max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
                "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
@@ -214,6 +227,13 @@ def _typed(value, kind: str, key: str):
         return _number(value, key, strict=False)
     if kind == "i":
         return _number(value, key, integer=True, minimum=1, strict=False)
+    if kind == "i0":
+        return _number(value, key, integer=True, strict=False)
+    if kind == "pct":
+        n = _number(value, key, strict=False)
+        if n > 100:
+            raise ConfigError(f"{key}: must be a percentage from 0 to 100, got {value!r}")
+        return n
     if kind == "b":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -284,13 +304,18 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--config", help="TOML file; flags override it")
     a("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8080; port 0 picks a free one)")
     a("--backends", help="URL[=WEIGHT],... e.g. http://127.0.0.1:9001=3,http://127.0.0.1:9002")
-    a("--strategy", help="round-robin | weighted (default; equal weights = round robin)")
+    a("--strategy", help="round-robin | weighted (default; equal weights = round robin) | least-request")
     a("--sticky", action="store_true", help="sticky sessions: a route cookie pins a client to a backend")
     a("--health-path", help="default /health (2xx = pass)")
     a("--health-interval", help="seconds between probes (default 10)")
     a("--health-timeout", help="probe timeout (default: 80%% of the interval, at most 2 s)")
     a("--unhealthy-threshold", help="consecutive failures -> out of rotation (default 2)")
     a("--healthy-threshold", help="consecutive passes -> back in rotation (default 2)")
+    a("--eject-after", help="consecutive connect failures, timeouts or 5xx that eject a backend "
+                            "(default 5; 0 off)")
+    a("--eject-for", help="seconds a backend stays ejected, times the number of its ejections (default 30)")
+    a("--max-ejected-percent", help="most of the pool ejected at once, percent (default 50)")
+    a("--slow-start", help="seconds over which a (re)joining backend ramps up to its weight (default 0: off)")
     a("--connect-timeout", help="seconds to connect to a backend (default 2)")
     a("--read-timeout", help="seconds a backend may stay silent (default 30) -> 504")
     a("--response-timeout", help="seconds for a whole response (default 300)")
@@ -298,6 +323,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--pool-timeout", help="seconds to wait for a free backend connection (default 1) -> 503")
     a("--pool-idle-timeout", help="seconds a pooled connection may idle before it is discarded (default 30)")
     a("--no-pool", action="store_true", help="a new TCP connection per request (to measure the win)")
+    a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
+    a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
+    a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 3)")
     a("--workers", help="processes sharing the listening port (default 1); needs a redis:// store "
                         "when limiting")
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
@@ -328,7 +356,7 @@ def build_argparser() -> argparse.ArgumentParser:
 
 # Numeric flags take the kind their TOML key has: one table, no twin to keep in step.
 _FLAG_KINDS = {name: kind for section in _SECTIONS.values() for name, kind in section.values()
-               if kind in ("f", "f0", "i")}
+               if kind in ("f", "f0", "i", "i0", "pct")}
 
 
 def _from_flags(ns: argparse.Namespace) -> dict:

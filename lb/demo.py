@@ -4,7 +4,9 @@
 
 Routes (everything else answers 200 with the name, so any path can be balanced):
   GET  /health               200 "ok", or 503 after POST /_ctl/down (until POST /_ctl/up)
-  GET  /_ctl/stats           JSON: requests served (health and /_ctl excluded) and the last few paths
+  GET  /_ctl/stats           JSON: requests served (health and /_ctl excluded), by method, the last paths
+  POST /_ctl/fail            every other request answers 500 (its /health still passes) until /_ctl/ok
+  POST /_ctl/delay?ms=N      every other request waits N ms first (also: --delay-ms N)
   ANY  /echo...              JSON of what arrived: method, raw target, headers in order, body sha256/len
   GET  /slow?ms=N            answers after N ms
   GET  /big?bytes=N          N bytes, Content-Length, streamed
@@ -87,13 +89,25 @@ class IdentityHandler(BaseHTTPRequestHandler):
                 srv.healthy = False
             elif path == "/_ctl/up":
                 srv.healthy = True
+            elif path == "/_ctl/fail":
+                srv.failing = True
+            elif path == "/_ctl/ok":
+                srv.failing = False
+            elif path == "/_ctl/delay":
+                srv.delay = int(q.get("ms", ["0"])[0]) / 1000
             with srv.lock:
-                stats = {"name": srv.name, "count": srv.count, "last": list(srv.last)}
+                stats = {"name": srv.name, "count": srv.count, "last": list(srv.last),
+                         "methods": dict(srv.methods)}
             return self._send(200, json.dumps(stats).encode(), "application/json")
         with srv.lock:
             srv.count += 1
+            srv.methods[self.command] = srv.methods.get(self.command, 0) + 1
             srv.last.append(self.path)
             del srv.last[:-20]
+        if srv.delay:
+            time.sleep(srv.delay)
+        if srv.failing:
+            return self._send(500, f"{srv.name} failing\n".encode())
         if path.startswith("/echo"):
             info = {
                 "name": srv.name,
@@ -164,6 +178,9 @@ class IdentityServer(ThreadingHTTPServer):
         self.name = name
         self.healthy = True
         self.count = 0
+        self.methods: dict[str, int] = {}
+        self.failing = False      # answer 500 to everything but /health and /_ctl
+        self.delay = 0.0          # seconds before every answer but /health and /_ctl
         self.last: list[str] = []
         self.lock = threading.Lock()
 
@@ -186,8 +203,10 @@ def main(argv=None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--name", default="")
+    p.add_argument("--delay-ms", type=float, default=0, help="wait this long before every answer")
     a = p.parse_args(argv)
     srv = IdentityServer((a.host, a.port), a.name)
+    srv.delay = a.delay_ms / 1000
     if not a.name:
         srv.name = f"backend-{srv.server_address[1]}"
     # The one line a parent process waits for: which port we really got.

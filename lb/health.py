@@ -3,6 +3,7 @@
 `fall` consecutive failures take a backend out of rotation, `rise` consecutive passes bring it back
 (HAProxy's names); one lost probe never flaps it. Each transition is one log line. A thread per backend
 means a hung backend delays only its own probes, and each probe's timeout is shorter than the interval.
+The first probe runs at once -- at start and when a reload adds a backend -- not an interval later.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:
         b.fail_streak = 0
         if not b.up and b.pass_streak >= rise:
             b.up = True
+            b.refresh()             # back in rotation (unless ejected or drained): slow start begins
             return "UP"
     else:
         b.fail_streak += 1
         b.pass_streak = 0
         if b.up and b.fail_streak >= fall:
             b.up = False
+            b.refresh()
             return "DOWN"
     return None
 
@@ -76,7 +79,7 @@ class HealthChecker:
             self.unwatch(b)
 
     def _loop(self, b: Backend, stop: threading.Event) -> None:
-        while not stop.wait(self.interval):
+        while True:
             ok, why = probe(b, self.path, self.timeout)
             if stop.is_set():
                 return
@@ -87,3 +90,5 @@ class HealthChecker:
             elif change == "UP":
                 log.warning("backend %s UP: %d consecutive passed probes of %s (last: %s)",
                             b.url, b.pass_streak, self.path, why)
+            if stop.wait(self.interval):
+                return

@@ -28,6 +28,10 @@ class Metrics:
         self.unavailable = 0
         self.limiter_errors = 0
         self.tls_failures = 0                                     # handshakes that did not complete
+        self.ejections: dict[tuple[str, str], int] = {}         # (backend, "ejected" | "returned")
+        self.admin_actions: dict[tuple[str, str], int] = {}     # (backend, "drain" | "enable")
+        self.retries: dict[str, int] = {}                       # backend retried *from* -> count
+        self.retry_budget = None                                # RetryBudget, for its gauges
         self.hist = [0] * (len(BUCKETS) + 1)
         self.hist_sum = 0.0
         self.hist_count = 0
@@ -71,6 +75,24 @@ class Metrics:
         with self.lock:
             self.limiter_errors += 1
 
+    def try_failed(self, backend: str, kind: str) -> None:
+        """One try that failed and was retried elsewhere: the backend's error, not a response of ours."""
+        with self.lock:
+            self.backend_requests[backend] = self.backend_requests.get(backend, 0) + 1
+            k = (backend, kind)
+            self.upstream_errors[k] = self.upstream_errors.get(k, 0) + 1
+            self.retries[backend] = self.retries.get(backend, 0) + 1
+
+    def ejection(self, backend: str, event: str) -> None:
+        with self.lock:
+            k = (backend, event)
+            self.ejections[k] = self.ejections.get(k, 0) + 1
+
+    def admin_action(self, backend: str, action: str) -> None:
+        with self.lock:
+            k = (backend, action)
+            self.admin_actions[k] = self.admin_actions.get(k, 0) + 1
+
     def render(self, backends) -> str:
         """Prometheus text exposition format 0.0.4."""
         with self.lock:
@@ -80,6 +102,7 @@ class Metrics:
             edge = dict(self.edge_responses)
             limited, unavailable, lim_err = self.rate_limited, self.unavailable, self.limiter_errors
             tls_failures = self.tls_failures
+            ejections, actions, retries = dict(self.ejections), dict(self.admin_actions), dict(self.retries)
             hist, hsum, hcount = list(self.hist), self.hist_sum, self.hist_count
         out = []
         w = out.append
@@ -112,10 +135,48 @@ class Metrics:
           "(timeout, refused protocol version, plain HTTP on the HTTPS port).")
         w("# TYPE lb_tls_handshake_failures_total counter")
         w(f"lb_tls_handshake_failures_total {tls_failures}")
-        w("# HELP lb_backend_up 1 when the backend is in rotation.")
+        w("# HELP lb_backend_up 1 when the backend passes its active health checks.")
         w("# TYPE lb_backend_up gauge")
         for b in backends:
             w(f'lb_backend_up{{backend="{_esc(b.url)}"}} {1 if b.up else 0}')
+        w("# HELP lb_backend_in_rotation 1 when the backend takes new requests: up, not ejected, not drained.")
+        w("# TYPE lb_backend_in_rotation gauge")
+        for b in backends:
+            w(f'lb_backend_in_rotation{{backend="{_esc(b.url)}"}} {1 if b.in_rotation else 0}')
+        w("# HELP lb_backend_ejected 1 while passive health checks keep the backend out.")
+        w("# TYPE lb_backend_ejected gauge")
+        for b in backends:
+            w(f'lb_backend_ejected{{backend="{_esc(b.url)}"}} {1 if b.ejected else 0}')
+        w("# HELP lb_backend_drained 1 while the admin API keeps the backend out (drain).")
+        w("# TYPE lb_backend_drained gauge")
+        for b in backends:
+            w(f'lb_backend_drained{{backend="{_esc(b.url)}"}} {1 if b.drained else 0}')
+        w("# HELP lb_ejections_total Passive health: backends ejected after consecutive failures, and returned.")
+        w("# TYPE lb_ejections_total counter")
+        for (b, event), n in sorted(ejections.items()):
+            w(f'lb_ejections_total{{backend="{_esc(b)}",event="{event}"}} {n}')
+        w("# HELP lb_admin_actions_total Admin API actions on a backend (drain, enable).")
+        w("# TYPE lb_admin_actions_total counter")
+        for (b, action), n in sorted(actions.items()):
+            w(f'lb_admin_actions_total{{backend="{_esc(b)}",action="{action}"}} {n}')
+        w("# HELP lb_retries_total Tries that failed to connect and were retried on another backend, by the failed one.")
+        w("# TYPE lb_retries_total counter")
+        for b, n in sorted(retries.items()):
+            w(f'lb_retries_total{{backend="{_esc(b)}"}} {n}')
+        rb = self.retry_budget
+        if rb is not None:
+            w("# HELP lb_retry_budget_exhausted_total Retries not made because the retry budget was spent.")
+            w("# TYPE lb_retry_budget_exhausted_total counter")
+            w(f"lb_retry_budget_exhausted_total {rb.refused}")
+            w("# HELP lb_retries_in_flight Requests holding a retry slot of the budget now.")
+            w("# TYPE lb_retries_in_flight gauge")
+            w(f"lb_retries_in_flight {rb.retrying}")
+            w("# HELP lb_retries_in_flight_peak The most requests that ever held a retry slot at once.")
+            w("# TYPE lb_retries_in_flight_peak gauge")
+            w(f"lb_retries_in_flight_peak {rb.peak}")
+            w("# HELP lb_upstream_active Requests being forwarded now (the retry budget's base).")
+            w("# TYPE lb_upstream_active gauge")
+            w(f"lb_upstream_active {rb.active}")
         w("# HELP lb_backend_inflight Requests in flight to the backend.")
         w("# TYPE lb_backend_inflight gauge")
         for b in backends:

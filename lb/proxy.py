@@ -21,6 +21,8 @@ from time import monotonic
 from . import netaddr, tls
 from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
+from .outlier import Ejector
+from .retrybudget import RetryBudget
 from .ratelimit import headers as ratelimit_headers
 from .httpio import ClientGone, HttpError, Reader, Request, iter_chunked, own_response, parse_request, send
 
@@ -95,13 +97,16 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 class Edge:
     """The request pipeline over one configuration. serve_connection runs on each client's thread."""
 
-    def __init__(self, cfg, balancer, metrics, limiter=None, identifier=None, access_log=None):
+    def __init__(self, cfg, balancer, metrics, limiter=None, identifier=None, access_log=None,
+                 ejector=None, retry_budget=None):
         self.cfg = cfg
         self.balancer = balancer
         self.metrics = metrics
         self.limiter = limiter              # LimitStage, or None when limiting is off
         self.identifier = identifier or Identifier()
         self.access_log = access_log        # AccessLog, or None
+        self.ejector = ejector or Ejector(0)          # passive health (lb/outlier.py)
+        self.retry_budget = retry_budget or RetryBudget()
         self.refused_connections = 0
         self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
@@ -178,6 +183,13 @@ class Edge:
         finally:
             conns.pop(sock, None)
 
+    def sweep_ejections(self) -> None:
+        """Ejected backends whose time is up return to the rotation: one log line and a count each."""
+        for b in self.ejector.sweep(self.balancer.backends, monotonic()):
+            log.warning("backend %s returns from ejection (ejected %d times)%s", b.url, b.times_ejected,
+                        "" if b.in_rotation else f"; still out: {b.state}")
+            self.metrics.ejection(b.url, "returned")
+
     def wake_idle(self) -> int:
         """Draining: end the connections waiting between requests (a busy one ends after its response)."""
         n = 0
@@ -243,6 +255,8 @@ class Edge:
                 return self._answer(sock, x, status, reason, keep_if_early, limited=status == 429)
 
         # 3. choose a backend (a sticky route takes no round-robin turn)
+        if self.ejector.ejected:
+            self.sweep_ejections()
         backend = None
         if cfg.sticky and req.cookie:
             backend = self.balancer.by_route(route_cookie(req.cookie))

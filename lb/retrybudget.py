@@ -1,0 +1,55 @@
+"""The retry budget (Envoy's): retries in flight at most `percent` of the requests in flight, but always
+`minimum` of them, so a dead part of the pool never multiplies the load on the rest.
+
+A request counts as active from its first try to its end; a retry holds a slot of the budget from the
+moment it is granted until its request ends (the retried try is what loads the other backends).
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class RetryBudget:
+    def __init__(self, percent: float = 20.0, minimum: int = 3):
+        self.percent = percent
+        self.minimum = minimum
+        self.active = 0            # requests being forwarded
+        self.retrying = 0          # of which: holding a retry slot
+        self.peak = 0              # the most retries ever in flight at once
+        self.granted = 0
+        self.refused = 0           # budget exhausted: the request failed instead of retrying
+        self._lock = threading.Lock()
+
+    def configure(self, percent: float, minimum: int) -> None:
+        self.percent, self.minimum = percent, minimum
+
+    def allowed(self) -> int:
+        """Retries that may be in flight now."""
+        return max(self.minimum, int(self.active * self.percent / 100))
+
+    def start(self) -> None:
+        with self._lock:
+            self.active += 1
+
+    def end(self, held: bool) -> None:
+        """The request is over; `held`: it had been granted a retry."""
+        with self._lock:
+            self.active -= 1
+            if held:
+                self.retrying -= 1
+
+    def try_retry(self, held: bool) -> bool:
+        """May this request retry? A request already holding a slot keeps it for its further tries."""
+        with self._lock:
+            if held:
+                self.granted += 1
+                return True
+            if self.retrying < self.allowed():
+                self.retrying += 1
+                self.granted += 1
+                if self.retrying > self.peak:
+                    self.peak = self.retrying
+                return True
+            self.refused += 1
+            return False
