@@ -60,7 +60,7 @@ class Config:
     ca_file: str | None = None               # https:// backends are verified against this (default: system CAs)
     retries: int = 2                         # a connect failure is retried on another backend, N times
     retry_budget_percent: float = 20.0       # retries in flight at most this % of active requests...
-    retry_budget_min: int = 3                # ...but always this many concurrent (Envoy's retry budget)
+    retry_budget_min: int = 10               # ...but always this many (Envoy's budget, Linkerd's floor)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
@@ -325,7 +325,7 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--no-pool", action="store_true", help="a new TCP connection per request (to measure the win)")
     a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
     a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
-    a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 3)")
+    a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
     a("--workers", help="processes sharing the listening port (default 1); needs a redis:// store "
                         "when limiting")
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")

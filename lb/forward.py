@@ -45,12 +45,13 @@ _REASONS = {"connect": "backend unreachable", "reset": "backend closed the conne
 class UpstreamFailed(Exception):
     """One try on one backend failed before any response byte reached the client.
 
-    kind: connect | reset | timeout | protocol | pool; status: what the client gets (502/503/504).
+    kind: connect | reset | timeout | protocol | pool; status: what the client gets (502/503/504);
+    sent: whether any byte of the request had been written to the backend (if not, it may be retried).
     """
 
-    def __init__(self, kind: str, status: int, detail: str):
+    def __init__(self, kind: str, status: int, detail: str, sent: bool = False):
         super().__init__(detail)
-        self.kind, self.status, self.detail = kind, status, detail
+        self.kind, self.status, self.detail, self.sent = kind, status, detail, sent
 
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
@@ -129,26 +130,78 @@ class Forwarder:
                 trusted: bool = False) -> bool:
         """Forward x.req with its body (bytes, or an iterator when streamed) and relay the answer.
 
+        A try that failed to connect sent nothing, so it is retried -- any method -- on a backend in
+        rotation this request has not tried, up to cfg.retries times and within the retry budget
+        (lb/retrybudget.py). Any other failure is answered: a request is never sent twice once a byte
+        of it was written (but for attempt()'s stale keep-alive retry, on the same backend).
         True when the client connection may carry another request.
         """
+        edge = self.edge
         req = x.req
         keep_if_failed = req.keep_alive and isinstance(body, bytes)   # a streamed body may be half read
-        head = upstream_head(req, backend, peer, trusted, self.edge.cfg.no_pool, x.proto)
-        with backend.lock:
-            backend.inflight += 1
+        budget = edge.retry_budget
+        budget.start()
+        held = False          # this request holds a retry slot of the budget
+        tried = None          # the backends tried so far, once there was a failure
         try:
-            try:
-                conn, rh, ur = self.attempt(x, backend, head, body)
-            except UpstreamFailed as f:
-                return self.failed(sock, x, f.kind, f.status, f.detail, keep_if_failed)
-            except HttpError as e:
-                # a request body we were streaming turned out malformed
-                log.warning("client %s: %d %s", peer.decode(), e.status, e.reason)
-                return self.edge._answer(sock, x, e.status, e.reason, False)
-            return self.relay(x, rh, ur, conn, sock)
+            while True:
+                head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto)
+                with backend.lock:
+                    backend.inflight += 1
+                try:
+                    try:
+                        conn, rh, ur = self.attempt(x, backend, head, body)
+                    except UpstreamFailed as f:
+                        if f.kind != "pool":      # a full pool is our limit, not the backend's failure
+                            self.observe(backend, False, f.detail)
+                        nxt = None
+                        tried = (tried or []) + [backend]
+                        if f.kind == "connect" and not f.sent:
+                            if len(tried) <= edge.cfg.retries:
+                                nxt = edge.balancer.pick(exclude=tried)
+                                if nxt is not None and not budget.try_retry(held):
+                                    f.detail += (f"; retry budget exhausted: {budget.retrying} retries in "
+                                                 f"flight for {budget.active} requests")
+                                    nxt = None
+                        if nxt is None:
+                            return self.failed(sock, x, f.kind, f.status, f.detail, keep_if_failed, tried)
+                        held = True
+                        self.retrying(x, backend, f, nxt, len(tried))
+                        backend = x.backend = nxt
+                        continue
+                    except HttpError as e:
+                        # a request body we were streaming turned out malformed
+                        log.warning("client %s: %d %s", peer.decode(), e.status, e.reason)
+                        return edge._answer(sock, x, e.status, e.reason, False)
+                    self.observe(backend, rh.status < 500, rh.status_line[9:].decode("latin-1"))
+                    return self.relay(x, rh, ur, conn, sock)
+                finally:
+                    with backend.lock:
+                        backend.inflight -= 1
         finally:
-            with backend.lock:
-                backend.inflight -= 1
+            budget.end(held)
+
+    def observe(self, backend: Backend, ok: bool, why: str) -> None:
+        """Passive health: one outcome; an ejection it causes is one log line and one count."""
+        if ok and not backend.fail_run:
+            return
+        edge = self.edge
+        ej = edge.ejector
+        duration = ej.observe(backend, ok, monotonic(), edge.balancer.backends)
+        if duration:
+            log.warning("backend %s EJECTED for %gs: %d consecutive failed requests (last: %s); "
+                        "ejection %d", backend.url, duration, ej.eject_after, why, backend.times_ejected)
+            edge.metrics.ejection(backend.url)
+
+    def retrying(self, x, failed: Backend, f: "UpstreamFailed", nxt: Backend, tries: int) -> None:
+        """A failed connect is retried elsewhere: logged and counted, not answered."""
+        req = x.req
+        x.tries = tries + 1
+        if x.set_cookie:          # sticky: the client is pinned to whoever answers
+            x.set_cookie = b"Set-Cookie: route=" + nxt.route.encode() + b"; Path=/; HttpOnly\r\n"
+        log.warning("backend %s %s: %s %s (%s); retrying on %s (try %d)", failed.url, f.kind,
+                    req.method.decode(), req.target[:200].decode("latin-1"), f.detail, nxt.url, tries + 1)
+        self.edge.metrics.try_failed(failed.url, f.kind)
 
     def attempt(self, x, backend: Backend, head: bytes, body):
         """One try on `backend`: (conn, response head, reader) once a final (or 101) head arrived.
@@ -167,6 +220,7 @@ class Forwarder:
         except PoolExhausted as e:
             raise UpstreamFailed("pool", 503, str(e)) from None
         retried = False
+        sent = False              # a byte of this request was written to this backend
         while True:
             reused = conn.sock is not None
             try:
@@ -174,6 +228,7 @@ class Forwarder:
                     conn.connect()
                 up = conn.sock
                 up.settimeout(cfg.read_timeout)
+                sent = True
                 if replayable:
                     up.sendall(head + body if body else head)
                 else:
@@ -203,13 +258,16 @@ class Forwarder:
                     retried = True
                     conn = pool.acquire_fresh()
                     continue
-                raise UpstreamFailed(kind, status, detail) from None
+                raise UpstreamFailed(kind, status, detail, sent) from None
 
-    def failed(self, sock, x, kind: str, status: int, detail: str, keep: bool) -> bool:
-        """The backend failed before the client saw a byte: log, count, answer with status."""
+    def failed(self, sock, x, kind: str, status: int, detail: str, keep: bool, tried=None) -> bool:
+        """The backend failed before the client saw a byte: log, count, answer with status.
+        After retries, the line says how many tries and on which backends."""
         req, backend = x.req, x.backend
-        log.warning("backend %s %s: %s %s -> %d (%s)", backend.url, kind, req.method.decode(),
-                    req.target[:200].decode("latin-1"), status, detail)
+        after = "" if not tried or len(tried) < 2 else \
+            f" after {len(tried)} tries: {', '.join(b.url for b in tried)}"
+        log.warning("backend %s %s: %s %s -> %d (%s)%s", backend.url, kind, req.method.decode(),
+                    req.target[:200].decode("latin-1"), status, detail, after)
         self.edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
         self.edge._done(x, status)
         send(sock, own_response(status, _REASONS[kind], close=not keep, extra=x.rl,

@@ -28,7 +28,7 @@ class Metrics:
         self.unavailable = 0
         self.limiter_errors = 0
         self.tls_failures = 0                                     # handshakes that did not complete
-        self.ejections: dict[tuple[str, str], int] = {}         # (backend, "ejected" | "returned")
+        self.ejections: dict[tuple[str, str], int] = {}         # (family, backend)
         self.admin_actions: dict[tuple[str, str], int] = {}     # (backend, "drain" | "enable")
         self.retries: dict[str, int] = {}                       # backend retried *from* -> count
         self.retry_budget = None                                # RetryBudget, for its gauges
@@ -83,9 +83,9 @@ class Metrics:
             self.upstream_errors[k] = self.upstream_errors.get(k, 0) + 1
             self.retries[backend] = self.retries.get(backend, 0) + 1
 
-    def ejection(self, backend: str, event: str) -> None:
+    def ejection(self, backend: str, returned: bool = False) -> None:
         with self.lock:
-            k = (backend, event)
+            k = ("lb_ejection_returns_total" if returned else "lb_ejections_total", backend)
             self.ejections[k] = self.ejections.get(k, 0) + 1
 
     def admin_action(self, backend: str, action: str) -> None:
@@ -151,10 +151,13 @@ class Metrics:
         w("# TYPE lb_backend_drained gauge")
         for b in backends:
             w(f'lb_backend_drained{{backend="{_esc(b.url)}"}} {1 if b.drained else 0}')
-        w("# HELP lb_ejections_total Passive health: backends ejected after consecutive failures, and returned.")
-        w("# TYPE lb_ejections_total counter")
-        for (b, event), n in sorted(ejections.items()):
-            w(f'lb_ejections_total{{backend="{_esc(b)}",event="{event}"}} {n}')
+        for family, what in (("lb_ejections_total", "ejected by passive health (consecutive failures)"),
+                             ("lb_ejection_returns_total", "back from an ejection")):
+            w(f"# HELP {family} Times a backend was {what}.")
+            w(f"# TYPE {family} counter")
+            for (f, b), n in sorted(ejections.items()):
+                if f == family:
+                    w(f'{family}{{backend="{_esc(b)}"}} {n}')
         w("# HELP lb_admin_actions_total Admin API actions on a backend (drain, enable).")
         w("# TYPE lb_admin_actions_total counter")
         for (b, action), n in sorted(actions.items()):

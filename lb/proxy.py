@@ -188,7 +188,7 @@ class Edge:
         for b in self.ejector.sweep(self.balancer.backends, monotonic()):
             log.warning("backend %s returns from ejection (ejected %d times)%s", b.url, b.times_ejected,
                         "" if b.in_rotation else f"; still out: {b.state}")
-            self.metrics.ejection(b.url, "returned")
+            self.metrics.ejection(b.url, returned=True)
 
     def wake_idle(self) -> int:
         """Draining: end the connections waiting between requests (a busy one ends after its response)."""
@@ -314,7 +314,7 @@ class Edge:
 class Exchange:
     """What the stages learned about one request, carried to wherever its response is written."""
 
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto")
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
@@ -323,6 +323,7 @@ class Exchange:
         self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
         self.backend = None
         self.set_cookie = b""
+        self.tries = 1               # backends tried: more than 1 after a connect failure was retried
 
 
 def _linger(sock: socket.socket, seconds: float = 1.0) -> None:

@@ -197,7 +197,7 @@ def test_ejection_and_active_health_are_independent():
 # ------------------------------------------------------------------------------------ retry budget
 
 def test_retry_budget_is_a_fraction_of_active_requests_with_a_floor():
-    rb = RetryBudget(percent=20, minimum=3)
+    rb = RetryBudget(percent=20, minimum=3)    # Envoy's floor; ours defaults to 10
     for _ in range(10):
         rb.start()
     assert rb.allowed() == 3                             # 20% of 10 = 2 < the floor

@@ -194,3 +194,158 @@ def test_drain_via_the_admin_api_under_traffic_loses_no_request(backends):
     assert not t.errors, t.errors[:3]
     assert Counter(s for _, s, _ in t.results) == {200: len(t.results)}
     assert "DRAINED by the admin API" in e.log() and "ENABLED by the admin API" in e.log()
+
+
+# -------------------------------------------------------------------------------- [1] retries
+
+def at_once(port, reqs):
+    """Every request on its own connection, released together; the responses in order."""
+    out = [None] * len(reqs)
+    gate = threading.Barrier(len(reqs))
+
+    def one(i, method, path, body):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.connect()
+        gate.wait()
+        try:
+            out[i] = request(port, method, path, body=body, conn=c)
+        except (OSError, http.client.HTTPException) as e:
+            out[i] = e
+        finally:
+            c.close()
+
+    ts = [threading.Thread(target=one, args=(i, *r)) for i, r in enumerate(reqs)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return out
+
+
+def test_a_backend_refusing_connections_costs_clients_nothing(backends):
+    """[1] Three backends, one refusing connections from the start, 90 requests at once right after
+    start (60 GET, 30 POST), default settings: no 502, and the two live backends got exactly the 30
+    POSTs between them (none lost, none sent twice)."""
+    a, b, _ = backends
+    dead = f"http://127.0.0.1:{free_port()}"
+    before = {x.name: x.stats()["methods"].get("POST", 0) for x in (a, b)}
+    e = Edge("--backends", f"{a.url},{dead},{b.url}", "--admin", "127.0.0.1:0")
+    try:
+        reqs = [("GET", f"/get/{i}", None) for i in range(60)] + \
+               [("POST", f"/echo/post/{i}", b"payload %d" % i) for i in range(30)]
+        out = at_once(e.port, reqs)
+        retries = metric(e, f'lb_retries_total{{backend="{dead}"}}')
+        log = e.log()
+    finally:
+        e.stop()
+    assert all(not isinstance(r, Exception) for r in out), [r for r in out if isinstance(r, Exception)][:3]
+    assert Counter(r.status for r in out) == {200: 90}, [ln for ln in log.splitlines() if "-> 502" in ln][:3]
+    posts = sum(x.stats()["methods"].get("POST", 0) - before[x.name] for x in (a, b))
+    assert posts == 30
+    assert sorted(json.loads(r.body)["body_len"] for r in out[60:]) == sorted(len(b"payload %d" % i)
+                                                                           for i in range(30))
+    assert retries >= 1 and "; retrying on" in log
+
+
+def test_every_connect_failure_is_retried_elsewhere_any_method(backends):
+    """Without ejection the dead backend keeps its turns; each is retried (GET and POST alike), the
+    access log and the metrics count the tries, and the log line names both backends."""
+    a, b, _ = backends
+    dead = f"http://127.0.0.1:{free_port()}"
+    e = Edge("--backends", f"{a.url},{dead},{b.url}", "--eject-after", "0", "--admin", "127.0.0.1:0")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+        out = [request(e.port, m, f"/echo/{i}", body=b"x" if m == "POST" else None, conn=conn)
+               for i in range(15) for m in ("GET", "POST")]
+        assert Counter(r.status for r in out) == {200: 30}
+        assert Counter(json.loads(r.body)["name"] for r in out) == {"a": 15, "b": 15}
+        assert metric(e, f'lb_retries_total{{backend="{dead}"}}') == 10          # its 10 turns of 30
+        assert metric(e, f'lb_upstream_errors_total{{backend="{dead}",kind="connect"}}') == 10
+        assert metric(e, 'lb_edge_responses_total{code="502"}') == 0
+        e.wait_log(rf"backend {dead} connect: POST /echo/\d+ \(.*\); retrying on http://127\.0\.0\.1:\d+ \(try 2\)")
+    finally:
+        e.stop()
+    # with --retries 0 the floor of the spec: 502 on its turns, and the line says so
+    e = Edge("--backends", f"{a.url},{dead}", "--eject-after", "0", "--retries", "0")
+    try:
+        assert [request(e.port, "POST", "/", body=b"x").status for _ in range(4)] == [200, 502] * 2
+    finally:
+        e.stop()
+
+
+def test_a_502_after_every_try_failed_names_the_tries():
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    e = Edge("--backends", ",".join(dead), "--eject-after", "0")
+    try:
+        assert request(e.port, "POST", "/x", body=b"1").status == 502
+        line = e.wait_log(r"connect: POST /x -> 502 \(.*\) after 3 tries: (\S+), (\S+), (\S+)\n")
+        assert sorted(line.groups()) == sorted(dead)
+    finally:
+        e.stop()
+
+
+# -------------------------------------------------------------------------------- [2] ejection
+
+def test_a_backend_answering_500_is_ejected_and_returns_after_eject_for(backends):
+    """[2] c answers 500 to everything while its /health passes: with --eject-after 5 it gets at most
+    5 + a few of 150 requests; it is back in rotation after --eject-for, and ejected again for twice as
+    long when it still fails."""
+    a, b, c = backends
+    e = Edge("--backends", ",".join(x.url for x in backends), "--eject-after", "5", "--eject-for", "5",
+             "--admin", "127.0.0.1:0")
+    request(c.port, "POST", "/_ctl/fail")
+    try:
+        before = c.stats()["count"]
+        conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+        statuses = Counter(request(e.port, "GET", "/", conn=conn).status for _ in range(150))
+        got = c.stats()["count"] - before
+        assert 5 <= got <= 8 and statuses == {200: 150 - got, 500: got}, (got, statuses)
+        e.wait_log(rf"backend {c.url} EJECTED for 5s: 5 consecutive failed requests \(last: 500 Internal "
+                   r"Server Error\); ejection 1")
+        assert metric(e, f'lb_ejections_total{{backend="{c.url}"}}') == 1
+        st = next(x for x in status(e)["backends"] if x["url"] == c.url)
+        assert (st["state"], st["health"], st["ejected"]) == ("EJECTED", "UP", True)   # its checks pass
+        assert metric(e, f'lb_backend_ejected{{backend="{c.url}"}}') == 1
+        # back after eject_for (status sweeps the ejections, so no traffic is needed to see it)
+        wait_until(lambda: next(x for x in status(e)["backends"] if x["url"] == c.url)["state"] == "UP",
+                   timeout=15, what="c back from its ejection")
+        e.wait_log(rf"backend {c.url} returns from ejection")
+        assert metric(e, f'lb_ejection_returns_total{{backend="{c.url}"}}') == 1
+        before = c.stats()["count"]
+        statuses = Counter(request(e.port, "GET", "/", conn=conn).status for _ in range(30))
+        assert c.stats()["count"] - before == 5                        # back in rotation, ejected again
+        e.wait_log(rf"backend {c.url} EJECTED for 10s: .*; ejection 2")
+    finally:
+        request(c.port, "POST", "/_ctl/ok")
+        e.stop()
+
+
+# -------------------------------------------------------------------------------- [3] retry budget
+
+def test_the_retry_budget_holds_with_two_of_three_backends_dead():
+    """[3] Two of three backends dead (kept in rotation: no ejection, no health verdict yet), the third
+    slow: retries in flight never exceed the budget, max(floor 10, 20% of at most 60 requests) = 12, though
+    two thirds of 60 clients want one; every request the budget did not cover is a 502 it explains."""
+    live = Backend("live", 0, "--delay-ms", "200")
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    e = Edge("--backends", ",".join([dead[0], live.url, dead[1]]), "--eject-after", "0",
+             "--unhealthy-threshold", "10", "--health-interval", "60", "--admin", "127.0.0.1:0")
+    try:
+        before = live.stats()["count"]
+        out, errors = run_clients(e.port, clients=60, seconds=3)
+        peak = metric(e, "lb_retries_in_flight_peak")
+        exhausted = metric(e, "lb_retry_budget_exhausted_total")
+        retried = sum(metric(e, f'lb_retries_total{{backend="{d}"}}') for d in dead)
+        served = live.stats()["count"] - before
+        log = e.log()
+    finally:
+        e.stop()
+        live.stop()
+    assert not errors, errors[:3]
+    got = Counter(s for s, _ in out)
+    assert set(got) == {200, 502} and got[200] == served, (got, served)
+    assert 10 <= peak <= 12, peak
+    assert got[502] == exhausted > 0, (got, exhausted)
+    assert retried > 0
+    print(f"budget: {dict(got)}, retried tries {retried:g}, peak {peak:g}, exhausted {exhausted:g}")
+    assert "retry budget exhausted" in log
