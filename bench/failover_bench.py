@@ -71,8 +71,9 @@ def main() -> None:
             rs = rows[(s, rate)]
             f = lambda k, d=2: " / ".join(f"{r[k]:.{d}f}" for r in rs)  # noqa: E731
             warn = "" if all(r["kept_up"] for r in rs) else " (generator fell behind)"
+            shares = " / ".join(f"{r['slow_share']:.1%}" for r in rs)
             out.append(f"| {rate}/s | {s} | {f('p50')} | {f('p90')} | {f('p99')}{warn} | "
-                       f"{' / '.join(f'{r['slow_share']:.1%}' for r in rs)} | {sum(r['non2xx'] for r in rs)} |")
+                       f"{shares} | {sum(r['non2xx'] for r in rs)} |")
     for rate in rates:
         rr = sum(r["p99"] for r in rows[("round-robin", rate)]) / 2
         lr = sum(r["p99"] for r in rows[("least-request", rate)]) / 2
