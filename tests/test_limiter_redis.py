@@ -268,3 +268,63 @@ def test_an_idle_connection_the_server_dropped_is_replaced_without_a_failure(red
     d = lim.allow("c", 100.0)
     assert type(d).__name__ == "Decision" and d.allowed and d.remaining == 3
     assert lim.failures == 0 and lim.degraded == 0
+
+
+@pytest.mark.parametrize("threads,pool_size", [(24, 4), (100, 64)])
+def test_a_busy_pool_on_a_healthy_redis_never_reaches_the_failure_policy(redis_server, threads, pool_size):
+    """More callers than connections, each asking again the moment it has its answer: the pool is
+    first-come-first-served (a release hands the connection to the longest waiter, a caller arriving
+    while others wait queues behind them), so nobody waits longer than the queue ahead of it -- with the
+    default 50 ms timeout and a healthy Redis, no decision is left to the failure policy."""
+    lim = build("fixed-window", 10**9, 60.0, store=redis_server.url, prefix=fresh(), timeout=0.05,
+                pool_size=pool_size, retry_interval=0.01)
+    go = threading.Barrier(threads)
+
+    def run():
+        go.wait()
+        for i in range(60):
+            lim.allow(f"k{i % 7}", 100.0)
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert (lim.failures, lim.degraded) == (0, 0)
+    assert len(lim.link.pool._idle) <= pool_size
+
+
+def test_the_pool_is_first_come_first_served_a_releaser_cannot_take_its_connection_back(redis_server):
+    """Deterministic: with the only connection busy, A then B queue; its holder releases it and asks
+    again at once -- A gets it, then B, then the holder (without the hand-over the holder's immediate
+    get() found the connection back on the idle list and A waited on)."""
+    lim = build("fixed-window", 10, 60.0, store=redis_server.url, prefix=fresh(), timeout=5.0, pool_size=1)
+    pool = lim.link.pool
+    held = pool.get()
+    order, got = [], {}
+
+    def waiter(name):
+        got[name] = pool.get()
+        order.append(name)
+
+    a = threading.Thread(target=waiter, args=("A",))
+    a.start()
+    wait_until(lambda: len(pool._waiters) == 1, timeout=5, what="A queued")
+    b = threading.Thread(target=waiter, args=("B",))
+    b.start()
+    wait_until(lambda: len(pool._waiters) == 2, timeout=5, what="B queued")
+
+    def holder():  # releases and asks again at once, in one thread
+        pool.put(held)
+        waiter("holder again")
+
+    me = threading.Thread(target=holder)
+    me.start()
+    wait_until(lambda: order == ["A"], timeout=5, what="A served first")
+    pool.put(got["A"])
+    wait_until(lambda: order == ["A", "B"], timeout=5, what="then B")
+    pool.put(got["B"])
+    me.join(5)
+    assert order == ["A", "B", "holder again"]
+    pool.put(got["holder again"])
+    assert len(pool._idle) == 1 and not pool._waiters
