@@ -20,8 +20,9 @@ __all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
 
 
 def build(algorithm: str, limit: int, window: float, *, store: str = "memory", burst=None, max_keys: int = 100_000,
-          **redis_options):
-    """A limiter with allow(key, now) -> Decision.
+          clock=None, **redis_options):
+    """A limiter with allow(key, now=None) -> Decision (now None: the store reads `clock` itself, under
+    the key's lock where it has one).
 
     algorithm  one of ALGORITHMS: token-bucket, fixed-window, sliding-log, sliding-counter
     limit      N requests per window (token bucket: refill N per window, capacity N unless burst=)
@@ -29,7 +30,9 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     store      "memory", or redis://, rediss://, redis-sentinel://, redis-cluster:// (limiter.redis_url;
                limiter.redis_store: state shared by every edge)
     burst      token-bucket only: bucket capacity, apart from N
-    max_keys   hard cap on keys holding state in memory (idle keys are evicted long before)
+    max_keys   hard cap on keys holding state in memory (idle keys are evicted long before; when only
+               live state is left a new key is refused, see limiter.memory)
+    clock      the clock allow(key) reads when no `now` is passed (default time.time)
     redis_options  Redis stores only: prefix, timeout, pool_size, on_error, retry_interval, ttl_grace,
                password_file, ca_file, cert_file, key_file (see limiter.redis_store.RedisStore)
     """
@@ -43,10 +46,10 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     if store == "memory":
         if redis_options:
             raise ValueError(f"options {', '.join(sorted(redis_options))} only apply to store='redis://...'")
-        return MemoryStore(algo, max_keys=max_keys)
+        return MemoryStore(algo, max_keys=max_keys, **({"clock": clock} if clock else {}))
     if isinstance(store, str) and store.partition("://")[0] in REDIS_SCHEMES:
         from .redis_store import RedisStore  # imports redis only when it is used
-        return RedisStore(algo, store, max_keys=max_keys, **redis_options)
+        return RedisStore(algo, store, max_keys=max_keys, **({"clock": clock} if clock else {}), **redis_options)
     from .redis_url import parse
     parse(store)  # raises the one-line reason (never echoing a password)
     raise AssertionError("unreachable")

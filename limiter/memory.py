@@ -1,91 +1,147 @@
-"""The in-process store: per-key state for one algorithm, lock-striped and bounded.
+"""The in-process store: per-key state for one algorithm, lock-striped, bounded by ONE global key cap.
 
-Layout: `stripes` (default 64) independent shards chosen by hash(key); each has its own lock, its own
-dict key -> state, and its own queue of keys for sweeping.  Decisions for one key are serialised by its
-stripe's lock; keys in different stripes never wait for each other.
+Layout: one dict key -> state for the whole store; `stripes` (default 64) locks chosen by hash(key)
+serialise the decisions for one key (keys in different stripes never wait for each other); one queue
+of keys in insertion order, rotated by the sweep, guarded by a growth lock taken only when a *new* key
+is inserted (the only moment memory grows, so the hot path for known keys does no sweeping at all).
 
-Bounded memory, two mechanisms, both amortised O(1) and paid only when a *new* key is inserted (the
-only moment memory grows, so the hot path for known keys does no sweeping at all):
+The clock: allow(key) without `now` reads the store's clock (time.time unless injected) UNDER the
+key's lock, so the decisions for one key are taken in the order of their instants.  (Read before the
+lock, a later request could be decided first; sliding-log and fixed-window then admitted more than N
+in a window: N=2, W=10 s, instants in the order 11, 7, 21, 7 admitted all four.)  allow(key, now) with
+an explicit instant stays for injected-clock tests and for callers that know better.
 
-* Idle sweep: each insertion examines up to SWEEP keys at the front of its stripe's queue; a key whose
-  state has expired (algorithm.expires_at(state) <= now: from then on the state behaves exactly like a
-  fresh key, so dropping it changes no decision) is deleted, a live one is rotated to the back (a
-  CLOCK-style sweep).  The sweep visits keys twice as fast as they are inserted.
-* Hard cap: a stripe holds at most max_keys // stripes keys; inserting past that evicts the key at the
-  front of the queue (the longest since insertion or last sweep visit -- approximately the oldest).
-  Unlike the idle sweep, this can forget live state (a client gets a fresh quota): it is the safety
-  valve against a key-rotating flood, not the normal path.
+Bounded memory, amortised O(1), paid only on insertion:
+
+* Idle sweep: each insertion examines up to SWEEP keys at the front of the queue; a key whose state
+  has expired (algorithm.expires_at(state) <= now: from then on it behaves exactly like a fresh key,
+  so dropping it changes no decision) is deleted, a live one is rotated to the back (CLOCK-style).
+* Global cap: at most max_keys keys in the whole store.  An insertion at the cap first looks for an
+  idle key to evict (up to SCAN more keys of the queue).  When every key it looks at is live, NO live
+  state is evicted: the new key is refused with a TableFullDecision (unavailable=True: the edge answers
+  503, as nginx's limit_req does when its zone cannot allocate), and counted in `.full`.  So a
+  key-rotating flood can fill the table and be refused, but can never make the store forget a limited
+  key's state and hand it a fresh quota.  Size max_keys for the clients you expect within one expiry
+  horizon (a window; for the sliding counter two); ~100-150 bytes per key.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from time import time as _time
+
+from .algorithms import Decision
 
 SWEEP = 2  # keys examined per insertion
+SCAN = 8  # more keys examined for an idle one when an insertion finds the table full
+_new = tuple.__new__
+
+
+class TableFullDecision(Decision):
+    """Refused because the store's key table is full of live state (the edge answers 503)."""
+
+    __slots__ = ()
+    unavailable = True
+    degraded = True
 
 
 class MemoryStore:
-    """allow(key, now) for one algorithm, with state held in this process."""
+    """allow(key, now=None) for one algorithm, with state held in this process."""
 
-    __slots__ = ("algorithm", "limit", "max_keys", "_stripes", "_mask", "_step", "_per_stripe", "_expires")
+    __slots__ = ("algorithm", "limit", "max_keys", "full", "_locks", "_mask", "_states", "_queue", "_grow",
+                 "_step", "_expires", "_clock")
 
-    def __init__(self, algorithm, max_keys: int = 100_000, stripes: int = 64):
+    def __init__(self, algorithm, max_keys: int = 100_000, stripes: int = 64, clock=_time):
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys <= 0:
             raise ValueError(f"max_keys must be a positive integer, got {max_keys!r}")
         if stripes <= 0 or stripes & (stripes - 1):
             raise ValueError(f"stripes must be a power of two, got {stripes!r}")
-        while stripes > 1 and stripes > max_keys:  # every stripe must be able to hold at least one key
-            stripes //= 2
         self.algorithm = algorithm
         self.limit = algorithm.limit
         self.max_keys = max_keys
+        self.full = 0  # new keys refused because the table was full of live state
         self._mask = stripes - 1
-        self._per_stripe = max_keys // stripes  # so the total never exceeds max_keys
-        self._stripes = tuple((threading.Lock(), {}, deque()) for _ in range(stripes))
+        self._locks = tuple(threading.Lock() for _ in range(stripes))
+        self._states = {}  # one dict: get/set are atomic; a key's entry changes only under its stripe lock
+        self._queue = deque()  # every key in _states exactly once; guarded by _grow
+        self._grow = threading.Lock()
         self._step = algorithm.step
         self._expires = algorithm.expires_at
+        self._clock = clock
 
-    def allow(self, key, now: float):
-        lock, states, queue = self._stripes[hash(key) & self._mask]
+    def allow(self, key, now: float | None = None):
+        lock = self._locks[hash(key) & self._mask]
         with lock:
+            if now is None:
+                now = self._clock()  # under the key's lock: decisions for a key in the order of their instants
+            states = self._states
             state = states.get(key)
             if state is not None:
                 new, decision = self._step(state, now)
                 if new is not state:
                     states[key] = new
                 return decision
-            # A new key: the only time memory grows, so the only time we sweep (inlined: hot for floods).
-            new, decision = self._step(None, now)
-            if queue:
-                expires = self._expires
-                for _ in range(SWEEP):
-                    k = queue.popleft()
-                    if expires(states[k]) <= now:
-                        del states[k]
-                        if not queue:
-                            break
-                    else:
-                        queue.append(k)
-                if len(states) >= self._per_stripe:  # the hard cap: evict the front (oldest) key
-                    del states[queue.popleft()]
+            return self._insert(key, now, lock)
+
+    def _insert(self, key, now, lock):
+        """A new key (its stripe lock held): sweep, make room under the global cap, or refuse."""
+        new, decision = self._step(None, now)
+        states, queue = self._states, self._queue
+        with self._grow:
+            for _ in range(SWEEP if len(queue) >= SWEEP else len(queue)):
+                self._visit(now, lock)
+            if len(states) >= self.max_keys:
+                soonest = None
+                for _ in range(SCAN if len(queue) >= SCAN else len(queue)):
+                    e = self._visit(now, lock)
+                    if e is None:
+                        break
+                    if soonest is None or e < soonest:
+                        soonest = e
+                else:
+                    self.full += 1
+                    wait = max(0.0, soonest - now) if soonest is not None else self.algorithm.window
+                    return _new(TableFullDecision, (False, self.limit, 0, wait, wait))
             queue.append(key)
             states[key] = new
-            return decision
+        return decision
+
+    def _visit(self, now, held):
+        """Under _grow: the key at the front of the queue is deleted if idle (returns None), else rotated
+        to the back (returns its expiry).  Another stripe's lock is only tried, never waited for (the
+        inserting thread holds its own: waiting could deadlock); a busy key counts as live."""
+        queue = self._queue
+        k = queue.popleft()
+        klock = self._locks[hash(k) & self._mask]
+        if klock is held or klock.acquire(False):
+            try:
+                e = self._expires(self._states[k])
+                if e <= now:
+                    del self._states[k]
+                    return None
+            finally:
+                if klock is not held:
+                    klock.release()
+        else:
+            e = now + self.algorithm.window
+        queue.append(k)
+        return e
 
     def __len__(self):
-        """Number of keys currently holding state (a snapshot; takes every stripe lock in turn)."""
-        total = 0
-        for lock, states, _ in self._stripes:
-            with lock:
-                total += len(states)
-        return total
+        """Number of keys currently holding state (a snapshot)."""
+        return len(self._states)
 
     def clear(self):
-        for lock, states, queue in self._stripes:
-            with lock:
-                states.clear()
-                queue.clear()
+        for lock in self._locks:  # the stripe locks before _grow, the order allow() takes them in
+            lock.acquire()
+        try:
+            with self._grow:
+                self._states.clear()
+                self._queue.clear()
+        finally:
+            for lock in self._locks:
+                lock.release()
 
     def __repr__(self):
         return f"MemoryStore({self.algorithm!r}, max_keys={self.max_keys}, stripes={self._mask + 1})"

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from time import monotonic
+from time import monotonic, time
 
 from redis.exceptions import RedisError
 
@@ -294,7 +294,8 @@ class RedisStore:
     def __init__(self, algorithm, url: str, *, prefix: str | None = None, timeout: float = 0.05,
                  pool_size: int = 64, on_error: str = "fail-open", retry_interval: float = 0.5,
                  ttl_grace: float = 1.0, max_keys: int = 100_000, password_file: str | None = None,
-                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None):
+                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
+                 clock=time):
         if on_error not in POLICIES:
             raise ValueError(f"on_error must be one of {', '.join(POLICIES)}; got {on_error!r}")
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
@@ -325,6 +326,7 @@ class RedisStore:
         self.lua = "local ARGV = {ARGV[1], %s}\n%s" % (", ".join(f"'{c}'" for c in consts), lua)
         self.script = _Script(self.lua)
         self._step = algorithm.step
+        self.clock = clock
         self.max_keys = max_keys
         # on_error="local": one in-process limiter per Redis server that failed (a cluster has several),
         # created on its first fallback, dropped by the first decision that reaches that server again --
@@ -337,7 +339,12 @@ class RedisStore:
     def key(self, key: str) -> str:
         return f"{self.prefix}{{{key}}}"
 
-    def allow(self, key, now: float):
+    def allow(self, key, now: float | None = None):
+        if now is None:
+            # Read as late as possible, just before the call.  There is no lock to read it under: the
+            # order that counts is the order the scripts run in Redis, across connections and edges --
+            # out-of-order instants cost what docs/redis.md ("Time") measures.
+            now = self.clock()
         k = f"{self.prefix}{{{key}}}".encode()
         node = self._route(k)
         if node.up or node.may_try():
