@@ -13,6 +13,7 @@
 
     python3 bench/redis_bench.py [--calls 5000] [--rate 200] [--seconds 10] [--no-edge]
     python3 bench/redis_bench.py --commandstats    # only: server-side µs per call (INFO commandstats)
+    python3 bench/redis_bench.py --abuse           # only: script calls per admitted request at 10x the limit
 
 Prints markdown tables (docs/redis.md records one run).
 """
@@ -190,6 +191,28 @@ def accuracy(url: str, backend: Backend):
     return limit, {n: admitted_per_second(s, t0, t0 + 10.0) for n, s in res.items()}
 
 
+def abuse(url: str, factor: float = 10.0, limit: int = 100, window: float = 1.0, seconds: float = 20.0):
+    """Script calls per admitted request for one client at `factor` x its limit, with and without the
+    denial cache: `seconds` of simulated time (injected instants, evenly spaced), EVALSHA calls counted by
+    the server (INFO commandstats), so the figure is what Redis actually executed."""
+    import redis
+    r = redis.Redis.from_url(url)
+    rows = []
+    for a in ALGORITHMS:
+        for cache in (10_000, 0):
+            lim = build(a, limit, window, store=url, prefix=f"abuse:{uuid.uuid4().hex[:6]}:", timeout=1.0,
+                        deny_cache=cache)
+            rate = factor * limit / window
+            n = int(seconds * rate)
+            t0 = 1_000_000.0
+            lim.allow("warm-up", t0)
+            r.config_resetstat()
+            admitted = sum(lim.allow("abuser", t0 + i / rate).allowed for i in range(n))
+            calls = int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+            rows.append((a, "on" if cache else "off", n, admitted, calls, lim.answered_locally))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
@@ -197,10 +220,19 @@ def main():
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--no-edge", action="store_true", help="only the per-decision table")
     ap.add_argument("--commandstats", action="store_true", help="only the server-side µs per call")
+    ap.add_argument("--abuse", action="store_true", help="only: script calls per admitted request at 10x")
     args = ap.parse_args()
     server = RedisServer().start()
     try:
         import redis
+        if args.abuse:
+            print("## One client at 10x its limit (100/s), 20 s of injected instants: script calls that "
+                  "reached Redis (INFO commandstats)\n")
+            print("| algorithm | denial cache | requests | admitted | EVALSHA calls | calls per admitted | "
+                  "answered locally |\n|---|---|---:|---:|---:|---:|---:|")
+            for a, cache, n, admitted, calls, local in abuse(server.url):
+                print(f"| {a} | {cache} | {n} | {admitted} | {calls} | {calls / admitted:.2f} | {local} |")
+            return
         if args.commandstats:
             print("| path | server µs per call | commands per call, µs each |\n|---|---:|---|")
             for name, us, detail in commandstats(server.url):

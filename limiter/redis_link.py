@@ -8,6 +8,7 @@ interface to the store is small on purpose (so transports can change without tou
     node = link.route(key_bytes)                                 # the server owning the key (a cluster's node)
     link.evalsha(script, key_bytes, now) -> reply bytes          # raises redis.RedisError
     link.up / link.may_try() / link.failed(e) / link.succeeded() / link.retry_at / link.failures
+    link.outages                                                 # up -> down transitions so far
 
 The call path is deliberately lean (see docs/redis.md, "Measured"): redis-py's Connection (socket,
 connect, AUTH/SELECT, RESP parser, timeouts) but not its Redis client or pools, whose per-command
@@ -181,6 +182,7 @@ class RedisLink:
         self.down_since = 0.0
         self.retry_at = 0.0  # while down: the next instant (monotonic) one request may probe Redis
         self.failures = 0  # failed Redis calls (timeouts, refused, errors)
+        self.outages = 0  # up -> down transitions: state cached from before one may be gone (a restart)
         self._lock = threading.Lock()
 
     @property
@@ -249,6 +251,7 @@ class RedisLink:
             self.retry_at = t + self.retry_interval
             if self.up:
                 self.up = False
+                self.outages += 1
                 self.down_since = t
                 log.warning("limiter store %s unavailable (%s: %s); failure policy applies, retrying every %gs",
                             self.name, type(error).__name__, error, self.retry_interval)

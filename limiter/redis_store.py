@@ -295,7 +295,7 @@ class RedisStore:
                  pool_size: int = 64, on_error: str = "fail-open", retry_interval: float = 0.5,
                  ttl_grace: float = 1.0, max_keys: int = 100_000, password_file: str | None = None,
                  ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
-                 clock=time):
+                 clock=time, deny_cache: int = 10_000):
         if on_error not in POLICIES:
             raise ValueError(f"on_error must be one of {', '.join(POLICIES)}; got {on_error!r}")
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
@@ -306,6 +306,8 @@ class RedisStore:
             prefix = f"rl:{algorithm.name}:{algorithm.limit}/{algorithm.window!r}:"
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"prefix must not contain '{{' or '}}' (the client key is the hash tag): {prefix!r}")
+        if isinstance(deny_cache, bool) or not isinstance(deny_cache, int) or deny_cache < 0:
+            raise ValueError(f"deny_cache must be an integer >= 0 (0: off), got {deny_cache!r}")
         if not (ttl_grace >= 0):
             raise ValueError(f"ttl_grace must be >= 0 seconds, got {ttl_grace!r}")
         try:
@@ -332,6 +334,9 @@ class RedisStore:
         # created on its first fallback, dropped by the first decision that reaches that server again --
         # whichever store's call it was that found the server back (every store checks its own).
         self._locals: dict[RedisLink, MemoryStore] = {}
+        self.deny_cache = deny_cache
+        self._denied = {}  # key -> (the state Redis holds while it can only deny, its server's outages then)
+        self.answered_locally = 0  # denials answered from _denied, without a round trip
         self.degraded = 0  # decisions made by the failure policy
         self.drift = 0  # Lua and Python verdicts disagreed (must stay 0)
         self.strict = False  # raise DriftError instead of counting (tests)
@@ -347,6 +352,24 @@ class RedisStore:
             now = self.clock()
         k = f"{self.prefix}{{{key}}}".encode()
         node = self._route(k)
+        # The denial cache.  After a decision that left the key unable to admit anything more (a denial,
+        # or an admission with remaining 0) we keep the state Redis then held.  Until that state's own
+        # next-admission instant nothing can be admitted for the key anywhere (other edges can only
+        # deny, which changes no threshold), so the algorithm's step() on the kept state gives exactly
+        # the Decision Redis would: the verdict, Remaining 0, the same Reset, Retry-After counted down.
+        # The first instant step() would admit, the call goes to Redis.  Per-algorithm argument in
+        # docs/redis.md ("Denials answered locally").  An entry is only used while its server is up and
+        # has not been down since (it may have come back empty); while down, the failure policy decides.
+        state = self._denied.get(key)
+        if state is not None:
+            state, outages = state
+            if node.up and outages == node.outages:
+                if type(state) is list:
+                    state = state.copy()  # step() prunes a sliding log in place; the kept one stays whole
+                _, d = self._step(state, now)
+                if not d.allowed:
+                    self.answered_locally += 1
+                    return d
         if node.up or node.may_try():
             try:
                 reply = node.evalsha(self.script, k, now)
@@ -358,9 +381,17 @@ class RedisStore:
                     node.succeeded()
                 if self._locals:  # this server answers again: its local counts are stale
                     self._locals.pop(node, None)
-                _, d = self._step(self._state(reply[2:] or None), now)
+                new, d = self._step(self._state(reply[2:] or None), now)
                 if d.allowed != (reply[0] == 49):  # b"1..."
                     self._drifted(key, now, reply, d)
+                if d.remaining:
+                    if state is not None:
+                        self._denied.pop(key, None)
+                elif self.deny_cache:
+                    denied = self._denied
+                    if len(denied) >= self.deny_cache and key not in denied:
+                        denied.clear()  # bounded; forgetting costs round trips, never a wrong answer
+                    denied[key] = (new, node.outages)
                 return d
         return self._fallback(key, now, node)
 

@@ -6,7 +6,9 @@ suite runs once per entry of STORES:
     memory   the in-process store
     redis    a real redis-server (one per session, tests/redis_server.py); every limiter gets a fresh
              key prefix, so tests never see each other's state, and runs strict (a Lua/Python
-             verdict mismatch raises instead of being counted)
+             verdict mismatch raises instead of being counted); denials answered from its local
+             denial cache where it can (the default)
+    redis-nocache  the same with the denial cache off: every decision is a script call
 """
 
 import itertools
@@ -23,8 +25,9 @@ def _memory(algorithm, limit, window, **kw):
 _prefixes = itertools.count()
 
 
-def _redis(url):
+def _redis(url, **defaults):
     def make(algorithm, limit, window, **kw):
+        kw = {**defaults, **kw}
         kw.setdefault("prefix", f"test:{next(_prefixes)}:")
         kw.setdefault("timeout", 2.0)  # a loaded CI machine must not turn into fail-open decisions
         lim = build(algorithm, limit, window, store=url, **kw)
@@ -35,7 +38,8 @@ def _redis(url):
 
 
 STORES = {"memory": lambda request: _memory,
-          "redis": lambda request: _redis(request.getfixturevalue("redis_server").url)}
+          "redis": lambda request: _redis(request.getfixturevalue("redis_server").url),
+          "redis-nocache": lambda request: _redis(request.getfixturevalue("redis_server").url, deny_cache=0)}
 
 
 @pytest.fixture(params=sorted(STORES))

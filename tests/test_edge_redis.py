@@ -103,7 +103,8 @@ def test_killing_redis_mid_traffic_applies_each_policy_and_enforcement_resumes_a
     (limit 10/s, fixed-window).  Redis is SIGKILLed mid-traffic, then restarted on the same port.
 
     * no request takes longer than the Redis timeout (0.1 s) plus 0.2 s, before, during or after;
-    * while Redis is down: fail-open answers 200, fail-closed 503, local limits in-process (200 + 429);
+    * while Redis is down: fail-open answers 200, fail-closed 503, local limits in-process (200 + 429)
+      -- once the denials known before the kill (answered locally until their retry instant) are over;
     * one log line per state change (unavailable, back) in each edge's log;
     * after the restart each edge enforces through Redis again (429s, no 503s), without being restarted.
     """
@@ -134,7 +135,7 @@ def test_killing_redis_mid_traffic_applies_each_policy_and_enforcement_resumes_a
         time.sleep(1.5)
         killed = time.monotonic()
         own_redis.kill()
-        time.sleep(1.5)
+        time.sleep(2.0)
         restarted = time.monotonic()
         own_redis.start()
         for p in policies:
@@ -154,7 +155,12 @@ def test_killing_redis_mid_traffic_applies_each_policy_and_enforcement_resumes_a
         s = samples[p]
         slowest = max(took for _, _, took in s)
         before = Counter(st for _, st, _ in _phase(s, killed - 1.2, killed - 0.15))  # sent and answered before
-        down = Counter(st for _, st, _ in _phase(s, killed + 0.05, restarted))
+        # A denial already known before the kill stands until its retry instant (the edge answers it
+        # from its denial cache without asking Redis; at 10/s fixed-window, at most one 1 s window):
+        # from then on every decision reaches the store and the policy decides.
+        known = Counter(st for _, st, _ in _phase(s, killed + 0.05, killed + 1.05))
+        assert known[503] == 0 or p == "fail-closed", (p, known)
+        down = Counter(st for _, st, _ in _phase(s, killed + 1.1, restarted))
         after = Counter(st for _, st, _ in _phase(s, back + 0.3, back + 1.5))
         print(f"\n{p}: slowest {slowest * 1000:.0f} ms; up {dict(before)}, down {dict(down)}, back {dict(after)}")
         assert slowest < timeout + 0.2, (p, slowest)
@@ -165,8 +171,8 @@ def test_killing_redis_mid_traffic_applies_each_policy_and_enforcement_resumes_a
             assert set(down) == {503}, down
         else:
             assert down[200] > 0 and down[429] > 0 and down[503] == 0, down
-            # 1.45 s of a local 10/s fixed window touches at most 3 windows (partial, whole, partial)
-            assert down[200] <= 10 * (math.ceil(restarted - killed) + 1), down
+            # the rest of a local 10/s fixed window touches at most 3 windows (partial, whole, partial)
+            assert down[200] <= 10 * (math.ceil(restarted - killed - 1.1) + 1), down
         assert after[429] > 0 and after[200] > 0 and after[503] == 0, (p, after)
         assert len(re.findall(r"limiter store \S+ unavailable", logs[p])) == 1, logs[p]
         assert len(re.findall(r"limiter store \S+ back after", logs[p])) == 1, logs[p]

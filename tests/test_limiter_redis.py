@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import math
+import random
 import subprocess
 import sys
 import threading
@@ -280,7 +281,7 @@ def test_a_busy_pool_on_a_healthy_redis_never_reaches_the_failure_policy(redis_s
     # (redis-server not scheduled for 50 ms) is not mistaken for what this test is about.
     lim = build("fixed-window", 10**9, 60.0, store=redis_server.url, prefix=fresh(), timeout=2.0,
                 pool_size=pool_size, retry_interval=0.01)
-    lim.link.pool.timeout = 0.05
+    lim.link.pool.timeout = 0.25
     go = threading.Barrier(threads)
 
     def run():
@@ -331,3 +332,49 @@ def test_the_pool_is_first_come_first_served_a_releaser_cannot_take_its_connecti
     assert order == ["A", "B", "holder again"]
     pool.put(got["holder again"])
     assert len(pool._idle) == 1 and not pool._waiters
+
+
+# ------------------------------------------------------------------------------- the denial cache
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_the_denial_cache_gives_decision_for_decision_the_stores_answers(redis_server, algorithm):
+    """Random histories over a few keys at 2-20x their limit, instants from 0 to 0.3 windows apart:
+    the store with its denial cache, the store without it, and the memory store give identical
+    Decisions (every float exact) -- while most denials never reach Redis."""
+    rng = random.Random(f"cache-{algorithm}")
+    kw = {"burst": 5} if algorithm == "token-bucket" else {}
+    n, w = 4, 1.0
+    cached = build(algorithm, n, w, store=redis_server.url, prefix=fresh(), timeout=2.0, **kw)
+    alone = build(algorithm, n, w, store=redis_server.url, prefix=fresh(), timeout=2.0, deny_cache=0, **kw)
+    memory = build(algorithm, n, w, **kw)
+    cached.strict = alone.strict = True
+    t = 50_000.0
+    for _ in range(1500):
+        t += rng.choice([0.0, 0.0, 0.001, 0.01, 0.05, 0.1, 0.3]) * w
+        key = f"k{rng.randrange(3)}"
+        got, want, ref = cached.allow(key, t), alone.allow(key, t), memory.allow(key, t)
+        assert got == want == ref, (key, t, got, want, ref)
+        assert type(got) is type(want)
+    print(f"\n[cache] {algorithm}: {cached.answered_locally} of 1500 answered locally")
+    assert cached.answered_locally > 300 and alone.answered_locally == 0
+
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_a_cached_denial_stays_right_while_another_edge_shares_the_key(redis_server, algorithm):
+    """Two edges on one key: edge A answers from its cache, edge B keeps asking Redis.  Every verdict
+    matches a single memory store fed the same instants in the same order (B's denials change nothing
+    A relies on), and A never admits past the limit."""
+    kw = {"burst": 3} if algorithm == "token-bucket" else {}
+    prefix = fresh()
+    a = build(algorithm, 3, 1.0, store=redis_server.url, prefix=prefix, timeout=2.0, **kw)
+    b = build(algorithm, 3, 1.0, store=redis_server.url, prefix=prefix, timeout=2.0, deny_cache=0, **kw)
+    ref = build(algorithm, 3, 1.0, **kw)
+    t = 9000.0
+    for i in range(400):
+        t += 0.037
+        edge = a if i % 3 else b
+        got, want = edge.allow("shared", t), ref.allow("shared", t)
+        assert got.allowed == want.allowed, (i, t, got, want)
+        if not got.allowed:
+            assert got.retry_after == want.retry_after and got.reset == want.reset
+    assert a.answered_locally > 50
