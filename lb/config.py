@@ -344,7 +344,7 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--key-limit", action="append", help="KEY=N/PERIOD override, repeatable")
     a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
     a("--store", help="memory (default) | redis://[USER:PASS@]HOST:PORT/DB | rediss://... (TLS) | "
-                      "redis-sentinel://H:P,.../MASTER | redis-cluster://H:P,...")
+                      "redis+unix:///PATH.sock[?db=N] | redis-sentinel://H:P,.../MASTER | redis-cluster://H:P,...")
     a("--redis-timeout", help="seconds per Redis call before --on-store-error applies (default 0.05)")
     a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")

@@ -165,7 +165,7 @@ class RedisLink:
     def __init__(self, target: Target, timeout: float, pool_size: int, retry_interval: float,
                  host: str | None = None, port: int | None = None):
         self.target = target
-        host, port = (host, port) if host is not None else target.hosts[0]
+        host, port = (host, port) if host is not None else (target.hosts[0] if target.hosts else (None, None))
         self.name = target.display if target.kind == "single" else f"{target.display} node {host}:{port}"
         self.timeout = timeout
         self.pool_size = pool_size
@@ -187,7 +187,8 @@ class RedisLink:
 
     @property
     def address(self) -> tuple[str, int]:
-        return self.connection_kwargs["host"], self.connection_kwargs["port"]
+        kw = self.connection_kwargs
+        return (kw["path"], 0) if "path" in kw else (kw["host"], kw["port"])
 
     def route(self, key: bytes) -> "RedisLink":
         """The server that owns key: this one (a cluster routes by slot)."""
@@ -195,7 +196,8 @@ class RedisLink:
 
     def _new_pool(self) -> _Pool:
         kwargs = self.connection_kwargs
-        cls = redis.SSLConnection if self.target.tls else redis.Connection
+        cls = (redis.UnixDomainSocketConnection if self.target.socket else
+               redis.SSLConnection if self.target.tls else redis.Connection)
         return _Pool(lambda: cls(**kwargs), self.pool_size, self.timeout)
 
     def _after_fork(self) -> None:

@@ -4,6 +4,8 @@
     rediss://[USER[:PASSWORD]@]HOST:PORT[/DB]                       one Redis over TLS
     redis-sentinel://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]/MASTER[/DB]
     redis-cluster://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...]      seed nodes (a cluster has db 0 only)
+    redis+unix://[USER[:PASSWORD]@]/PATH/redis.sock[?db=N]          one Redis on this host, its unix socket
+    unix://...                                                      the same (redis-py's spelling)
 
 The password comes from exactly one of: the URL, `[limits] redis_password_file` (its first line), or the
 environment variable EDGE_REDIS_PASSWORD.  Two sources are refused: silently preferring one would leave an
@@ -17,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
-SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster")
+SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster", "redis+unix", "unix")
 SUPPORTED = ("single",)  # the kinds limiter.redis_store can serve; the others are refused at start-up
 ENV_PASSWORD = "EDGE_REDIS_PASSWORD"
 
@@ -34,10 +36,13 @@ class Target:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    socket: str | None = None                   # redis+unix://: the socket's path (hosts is empty)
 
     @property
     def display(self) -> str:
         """The URL without credentials: what logs, /status and errors may show."""
+        if self.socket:
+            return f"redis+unix://{self.socket}" + (f"?db={self.db}" if self.db else "")
         scheme = {"single": "rediss" if self.tls else "redis", "sentinel": "redis-sentinel",
                   "cluster": "redis-cluster"}[self.kind]
         hosts = ",".join(f"{_host(h)}:{p}" for h, p in self.hosts)
@@ -49,6 +54,8 @@ class Target:
 
     def connection_kwargs(self, host: str, port: int) -> dict:
         """redis-py Connection / SSLConnection keyword arguments for one server of this target."""
+        if self.socket:
+            return dict(path=self.socket, db=self.db, username=self.username, password=self.password)
         kw = dict(host=host, port=port, db=self.db, username=self.username, password=self.password)
         if self.tls:
             kw.update(ssl_ca_certs=self.ca_file, ssl_certfile=self.cert_file, ssl_keyfile=self.key_file,
@@ -100,6 +107,16 @@ def parse(url: str, *, password_file: str | None = None, ca_file: str | None = N
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in SCHEMES:
         raise ValueError(f"store: expected memory, {', '.join(s + '://' for s in SCHEMES)}; got {_redact(url)!r}")
+    socket = None
+    if scheme in ("redis+unix", "unix"):  # [USER[:PASSWORD]@]/PATH.sock[?db=N]: a path, not HOST:PORT
+        rest, _, query = rest.partition("?")
+        socket = rest.rpartition("@")[2]
+        if not socket.startswith("/"):
+            raise ValueError(f"{_redact(url)}: expected an absolute socket path, e.g. {scheme}:///run/redis.sock")
+        db = query[3:] if query.startswith("db=") else None
+        if (query and db is None) or (db is not None and not db.isdigit()):
+            raise ValueError(f"{_redact(url)}: the only option is ?db=N (a number)")
+        rest = rest[: len(rest) - len(socket)] + f"unix/{db or 0}"  # parsed below like HOST/DB
     userinfo, at, rest = rest.rpartition("@")
     username = password = None
     if at:
@@ -113,8 +130,8 @@ def parse(url: str, *, password_file: str | None = None, ca_file: str | None = N
         rest, _, path = rest.partition("/")
     if "?" in path or "?" in rest:
         raise ValueError(f"{_redact(url)}: query options are not supported (use the [limits] redis_* keys)")
-    hosts = tuple(_hostport(h, url) for h in rest.split(",")) if rest else ()
-    if not hosts:
+    hosts = () if socket else tuple(_hostport(h, url) for h in rest.split(",")) if rest else ()
+    if not hosts and not socket:
         raise ValueError(f"{_redact(url)}: no HOST:PORT")
     parts = [p for p in path.split("/") if p] if path else []
     master, db = None, 0
@@ -149,7 +166,7 @@ def parse(url: str, *, password_file: str | None = None, ca_file: str | None = N
         password = _read_password_file(password_file)
     elif password is None and environ.get(ENV_PASSWORD):
         password = environ[ENV_PASSWORD]
-    kind = {"redis": "single", "rediss": "single", "redis-sentinel": "sentinel", "redis-cluster": "cluster"}[scheme]
+    kind = {"redis-sentinel": "sentinel", "redis-cluster": "cluster"}.get(scheme, "single")
     if kind not in SUPPORTED:
         raise ValueError(f"store: {scheme}:// is not supported yet; use redis:// or rediss:// (one Redis)")
-    return Target(kind, hosts, db, master, tls, username, password, ca_file, cert_file, key_file)
+    return Target(kind, hosts, db, master, tls, username, password, ca_file, cert_file, key_file, socket)

@@ -20,7 +20,8 @@ from tests.support import free_port
 
 
 class RedisServer:
-    """`redis-server --port P --save '' --appendonly no`; start(), stop(), kill(), pause()/resume().
+    """`redis-server --port P --save '' --appendonly no` (and a unix socket: .socket, .unix_url);
+    start(), stop(), kill(), pause()/resume().
 
     extra: more redis-server arguments (TLS, a password, cluster mode...); ping: redis.Redis keyword
     arguments the readiness PING needs to get through them (ssl=..., password=...).
@@ -39,11 +40,14 @@ class RedisServer:
         self.dir = tempfile.mkdtemp(prefix="redis-test-")
         self.extra = [str(a) for a in extra]
         self.ping_kwargs = ping or {}
+        self.socket = os.path.join(self.dir, "redis.sock")  # the same server on a unix socket too
+        self.unix_url = f"redis+unix://{self.socket}?db=0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--loglevel", "warning", *self.extra],
+             "--dir", self.dir, "--loglevel", "warning", "--unixsocket", self.socket, "--unixsocketperm", "700",
+             *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         c = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5, **self.ping_kwargs)

@@ -178,3 +178,21 @@ def test_killing_redis_mid_traffic_applies_each_policy_and_enforcement_resumes_a
         assert len(re.findall(r"limiter store \S+ back after", logs[p])) == 1, logs[p]
     m = re.search(r"^lb_limiter_errors_total (\d+)", metrics, re.M)
     assert m and int(m.group(1)) >= 20, metrics  # every fail-open decision is counted
+
+
+def test_the_edge_reaches_redis_over_its_unix_socket(backend, redis_server):
+    """--store redis+unix:///path.sock?db=0: the limit is enforced through the same server (429 after 3)."""
+    edge = Edge("--backends", backend.url, "--limit", "3/m", "--algorithm", "sliding-log",
+                "--store", redis_server.unix_url, "--admin", "127.0.0.1:0", name="edge-unix")
+    try:
+        key = f"unix-{uuid.uuid4().hex[:6]}"
+        statuses = [request(edge.port, "GET", "/", {"X-Api-Key": key}).status for _ in range(5)]
+        assert statuses == [200, 200, 200, 429, 429]
+        metrics = request(edge.admin_port, "GET", "/metrics").body.decode()
+        assert re.search(r"^lb_limiter_errors_total 0$", metrics, re.M), metrics
+    finally:
+        edge.stop()
+    # the state is in that server: the key's log holds the 3 admitted requests
+    r = redis_server.client()
+    keys = [k for k in r.scan_iter(count=10_000) if key.encode() in k]
+    assert len(keys) == 1 and r.zcard(keys[0]) == 3, keys

@@ -378,3 +378,51 @@ def test_a_cached_denial_stays_right_while_another_edge_shares_the_key(redis_ser
         if not got.allowed:
             assert got.retry_after == want.retry_after and got.reset == want.reset
     assert a.answered_locally > 50
+
+
+# ------------------------------------------------------------------------------------- unix sockets
+
+@pytest.mark.parametrize("scheme", ["redis+unix://", "unix://"])
+def test_a_unix_socket_store_shares_state_with_the_tcp_one(redis_server, scheme):
+    """The same server over its unix socket (redis+unix:///path?db=0, or redis-py's unix://): decisions
+    are the same rule on the same state as over TCP -- here they alternate on one key."""
+    url = scheme + redis_server.socket + "?db=0"
+    prefix = fresh()
+    over_unix = build("sliding-log", 4, 60.0, store=url, prefix=prefix, timeout=2.0)
+    over_tcp = build("sliding-log", 4, 60.0, store=redis_server.url, prefix=prefix, timeout=2.0)
+    got = [(over_unix if i % 2 else over_tcp).allow("k", 100.0 + i).allowed for i in range(6)]
+    assert got == [True] * 4 + [False] * 2
+    assert over_unix.failures == 0 and over_unix.degraded == 0
+    assert redis_server.client().zcard(f"{prefix}{{k}}") == 4
+
+
+def test_a_missing_unix_socket_is_a_store_failure_not_a_crash(tmp_path):
+    lim = build("fixed-window", 2, 1.0, store=f"redis+unix://{tmp_path}/nothing.sock", timeout=0.05,
+                on_error="fail-closed")
+    d = lim.allow("k", 10.0)
+    assert d.unavailable and not d.allowed and lim.failures == 1
+
+
+@pytest.mark.parametrize("url, socket, db, user", [
+    ("redis+unix:///run/redis/redis.sock", "/run/redis/redis.sock", 0, None),
+    ("unix:///tmp/r.sock?db=3", "/tmp/r.sock", 3, None),
+    ("redis+unix://edge:sekrit@/tmp/r.sock?db=1", "/tmp/r.sock", 1, "edge"),
+])
+def test_unix_socket_urls_parse(url, socket, db, user):
+    from limiter.redis_url import parse
+    t = parse(url, environ={})
+    assert (t.kind, t.hosts, t.socket, t.db, t.username) == ("single", (), socket, db, user)
+    assert "sekrit" not in t.display and t.display.startswith("redis+unix:///")
+
+
+@pytest.mark.parametrize("url, words", [
+    ("redis+unix://tmp/r.sock", ["absolute socket path"]),
+    ("unix:///tmp/r.sock?timeout=1", ["?db=N"]),
+    ("redis+unix://u:sekrit@/tmp/r.sock?db=x", ["?db=N"]),
+])
+def test_bad_unix_socket_urls_fail_with_one_line(url, words):
+    from limiter.redis_url import parse
+    with pytest.raises(ValueError) as e:
+        parse(url, environ={})
+    assert "\n" not in str(e.value) and "sekrit" not in str(e.value)
+    assert all(w in str(e.value) for w in words)
