@@ -96,7 +96,7 @@ def classify(e: BaseException, reused: bool) -> tuple[str, int, str]:
         return "connect", 502, "TLS: " + str(getattr(e, "reason", None) or e).replace("_", " ").lower()
     if isinstance(e, Urllib3Error):   # raised by connect(): refused, unreachable, connect timeout
         return "connect", 502, name
-    if isinstance(e, socket.timeout):
+    if isinstance(e, (socket.timeout, BlockingIOError)):   # BlockingIOError: SO_SNDTIMEO (httpio.kernel_timeout)
         return "timeout", 504, "no response within the read timeout"
     if isinstance(e, ConnectionRefusedError):
         return "connect", 502, "connection refused"
@@ -227,13 +227,16 @@ class Forwarder:
                 if not reused:
                     conn.connect()
                 up = conn.sock
-                up.settimeout(cfg.read_timeout)
+                # One Reader per backend connection, kept with it: its timeout is set once, not per request.
+                ur = getattr(conn, "reader", None)
+                if ur is None or ur.sock is not up:
+                    ur = conn.reader = Reader(up)
+                ur.apply(cfg.read_timeout)
                 sent = True
                 if replayable:
                     up.sendall(head + body if body else head)
                 else:
                     _send_streamed(up, head, body, req.chunked)
-                ur = Reader(up)
                 ur.timeout = cfg.read_timeout
                 ur.deadline = x.start + cfg.response_timeout
                 rhead = ur.read_head(max_first_line=8192)

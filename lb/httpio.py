@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import socket
+import struct
 from email.utils import formatdate
 from http import HTTPStatus
 from time import monotonic, time
@@ -56,16 +57,51 @@ class ClientGone(Exception):
     """The client closed or reset its connection while we were answering."""
 
 
-class Reader:
-    """A socket with a byte buffer. Each recv waits at most `timeout`, and never past `deadline`."""
+_TIMEVAL = struct.Struct("@ll")
+_UNSET = -1.0                             # Reader.applied before any timeout was set
 
-    __slots__ = ("sock", "buf", "timeout", "deadline")
+
+def kernel_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bound sock's recv and send by `seconds` (None: no bound) in the kernel (SO_RCVTIMEO/SO_SNDTIMEO)
+    and leave the socket blocking, so each recv or send is one system call. With Python's settimeout()
+    each one is a poll() and then the call (and settimeout() itself an ioctl): three points per read
+    where the thread gives up the GIL and must win it back, which is where a thread-per-connection
+    server's tail comes from (bench/tail_bench.py). An expiry raises BlockingIOError (EAGAIN), which
+    Reader.fill turns into socket.timeout. TLS sockets keep settimeout(): their reads are OpenSSL's."""
+    if type(sock) is not socket.socket:
+        sock.settimeout(seconds)
+        return
+    if sock.gettimeout() is not None:
+        sock.settimeout(None)             # blocking (one ioctl), e.g. after urllib3's connect timeout
+    if seconds is None:
+        tv = _TIMEVAL.pack(0, 0)          # 0 = wait forever
+    else:
+        usec = int(seconds % 1 * 1e6)
+        tv = _TIMEVAL.pack(int(seconds), usec if seconds >= 1 else max(1, usec))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class Reader:
+    """A socket with a byte buffer. Each recv waits at most `timeout`, and never past `deadline`.
+
+    The socket's timeout is set only when it changes (`applied`): on a kept-alive connection the same
+    value holds request after request, and setting it is a system call. Whoever else sets the socket's
+    timeout (a send with another bound) goes through apply() so the two agree."""
+
+    __slots__ = ("sock", "buf", "timeout", "deadline", "applied")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.buf = bytearray()
         self.timeout: float | None = None
         self.deadline: float | None = None
+        self.applied: float | None = _UNSET     # the timeout last set on sock
+
+    def apply(self, t: float | None) -> None:
+        if t != self.applied:
+            kernel_timeout(self.sock, t)
+            self.applied = t
 
     def fill(self) -> bool:
         """Read what is available into the buffer; False at EOF. Raises socket.timeout."""
@@ -75,8 +111,13 @@ class Reader:
             if left <= 0:
                 raise socket.timeout("deadline")
             t = left if t is None or left < t else t
-        self.sock.settimeout(t)
-        data = self.sock.recv(65536)
+        if t != self.applied:
+            kernel_timeout(self.sock, t)
+            self.applied = t
+        try:
+            data = self.sock.recv(65536)
+        except BlockingIOError:
+            raise socket.timeout("timed out") from None   # SO_RCVTIMEO expired
         if not data:
             return False
         self.buf += data
