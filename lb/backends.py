@@ -9,17 +9,25 @@ idle_timeout is closed on checkout instead of reused: the backend may have dropp
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
 from time import monotonic
 
 import urllib3
-from urllib3.exceptions import EmptyPoolError
+from urllib3.exceptions import ClosedPoolError, EmptyPoolError
+from urllib3.util.connection import is_connection_dropped
 
 from .config import BackendSpec
 
 
 class PoolExhausted(Exception):
     """Every connection to this backend is busy and none came free within pool_timeout."""
+
+
+# A connection back in the pool for less than this is reused without urllib3's is-it-dropped poll():
+# no backend's keep-alive timeout is that short (nginx 75 s, gunicorn 2 s, Node 5 s), so it has not
+# closed it for idleness; the pool is LIFO, so under load every reuse is this fresh.
+FRESH = 0.25
 
 
 class BackendPool(urllib3.HTTPConnectionPool):
@@ -32,8 +40,23 @@ class BackendPool(urllib3.HTTPConnectionPool):
         self.idle_timeout = idle_timeout
         self.reuse = reuse
 
-    def _get_conn(self, timeout=None):
-        conn = super()._get_conn(timeout)  # also closes a connection the peer has dropped
+    def _get_conn(self, timeout=None, replayable: bool = False):
+        if not replayable:
+            conn = super()._get_conn(timeout)  # also closes a connection the peer has dropped
+        else:
+            # urllib3's _get_conn without is_connection_dropped() for a fresh connection: that check is
+            # a poll() per request, and each system call is a GIL hand-off (bench/tail_bench.py).
+            if self.pool is None:
+                raise ClosedPoolError(self, "Pool is closed.")
+            try:
+                conn = self.pool.get(block=True, timeout=timeout)
+            except queue.Empty:
+                raise EmptyPoolError(self, "Pool is empty and a new connection can't be opened due to blocking mode.") from None
+            if conn is None:
+                conn = self._new_conn()
+            elif conn.sock is not None and monotonic() - getattr(conn, "idle_since", 0.0) >= FRESH:
+                if is_connection_dropped(conn):
+                    conn.close()
         if conn.sock is not None and monotonic() - getattr(conn, "idle_since", 0.0) > self.idle_timeout:
             conn.close()
         return conn
@@ -43,10 +66,13 @@ class BackendPool(urllib3.HTTPConnectionPool):
             conn.idle_since = monotonic()
         super()._put_conn(conn)
 
-    def acquire(self):
-        """A connection (connected or not: check .sock). Raises PoolExhausted."""
+    def acquire(self, replayable: bool = False):
+        """A connection (connected or not: check .sock). Raises PoolExhausted.
+
+        replayable: the caller retries the request once on a new connection if this one proves dead
+        (lb/forward.py: an idempotent method, the body in hand), so a fresh connection is not polled."""
         try:
-            return self._get_conn(timeout=self.pool_timeout)
+            return self._get_conn(timeout=self.pool_timeout, replayable=replayable)
         except EmptyPoolError:
             raise PoolExhausted(f"all {self.pool.maxsize if self.pool else 0} connections busy") from None
 

@@ -15,6 +15,8 @@ Routes (everything else answers 200 with the name, so any path can be balanced):
   GET  /reset?promise=N&send=M   promises N bytes (default 1000), sends M (10), then resets
   GET  /garbage              answers bytes that are not HTTP
   GET  /hang                 reads the request and never answers (until the server stops)
+  ANY  /close-after          200, then closes the connection without announcing it (a keep-alive
+                             timeout firing just after a response)
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ class IdentityHandler(BaseHTTPRequestHandler):
             return
         elif path == "/garbage":
             self.wfile.write(b"this is not http\r\n\r\n")
+            self.close_connection = True
+            return
+        elif path == "/close-after":
+            self._send(200, f"{srv.name}\n".encode())
             self.close_connection = True
             return
         elif path == "/hang":

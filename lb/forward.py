@@ -216,7 +216,7 @@ class Forwarder:
         pool = backend.pool
         replayable = isinstance(body, bytes)
         try:
-            conn = pool.acquire()
+            conn = pool.acquire(replayable and req.method in IDEMPOTENT)
         except PoolExhausted as e:
             raise UpstreamFailed("pool", 503, str(e)) from None
         retried = False

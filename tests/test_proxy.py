@@ -104,6 +104,24 @@ def test_keep_alive_carries_many_requests_on_one_connection(backends, edge):
     assert sorted(set(names)) == [b"a\n", b"b\n", b"c\n"]
 
 
+def test_a_reused_connection_the_backend_closed_is_retried_once_and_nothing_runs_twice(backends):
+    # The backend closes every connection right after its response, unannounced: each next GET finds
+    # its pooled connection dead (the edge skips the is-it-dropped poll on a connection that fresh,
+    # lb/backends.py FRESH) and must be retried once on a new one. No 502, and the backend saw each
+    # request exactly once.
+    b = backends[0]
+    e = Edge("--backends", b.url, "--health-interval", "30", name="edge-close-after")
+    try:
+        before = b.stats()["count"]
+        c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+        statuses = [request(e.port, "GET", "/close-after", conn=c).status for _ in range(10)]
+        c.close()
+        assert statuses == [200] * 10
+        assert b.stats()["count"] - before == 10
+    finally:
+        e.stop()
+
+
 def test_large_response_is_streamed(backends, edge):
     r = request(edge.port, "GET", "/big?bytes=5000000")
     assert r.status == 200 and len(r.body) == 5_000_000
