@@ -173,22 +173,24 @@ class Forwarder:
                         # a request body we were streaming turned out malformed
                         log.warning("client %s: %d %s", peer.decode(), e.status, e.reason)
                         return edge._answer(sock, x, e.status, e.reason, False)
-                    self.observe(backend, rh.status < 500, rh.status_line[9:].decode("latin-1"))
-                    return self.relay(x, rh, ur, conn, sock)
+                    return self.relay(x, rh, ur, conn, sock)    # it tells passive health the outcome
                 finally:
                     with backend.lock:
                         backend.inflight -= 1
         finally:
             budget.end(held)
 
-    def observe(self, backend: Backend, ok: bool, why: str) -> None:
-        """Passive health: one outcome; an ejection it causes is one log line and one count."""
+    def observe(self, backend: Backend, ok: bool, why) -> None:
+        """Passive health: one request's outcome; an ejection it causes is one log line and one count.
+        why: a string, or the response's status line (decoded only if it is logged)."""
         if ok and not backend.fail_run:
             return
         edge = self.edge
         ej = edge.ejector
         duration = ej.observe(backend, ok, monotonic(), edge.balancer.backends)
         if duration:
+            if isinstance(why, bytes):
+                why = why[9:].decode("latin-1")
             log.warning("backend %s EJECTED for %gs: %d consecutive failed requests (last: %s); "
                         "ejection %d", backend.url, duration, ej.eject_after, why, backend.times_ejected)
             edge.metrics.ejection(backend.url)
@@ -328,6 +330,7 @@ class Forwarder:
             except (socket.timeout, OSError, EOFError) as e:
                 backend.pool.release(conn, False)
                 kind = "timeout" if isinstance(e, socket.timeout) else "reset"
+                self.observe(backend, False, f"{kind} inside a response body")
                 return self.failed(sock, x, kind, 504 if kind == "timeout" else 502,
                                    "failed inside a response body", req.keep_alive)
             mode = "sent-with-head"
@@ -344,6 +347,7 @@ class Forwarder:
         except (socket.timeout, UpstreamError, OSError, EOFError, HttpError) as e:
             # The head is gone to the client: all we can do is close, so the truncation shows.
             kind = "timeout" if isinstance(e, socket.timeout) else "reset"
+            self.observe(backend, False, f"{kind} mid-response")
             log.warning("backend %s %s mid-response: %s %s (closing the client connection)",
                         backend.url, kind, req.method.decode(), req.target[:200].decode("latin-1"))
             edge.metrics.upstream_error(backend.url, kind, rh.status, monotonic() - start)
@@ -355,6 +359,7 @@ class Forwarder:
             raise
         reusable = upstream_ok and not rh.close and mode != "eof" and not ur.buf
         backend.pool.release(conn, reusable)
+        self.observe(backend, rh.status < 500, rh.status_line)
         edge.metrics.backend_done(backend.url, rh.status, monotonic() - start)
         edge._done(x, rh.status)
         return client_keep

@@ -349,3 +349,24 @@ def test_the_retry_budget_holds_with_two_of_three_backends_dead():
     assert retried > 0
     print(f"budget: {dict(got)}, retried tries {retried:g}, peak {peak:g}, exhausted {exhausted:g}")
     assert "retry budget exhausted" in log
+
+
+def test_a_reset_inside_a_response_counts_toward_ejection_and_the_cap_holds(backends):
+    """Resets after the head (a small body: a clean 502; a large one: a cut connection) are failures too;
+    all three backends fail, but at most 50% of three (one) is ejected."""
+    e = Edge("--backends", ",".join(x.url for x in backends), "--eject-after", "2", "--admin", "127.0.0.1:0")
+    try:
+        for _ in range(3):
+            assert request(e.port, "GET", "/reset").status == 502
+        for _ in range(3):
+            c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)
+            c.request("GET", "/reset?promise=1000000&send=300000")
+            with pytest.raises(http.client.IncompleteRead):
+                c.getresponse().read()
+            c.close()
+        e.wait_log(r"EJECTED for 30s: 2 consecutive failed requests \(last: reset mid-response\); ejection 1")
+        assert e.log().count("EJECTED") == 1
+        assert [x["state"] for x in status(e)["backends"]].count("EJECTED") == 1
+        assert request(e.port).status == 200
+    finally:
+        e.stop()
