@@ -4,14 +4,26 @@ API; retries and passive ejection. Issue 12's acceptance items are marked [1]..[
 import http.client
 import json
 import signal
+import socket
 import threading
 import time
 from collections import Counter
 
 import pytest
 
-from tests.support import Backend, Edge, free_port, request, wait_until
+from tests.support import Backend, Edge, request, wait_until
 from tests.test_ops import Traffic, write_config
+
+_held = []
+
+
+def dead_url() -> str:
+    """A port that refuses connections and stays so: bound (never listening) for the whole session, so
+    no other process on this shared machine can take it, as a port merely found free could be."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _held.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def admin(e, method, path):
@@ -47,7 +59,7 @@ def share(bodies, name):
 # -------------------------------------------------------------------------------- probe at once
 
 def test_the_first_probe_runs_at_once_at_start_and_on_reload(backends, tmp_path):
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = dead_url()
     e = Edge("--backends", f"{backends[0].url},{dead}", "--health-interval", "60", "--unhealthy-threshold", "1")
     try:
         # an interval of 60 s: only a probe at start can take it out within the deadline
@@ -58,7 +70,7 @@ def test_the_first_probe_runs_at_once_at_start_and_on_reload(backends, tmp_path)
     write_config(cfg, backends[:1], extra="unhealthy_threshold = 1\n")
     e = Edge("--config", str(cfg))
     try:
-        dead = f"http://127.0.0.1:{free_port()}"
+        dead = dead_url()
         cfg.write_text(cfg.read_text() + f'[[backends]]\nurl = "{dead}"\n')
         assert request(e.port).status == 200   # serving, so its SIGHUP handler is in place
         e.signal(signal.SIGHUP)
@@ -227,7 +239,7 @@ def test_a_backend_refusing_connections_costs_clients_nothing(backends):
     start (60 GET, 30 POST), default settings: no 502, and the two live backends got exactly the 30
     POSTs between them (none lost, none sent twice)."""
     a, b, _ = backends
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = dead_url()
     before = {x.name: x.stats()["methods"].get("POST", 0) for x in (a, b)}
     e = Edge("--backends", f"{a.url},{dead},{b.url}", "--admin", "127.0.0.1:0")
     try:
@@ -251,7 +263,7 @@ def test_every_connect_failure_is_retried_elsewhere_any_method(backends):
     """Without ejection the dead backend keeps its turns; each is retried (GET and POST alike), the
     access log and the metrics count the tries, and the log line names both backends."""
     a, b, _ = backends
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = dead_url()
     e = Edge("--backends", f"{a.url},{dead},{b.url}", "--eject-after", "0", "--admin", "127.0.0.1:0")
     try:
         conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
@@ -274,7 +286,7 @@ def test_every_connect_failure_is_retried_elsewhere_any_method(backends):
 
 
 def test_a_502_after_every_try_failed_names_the_tries():
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    dead = [dead_url() for _ in range(3)]
     e = Edge("--backends", ",".join(dead), "--eject-after", "0")
     try:
         assert request(e.port, "POST", "/x", body=b"1").status == 502
@@ -327,7 +339,7 @@ def test_the_retry_budget_holds_with_two_of_three_backends_dead():
     slow: retries in flight never exceed the budget, max(floor 10, 20% of at most 60 requests) = 12, though
     two thirds of 60 clients want one; every request the budget did not cover is a 502 it explains."""
     live = Backend("live", 0, "--delay-ms", "200")
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    dead = [dead_url() for _ in range(2)]
     e = Edge("--backends", ",".join([dead[0], live.url, dead[1]]), "--eject-after", "0",
              "--unhealthy-threshold", "10", "--health-interval", "60", "--admin", "127.0.0.1:0")
     try:
