@@ -30,7 +30,58 @@ class PoolExhausted(Exception):
 FRESH = 0.25
 
 
+class LifoSlots:
+    """queue.LifoQueue's get/put as urllib3's pool uses them, without a Condition on the fast path.
+
+    LifoQueue takes a lock and a Condition on every get and every put (a request does both); here a
+    list's append/pop (atomic under the GIL) is the fast path, and the lock and Condition are used only
+    by a getter that finds it empty and waits (the pool is exhausted). A put notifies only when someone
+    waits; a getter counts itself as waiting under the lock before its last look, so a put cannot slip
+    between that look and its wait unseen."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.items: list = []
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting = 0
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def put(self, item, block: bool = True, timeout=None) -> None:
+        if len(self.items) >= self.maxsize:
+            raise queue.Full
+        self.items.append(item)
+        if self.waiting:
+            with self.cond:
+                self.cond.notify()
+
+    def get(self, block: bool = True, timeout=None):
+        try:
+            return self.items.pop()
+        except IndexError:
+            if not block:
+                raise queue.Empty from None
+        deadline = None if timeout is None else monotonic() + timeout
+        with self.cond:
+            self.waiting += 1
+            try:
+                while True:
+                    try:
+                        return self.items.pop()
+                    except IndexError:
+                        pass
+                    left = None if deadline is None else deadline - monotonic()
+                    if left is not None and left <= 0:
+                        raise queue.Empty
+                    self.cond.wait(left)
+            finally:
+                self.waiting -= 1
+
+
 class BackendPool(urllib3.HTTPConnectionPool):
+    QueueCls = LifoSlots
+
     def __init__(self, host: str, port: int, *, maxsize: int, pool_timeout: float,
                  connect_timeout: float, read_timeout: float, idle_timeout: float, reuse: bool = True,
                  **tls):
