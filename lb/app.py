@@ -71,10 +71,13 @@ class App:
         log.info("%slistening on %s%s, %d backends (%s): %s", who, hostport(*self.server.server_address[:2]),
                  f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
-        if cfg.limit:
-            log.info("%slimiting %s per key (%s, %s store%s), %d overrides", who, cfg.limit, cfg.algorithm,
-                     cfg.store.split("@")[-1], "" if cfg.store == "memory" else
-                     f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits))
+        if self.edge.limiter is not None:
+            rules = "".join(f", rule {r.name} {r.limit} by {r.key}{' (dry run)' if r.dry_run else ''}"
+                            for r in cfg.rules)
+            log.info("%slimiting %s per key (%s, %s store%s), %d overrides, %d known keys%s", who,
+                     cfg.limit or "off", cfg.algorithm, cfg.store.split("@")[-1], "" if cfg.store == "memory" else
+                     f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
+                     len(cfg.keys), rules)
         self.admin = None
         if cfg.admin:
             addr = cfg.admin
@@ -100,16 +103,21 @@ class App:
         return server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ciphers, cfg.tls_min_version)
 
     def _limit_stage(self, cfg: Config, old):
-        if not cfg.limit:
+        if not (cfg.limit or cfg.rules or cfg.keys):
             return None
         from .ratelimit import LimitStage
-        redis = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error,
-                 **{k: v for k, v in redis_files(cfg).items() if v is not None}} if cfg.store != "memory" else {}
+        opts = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error,
+                **{k: v for k, v in redis_files(cfg).items() if v is not None}} if cfg.store != "memory" else {}
+        opts["max_keys"] = cfg.max_keys
         reuse = None
         if old is not None and (old.algorithm, old.store, old.options) == (
-                cfg.algorithm, cfg.store, tuple(sorted(redis.items()))):
+                cfg.algorithm, cfg.store, tuple(sorted(opts.items()))):
             reuse = old.limiters      # same algorithm, store and options: unchanged rates keep their counters
-        return LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store, reuse=reuse, **redis)
+        stage = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store, reuse=reuse, rules=cfg.rules,
+                           keys=cfg.keys, unknown_keys=cfg.unknown_keys, exempt=cfg.exempt,
+                           ietf_headers=cfg.ietf_headers, **opts)
+        self.metrics.declare_rules(stage.declared)
+        return stage
 
     # -- status -------------------------------------------------------------------------------------
 
@@ -126,6 +134,8 @@ class App:
             "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": self.cfg.store.split("@")[-1],
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
+            "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
+            "known_keys": len(self.cfg.keys), "unknown_keys": self.cfg.unknown_keys,
             "backends": [self.backend_status(b, now) for b in self.balancer.backends],
         }
 
@@ -214,8 +224,8 @@ class App:
                 self.ejector.forget(b)
                 threading.Thread(target=self._drain_backend, args=(b,), daemon=True,
                                  name=f"drain {b.url}").start()
-            log.info("reloaded: %d backends (%d added, %d removed), limit %s", len(keep), len(added),
-                     len(removed), new.limit or "off")
+            log.info("reloaded: %d backends (%d added, %d removed), limit %s, %d rules, %d known keys", len(keep),
+                     len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys))
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
             return True
 

@@ -87,6 +87,14 @@ class Config:
     tls_key: str | None = None
     tls_ciphers: str | None = None           # OpenSSL cipher list for TLS 1.2 (1.3's suites are fixed)
     tls_min_version: str = "TLSv1.2"         # or TLSv1.3; 1.0 and 1.1 are never offered
+    rules: tuple = ()                        # lb.rules.RuleSpec per [[rules]] table
+    keys: tuple = ()                         # lb.keys.KeySpec: [[keys]] tables, then api_keys_file's
+    tiers: tuple[tuple[str, str], ...] = ()  # [limits.tiers] name = "N/PERIOD"
+    api_keys_file: str | None = None
+    unknown_keys: str = "as-ip"              # with known keys: an unknown X-Api-Key is no key, or 401
+    exempt: tuple[str, ...] = ()             # CIDRs / "key:NAME" never limited
+    ietf_headers: bool = False               # also RateLimit-Policy / RateLimit (IETF draft)
+    max_keys: int = 100_000                  # keys holding state in memory, per limiter (per rule and rate)
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
     config_path: str | None = field(default=None, compare=False)
@@ -100,6 +108,7 @@ class Config:
 
 STRATEGIES = ("round-robin", "weighted", "least-request")
 STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
+UNKNOWN_KEYS = ("as-ip", "reject")
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 
 
@@ -216,7 +225,10 @@ _SECTIONS = {
                "redis_timeout": ("redis_timeout", "f"), "on_store_error": ("on_store_error", "s"),
                "redis_password_file": ("redis_password_file", "s"), "redis_ca_file": ("redis_ca_file", "s"),
                "redis_cert_file": ("redis_cert_file", "s"), "redis_key_file": ("redis_key_file", "s"),
-               "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table")},
+               "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table"),
+               "api_keys_file": ("api_keys_file", "s"), "unknown_keys": ("unknown_keys", "s"),
+               "exempt": ("exempt", "list"), "ietf_headers": ("ietf_headers", "b"),
+               "tiers": ("tiers", "table"), "max_keys": ("max_keys", "i")},
 }
 
 
@@ -278,6 +290,14 @@ def read_file(path: str) -> dict:
                     raise ConfigError(f"backends[{i}]: missing url")
                 specs.append(parse_backend_url(b["url"], b.get("weight", 1), f"backends[{i}]"))
             out["backends"] = tuple(specs)
+        elif key == "rules":
+            from .rules import parse_rules
+            try:
+                out["rules"] = parse_rules(value)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        elif key == "keys":
+            out["keys"] = value          # parsed in load(), once the tiers are known
         elif key in _TOP:
             out[key] = _typed(value, _TOP[key], key)
         elif key in _SECTIONS:
@@ -290,7 +310,7 @@ def read_file(path: str) -> dict:
                 name, kind = _SECTIONS[key][sub]
                 out[name] = _typed(v, kind, f"{key}.{sub}")
         else:
-            known = ", ".join([*_TOP, "backends", *_SECTIONS])
+            known = ", ".join([*_TOP, "backends", "rules", "keys", *_SECTIONS])
             raise ConfigError(f"{key}: unknown key (known at the top level: {known})")
     return out
 
@@ -394,6 +414,7 @@ def load(argv: list[str] | None = None) -> Config:
     if path:
         values.update(read_file(path))
     values.update(_from_flags(ns))
+    values["keys"] = _known_keys(values)
     return validate(replace(Config(), config_path=path, **values))
 
 
@@ -412,6 +433,20 @@ def check_tls(c: Config) -> None:
             ssl.create_default_context(cafile=c.ca_file)
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"upstream.ca_file: cannot use {c.ca_file}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _known_keys(values: dict) -> tuple:
+    """[[keys]] tables, then the api_keys_file's (read now: a reload re-reads it)."""
+    from .keys import check_unique, parse_keys, parse_tiers, read_keys_file
+    try:
+        tiers = parse_tiers(dict(values.get("tiers", ())), "limits.tiers")
+        keys = parse_keys(values.get("keys", []), tiers, "keys")
+        if values.get("api_keys_file"):
+            keys += read_keys_file(values["api_keys_file"], tiers)
+        check_unique(keys)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return keys
 
 
 def validate(c: Config) -> Config:
@@ -448,7 +483,8 @@ def validate(c: Config) -> Config:
         raise ConfigError(f"limits.on_store_error: {c.on_store_error!r} is not one of "
                           f"{', '.join(STORE_ERROR_POLICIES)}")
     check_cidrs(c.trusted_proxies, "trusted_proxies")
-    if c.workers > 1 and c.limit is not None and c.store == "memory":
+    _validate_limits(c)
+    if c.workers > 1 and (c.limit is not None or c.rules) and c.store == "memory":
         raise ConfigError(f"workers: {c.workers} workers with the memory store would each count apart, and a "
                           f"key could get {c.workers}x its limit; use store = \"redis://...\" or 1 worker")
     if c.cpu_affinity not in ("auto", "off"):
@@ -463,3 +499,30 @@ def validate(c: Config) -> Config:
     if c.workers > 1 and c.demo:
         raise ConfigError("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return c
+
+
+def _validate_limits(c: Config) -> None:
+    """Rules, known keys, overrides and the allowlist: each entry names its kind and makes sense."""
+    from .identity import kind_name
+    if c.unknown_keys not in UNKNOWN_KEYS:
+        raise ConfigError(f"limits.unknown_keys: {c.unknown_keys!r} is not one of {', '.join(UNKNOWN_KEYS)}")
+    names = {k.name for k in c.keys}
+    for k, _ in c.key_limits:
+        try:
+            ident = kind_name(k)
+        except ValueError as e:
+            raise ConfigError(f"limits.keys: {k!r}: {e}") from None
+        if c.keys and ident.startswith("key:") and ident[4:] not in names:
+            raise ConfigError(f"limits.keys: {k!r}: with known keys, an override names a key in [[keys]] "
+                              f"or api_keys_file (known: {', '.join(sorted(names))})")
+    for e in c.exempt:
+        if not isinstance(e, str):
+            raise ConfigError(f"limits.exempt: expected strings like \"10.0.0.0/8\" or \"key:NAME\", got {e!r}")
+        if e.startswith("key:"):
+            if e[4:] not in names:
+                raise ConfigError(f"limits.exempt: {e!r} is not a known key (exempt keys must be listed in "
+                                  f"[[keys]] or api_keys_file, or anyone could claim the name)")
+        else:
+            check_cidrs([e[3:] if e.startswith("ip:") else e], "limits.exempt")
+    for r in c.rules:
+        check_rate(r.limit, f"rules ({r.name}).limit")

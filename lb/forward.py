@@ -290,10 +290,11 @@ class Forwarder:
             if lname == b"connection":
                 tokens = {t.strip() for t in value.lower().split(b",")}
         limiting = bool(x.rl)
+        ietf = limiting and b"\nRateLimit: " in x.rl      # [limits] ietf_headers: ours replace those too
         for name, lname, value in rh.headers:
             if lname in HOP_BY_HOP or (tokens and lname in tokens):
                 continue
-            if limiting and lname[:12] == b"x-ratelimit-":
+            if limiting and (lname[:12] == b"x-ratelimit-" or ietf and lname in _IETF_FIELDS):
                 continue               # ours replace the backend's, never duplicate them
             out += name + b": " + value + b"\r\n"
         if limiting:
@@ -416,3 +417,6 @@ def _relay_chunks(mode: str, http10: bool, out: bytearray, ur: Reader, sock) -> 
         if not ur.buf:             # about to block on the backend: flush what we have
             send(sock, pending)
             pending = bytearray()
+
+
+_IETF_FIELDS = frozenset({b"ratelimit", b"ratelimit-policy"})

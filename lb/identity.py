@@ -6,7 +6,8 @@ right, skipping trusted addresses, and the first untrusted one is the client (ng
 that is not a trusted proxy cannot choose its identity by sending X-Forwarded-For.
 
 Keys and addresses live in separate namespaces ("key:..." / "ip:..."), so an API key that looks like
-an address cannot spend another client's quota.
+an address cannot spend another client's quota -- nor claim an address's override: overrides, exempt
+entries and known keys name their kind too (`kind_name`).
 """
 
 from __future__ import annotations
@@ -45,11 +46,30 @@ class Identifier:
         return client                  # every hop trusted: the leftmost is the original client
 
     @staticmethod
-    def limiter_key(api_key: bytes | None, ip: str) -> tuple[str, str]:
-        """(limiter key, the value per-key overrides are matched against). ValueError if too long."""
-        if api_key is not None:
-            if len(api_key) > MAX_KEY:
-                raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
-            k = api_key.decode("latin-1")
-            return "key:" + k, k
-        return "ip:" + ip, ip
+    def label(api_key: bytes | None, ip: str) -> str:
+        """The client as logs may show it (no limiting configured). ValueError if the key is too long."""
+        if api_key is None:
+            return "ip:" + ip
+        if len(api_key) > MAX_KEY:
+            raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
+        from .keys import key_label
+        return key_label(api_key)
+
+
+def kind_name(text: str) -> str:
+    """An identity as configured -> as the limiter sees it: "key:NAME" or "ip:ADDRESS" (canonical).
+
+    A bare value (the form `--key-limit` and `[limits.keys]` have always taken) keeps working: an IP
+    address is an ip:, anything else a key:. Write "key:10.0.0.5" for a key that looks like an address.
+    """
+    kind, sep, value = text.partition(":")
+    if sep and kind in ("key", "ip"):
+        if kind == "ip":
+            return "ip:" + str(ipaddress.ip_address(value.strip()))   # ValueError when not an address
+        if not value:
+            raise ValueError(f"{text!r}: key: needs a name")
+        return text
+    try:
+        return "ip:" + str(ipaddress.ip_address(text.strip()))
+    except ValueError:
+        return "key:" + text

@@ -24,7 +24,8 @@ class Metrics:
         self.backend_responses: dict[tuple[str, str], int] = {}   # (backend, status class)
         self.upstream_errors: dict[tuple[str, str], int] = {}     # (backend, kind)
         self.edge_responses: dict[int, int] = {}                  # statuses the edge answered itself
-        self.rate_limited = 0
+        self.rate_limited: dict[tuple[str, str], int] = {}         # (rule, dry_run "true"/"false")
+        self.exempt = 0
         self.unavailable = 0
         self.limiter_errors = 0
         self.tls_failures = 0                                     # handshakes that did not complete
@@ -61,8 +62,6 @@ class Metrics:
     def edge_answered(self, status: int, seconds: float, *, limited=False, unavailable=False) -> None:
         with self.lock:
             self.edge_responses[status] = self.edge_responses.get(status, 0) + 1
-            if limited:
-                self.rate_limited += 1
             if unavailable:
                 self.unavailable += 1
             self.observe(seconds)
@@ -70,6 +69,24 @@ class Metrics:
     def tls_failed(self) -> None:
         with self.lock:
             self.tls_failures += 1
+
+    def declare_rules(self, rules) -> None:
+        """The limit rules in force, (name, dry_run): each one's counter is shown from 0."""
+        with self.lock:
+            for name, dry in rules:
+                self.rate_limited.setdefault((name, "true" if dry else "false"), 0)
+
+    def limit_outcome(self, rejected, dry, exempt: bool) -> None:
+        """Rules that rejected a request, dry-run rules that would have, or an exempt client."""
+        with self.lock:
+            for n in rejected:
+                k = (n, "false")
+                self.rate_limited[k] = self.rate_limited.get(k, 0) + 1
+            for n in dry:
+                k = (n, "true")
+                self.rate_limited[k] = self.rate_limited.get(k, 0) + 1
+            if exempt:
+                self.exempt += 1
 
     def limiter_error(self) -> None:
         with self.lock:
@@ -100,7 +117,8 @@ class Metrics:
             resp = dict(self.backend_responses)
             errs = dict(self.upstream_errors)
             edge = dict(self.edge_responses)
-            limited, unavailable, lim_err = self.rate_limited, self.unavailable, self.limiter_errors
+            limited, unavailable, lim_err = dict(self.rate_limited), self.unavailable, self.limiter_errors
+            exempt = self.exempt
             tls_failures = self.tls_failures
             ejections, actions, retries = dict(self.ejections), dict(self.admin_actions), dict(self.retries)
             hist, hsum, hcount = list(self.hist), self.hist_sum, self.hist_count
@@ -122,9 +140,14 @@ class Metrics:
         w("# TYPE lb_edge_responses_total counter")
         for code, n in sorted(edge.items()):
             w(f'lb_edge_responses_total{{code="{code}"}} {n}')
-        w("# HELP lb_rate_limited_total Requests rejected with 429.")
+        w("# HELP lb_rate_limited_total Rejections by rule (dry_run=\"true\": would have rejected; a request "
+          "refused by two rules counts under both -- requests answered 429: lb_edge_responses_total).")
         w("# TYPE lb_rate_limited_total counter")
-        w(f"lb_rate_limited_total {limited}")
+        for (rule, dry), n in sorted(limited.items()):
+            w(f'lb_rate_limited_total{{rule="{_esc(rule)}",dry_run="{dry}"}} {n}')
+        w("# HELP lb_rate_limit_exempt_total Requests let through unlimited by [limits] exempt.")
+        w("# TYPE lb_rate_limit_exempt_total counter")
+        w(f"lb_rate_limit_exempt_total {exempt}")
         w("# HELP lb_unavailable_total Requests answered 503 because no backend was healthy.")
         w("# TYPE lb_unavailable_total counter")
         w(f"lb_unavailable_total {unavailable}")

@@ -23,7 +23,6 @@ from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
 from .outlier import Ejector
 from .retrybudget import RetryBudget
-from .ratelimit import headers as ratelimit_headers
 from .httpio import ClientGone, HttpError, Reader, Request, iter_chunked, own_response, parse_request, send
 
 log = logging.getLogger("edge")
@@ -235,24 +234,23 @@ class Edge:
         if req.content_length is not None and req.content_length > cfg.max_body_size:
             return self._answer(sock, x, 413, "request body too large", False)
 
-        # 1. identify
+        # 1. identify, 2. rate limit (lb/ratelimit.py: the rules, the verdict, the headers)
         peer_ip = peer_ip or peer.decode()
         ip = self.identifier.client_ip(peer_ip, peer_trusted, req.xff) if peer_trusted else peer_ip
-        try:
-            x.key, match = Identifier.limiter_key(req.api_key, ip)
-        except ValueError as e:
-            return self._answer(sock, x, 400, str(e), False)
-
-        # 2. rate limit
         if self.limiter is not None:
-            d = self.limiter.check(x.key, match)
-            if getattr(d, "degraded", False):    # the store was unreachable: its failure policy decided
+            v = self.limiter.check(req, ip)
+            x.key, x.rl, x.limited_by = v.label, v.headers, v.limited_by
+            if v.degraded:                   # the store was unreachable: its failure policy decided
                 self.metrics.limiter_error()
-            x.rl = ratelimit_headers(d)
-            if not d.allowed:
-                status = 503 if getattr(d, "unavailable", False) else 429
-                reason = "rate limiter unavailable" if status == 503 else "rate limit exceeded"
-                return self._answer(sock, x, status, reason, keep_if_early, limited=status == 429)
+            if v.rejected or v.dry or v.exempt:
+                self.metrics.limit_outcome(v.rejected, v.dry, v.exempt)
+            if v.status:
+                return self._answer(sock, x, v.status, v.reason, keep_if_early and v.status != 400)
+        else:
+            try:
+                x.key = Identifier.label(req.api_key, ip)
+            except ValueError as e:
+                return self._answer(sock, x, 400, str(e), False)
 
         # 3. choose a backend (a sticky route takes no round-robin turn)
         if self.ejector.ejected:
@@ -314,12 +312,13 @@ class Edge:
 class Exchange:
     """What the stages learned about one request, carried to wherever its response is written."""
 
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries")
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries", "limited_by")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
         self.proto = proto           # the scheme the client used: X-Forwarded-Proto
-        self.key = ""
+        self.key = ""                # who, as logs may show it (never a raw API key)
+        self.limited_by = ""         # the rules that rejected (or, dry-run, would have)
         self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
         self.backend = None
         self.set_cookie = b""

@@ -1,48 +1,261 @@
-"""The rate-limit stage of the pipeline: which limiter applies to a key, and the response headers.
+"""The rate-limit stage of the pipeline: who is asking, which limits apply, the verdict and the headers.
 
-The limiter package decides (it knows nothing of HTTP); this module turns a Decision into the
-X-RateLimit-* / Retry-After headers every response carries when limiting is on.
+Limits come from two places, decided together (limiter.compose: a request is admitted only when every
+applying enforcing limit admits it, and a rejected request spends nothing in any of them):
+
+* the built-in per-identity rule "default" (`--limit`, `[limits] default`): one limiter per rate, the
+  identity's override (`[limits.keys]`, `--key-limit`, kind-named: "key:NAME" / "ip:ADDR"), else its
+  known key's tier, else the default;
+* every `[[rules]]` table whose match fits the request (lb/rules.py), keyed by its own `key`.
+
+The X-RateLimit-* headers and Retry-After describe the most restrictive applying enforcing limit:
+when admitted, the one with the least remaining (ties: the longest reset); when rejected, the
+rejecting one with the latest retry time. So a client that sends while Remaining > 0 and otherwise
+waits Reset (or Retry-After) seconds is never refused. Dry-run rules never reject and never show in
+the headers; their would-be rejections are reported in `limited_by` (as "NAME:dry_run") and counted.
+
+The limiter package decides (it knows nothing of HTTP); this module only speaks HTTP around it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import math
 
-from limiter import build, parse_rate
+from limiter import MemoryStore, build, parse_rate
+from limiter.compose import allow_all
+
+from .identity import MAX_KEY, kind_name
+from .keys import KeyRegistry, key_label
+from .rules import BUILTIN, Matcher, normalize_path
+
+
+class Verdict:
+    """What the stage decided for one request, for the pipeline, the access log and the metrics."""
+
+    __slots__ = ("status", "reason", "headers", "label", "limited_by", "rejected", "dry", "degraded", "exempt")
+
+    def __init__(self, label: str):
+        self.status = 0              # 0: go on; else answer it (400, 401, 429, 503)
+        self.reason = ""
+        self.headers = b""           # X-RateLimit-* (and Retry-After), RateLimit-* when enabled
+        self.label = label           # the identity as logs may show it: never a raw API key
+        self.limited_by = ""         # "rule,rule:dry_run" -- the access log's limited_by
+        self.rejected = ()           # names of enforcing rules that rejected
+        self.dry = ()                # names of dry-run rules that would have rejected
+        self.degraded = False        # a store failure policy decided
+        self.exempt = False
+
+
+class Rule:
+    """A [[rules]] table made live: its matcher and its limiter."""
+
+    __slots__ = ("spec", "name", "kind", "header", "match", "limiter", "enforce", "rate", "algorithm")
+
+    def __init__(self, spec, limiter, algorithm):
+        self.spec = spec
+        self.name = spec.name
+        self.kind = spec.key if not spec.key.startswith("header:") else "header"
+        self.header = spec.header
+        self.match = Matcher(spec)
+        self.limiter = limiter
+        self.enforce = not spec.dry_run
+        self.rate = spec.limit
+        self.algorithm = algorithm
 
 
 class LimitStage:
-    """A default limiter for every key, plus one per distinct override rate."""
-
-    def __init__(self, default: str, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
-                 reuse: dict | None = None, **store_options):
-        """reuse: the limiters of the stage this one replaces (reload): an unchanged rate keeps its state."""
+    def __init__(self, default: str | None, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
+                 reuse: dict | None = None, *, rules=(), keys=(), unknown_keys: str = "as-ip", exempt=(),
+                 ietf_headers: bool = False, **store_options):
+        """reuse: the limiters of the stage this one replaces (reload): an unchanged limit keeps its state."""
         self.algorithm = algorithm
         self.store = store
         self.options = tuple(sorted(store_options.items()))
         old = reuse or {}
         cache: dict[str, object] = {}
 
-        def limiter_for(rate: str):
+        def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN):
             n, period = parse_rate(rate)
-            key = f"{n}/{period}"
+            # The built-in rule keeps its old names (and Redis keys); each [[rules]] table has its own.
+            key = f"{n}/{period}" if rule == BUILTIN and algo == algorithm else f"{rule}:{algo}:{n}/{period}"
             if key not in cache and key in old:
                 cache[key] = old[key]
             if key not in cache:
-                cache[key] = build(algorithm, limit=n, window=period, store=store,
-                                   **({"prefix": f"edge:{algorithm}:{key}:"} if store != "memory" else {}),
+                cache[key] = build(algo, limit=n, window=period, store=store,
+                                   **({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
+                                      if store != "memory" else {}),
                                    **store_options)
             return cache[key]
 
-        self.default = limiter_for(default)
-        self.overrides = {k: limiter_for(rate) for k, rate in overrides}
+        self.default = limiter_for(default) if default else None
+        self.overrides = {kind_name(k): limiter_for(rate) for k, rate in overrides}
+        self.registry = KeyRegistry(keys) if keys else None
+        self.tiers = {k.name: limiter_for(k.limit) for k in keys if k.limit}
+        self.reject_unknown = unknown_keys == "reject"
+        nets, names = [], set()
+        for e in exempt:
+            if e.startswith("key:"):
+                names.add(e)
+            else:
+                nets.append(ipaddress.ip_network(e[3:] if e.startswith("ip:") else e, strict=False))
+        self.exempt_nets, self.exempt_names = tuple(nets), frozenset(names)
+        self.rules = tuple(Rule(s, limiter_for(s.limit, s.algorithm or algorithm, s.name), s.algorithm or algorithm)
+                           for s in rules)
+        self.ietf = ietf_headers
         self.limiters = cache
 
-    def check(self, key: str, match: str, now: float | None = None):
-        lim = self.overrides.get(match, self.default)
-        if now is None:
-            return lim.allow(key)  # the store reads the clock itself, under the key's lock
-        return lim.allow(key, now)
+    @property
+    def declared(self) -> list[tuple[str, bool]]:
+        """(rule name, dry_run) of every rule in force, the built-in one first."""
+        builtin = [(BUILTIN, False)] if self.default is not None or self.overrides or self.tiers else []
+        return builtin + [(r.name, not r.enforce) for r in self.rules]
+
+    def status(self) -> list[dict]:
+        """The [[rules]] in force, for /status: what each says and how many keys it holds in memory."""
+        out = []
+        for r in self.rules:
+            s = r.spec
+            match = {k: v for k, v in (("path_prefix", s.path_prefix), ("methods", list(s.methods)),
+                                       ("host", s.host)) if v}
+            row = {"name": r.name, "key": s.key, "limit": s.limit, "algorithm": r.algorithm, "match": match,
+                   "dry_run": s.dry_run}
+            if isinstance(r.limiter, MemoryStore):
+                row["keys"] = len(r.limiter)
+            out.append(row)
+        return out
+
+    # -- one request ----------------------------------------------------------------------------------
+
+    def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, object]:
+        """(identity or None when refused, label for logs, the known key's spec or None)."""
+        if api_key is None:
+            ident = "ip:" + ip
+            return ident, ident, None
+        if len(api_key) > MAX_KEY:
+            raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
+        if self.registry is None:
+            return "key:" + api_key.decode("latin-1"), key_label(api_key), None
+        known = self.registry.lookup(api_key)
+        if known is not None:
+            ident = "key:" + known.name
+            return ident, ident, known
+        if self.reject_unknown:
+            return None, key_label(api_key), None
+        ident = "ip:" + ip                       # an unknown key is no key at all: limited by its IP
+        return ident, ident, None
+
+    def check(self, req, ip: str, now: float | None = None) -> Verdict:
+        try:
+            ident, label, known = self.identify(req.api_key, ip)
+        except ValueError as e:
+            v = Verdict("-")
+            v.status, v.reason = 400, str(e)
+            return v
+        v = Verdict(label)
+        if ident is None:
+            v.status, v.reason = 401, "unknown API key"
+            return v
+        if (self.exempt_names and ident in self.exempt_names) or (self.exempt_nets and self._ip_exempt(ip)):
+            v.exempt = True
+            return v
+        checks, rules = [], []
+        lim = self.overrides.get(ident) if self.overrides else None
+        if lim is None:
+            lim = self.tiers.get(known.name) if known is not None and self.tiers else None
+            if lim is None:
+                lim = self.default
+        if lim is not None:
+            checks.append((lim, ident, True))
+            rules.append(BUILTIN)
+        if self.rules:
+            path = _Lazy(req.target)
+            for r in self.rules:
+                if r.match(req, path):
+                    checks.append((r.limiter, self._rule_key(r, req, ip, ident), r.enforce))
+                    rules.append(r.name)
+        if not checks:
+            return v
+        admitted, decisions = allow_all(checks, now)   # now=None: the store reads its clock (under its lock)
+        self._verdict(v, admitted, checks, rules, decisions)
+        return v
+
+    def _ip_exempt(self, ip: str) -> bool:
+        try:
+            a = ipaddress.ip_address(ip)
+        except ValueError:
+            return False
+        return any(a in n for n in self.exempt_nets)
+
+    @staticmethod
+    def _rule_key(r: Rule, req, ip: str, ident: str) -> str:
+        kind = r.kind
+        if kind == "ip":
+            return "ip:" + ip
+        if kind == "api-key":
+            return ident
+        if kind == "global":
+            return "*"
+        for _, lname, value in req.headers:
+            if lname == r.header:
+                if value:
+                    # Hashed: any length in, a fixed-size key out, and no header value (a token?) in Redis.
+                    return "h:" + hashlib.blake2b(value, digest_size=16).hexdigest()
+                break
+        return "ip:" + ip                         # a missing header is the client, never one shared bucket
+
+    def _verdict(self, v: Verdict, admitted: bool, checks, rules, decisions) -> None:
+        rejected, dry, shown, unavailable = [], [], None, False
+        for (lim, key, enforce), name, d in zip(checks, rules, decisions):
+            if getattr(d, "degraded", False):
+                v.degraded = True
+            if not enforce:
+                if not d.allowed:
+                    dry.append(name)
+                continue
+            if admitted:
+                if shown is None or (d.remaining, d.reset) < (shown.remaining, shown.reset):
+                    shown = d
+            elif not d.allowed:
+                rejected.append(name)
+                if getattr(d, "unavailable", False):
+                    unavailable = True
+                if shown is None or (d.retry_after, d.reset) > (shown.retry_after, shown.reset):
+                    shown = d
+        v.rejected, v.dry = tuple(rejected), tuple(dry)
+        if rejected or dry:
+            v.limited_by = ",".join(rejected + [n + ":dry_run" for n in dry])
+        if shown is not None:
+            v.headers = headers(shown)
+            if self.ietf:
+                v.headers += self._ietf(checks, rules, decisions, shown)
+        if not admitted:
+            v.status, v.reason = (503, "rate limiter unavailable") if unavailable else (429, "rate limit exceeded")
+
+    @staticmethod
+    def _ietf(checks, rules, decisions, shown) -> bytes:
+        """draft-ietf-httpapi-ratelimit-headers: every applying enforcing policy; the binding one first."""
+        items = sorted(((d is not shown, name, lim, d) for (lim, _, e), name, d in zip(checks, rules, decisions)
+                        if e), key=lambda t: t[0])
+        policy = ", ".join(f'"{name}";q={lim.limit};w={max(1, math.ceil(lim.algorithm.window))}'
+                           for _, name, lim, _ in items)
+        state = ", ".join(f'"{name}";r={d.remaining};t={max(0, math.ceil(d.reset))}' for _, name, _, d in items)
+        return b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (policy.encode(), state.encode())
+
+
+class _Lazy:
+    """The request's normalised path, computed at most once and only if a rule asks for it."""
+
+    __slots__ = ("target", "path")
+
+    def __init__(self, target: bytes):
+        self.target, self.path = target, None
+
+    def __call__(self) -> bytes:
+        if self.path is None:
+            self.path = normalize_path(self.target)
+        return self.path
 
 
 def headers(d) -> bytes:

@@ -87,25 +87,32 @@ class MemoryStore:
     def _insert(self, key, now, lock):
         """A new key (its stripe lock held): sweep, make room under the global cap, or refuse."""
         new, decision = self._step(None, now)
-        states, queue = self._states, self._queue
         with self._grow:
-            for _ in range(SWEEP if len(queue) >= SWEEP else len(queue)):
-                self._visit(now, lock)
-            if len(states) >= self.max_keys:
-                soonest = None
-                for _ in range(SCAN if len(queue) >= SCAN else len(queue)):
-                    e = self._visit(now, lock)
-                    if e is None:
-                        break
-                    if soonest is None or e < soonest:
-                        soonest = e
-                else:
-                    self.full += 1
-                    wait = max(0.0, soonest - now) if soonest is not None else self.algorithm.window
-                    return _new(TableFullDecision, (False, self.limit, 0, wait, wait))
-            queue.append(key)
-            states[key] = new
+            full = self._room(now, lock)
+            if full is not None:
+                return full
+            self._queue.append(key)
+            self._states[key] = new
         return decision
+
+    def _room(self, now, lock):
+        """Under _grow (and a stripe lock, `lock`): sweep, then make room for one more key. None when
+        there is room, else the TableFullDecision that refuses the new key (counted in .full)."""
+        states, queue = self._states, self._queue
+        for _ in range(SWEEP if len(queue) >= SWEEP else len(queue)):
+            self._visit(now, lock)
+        if len(states) >= self.max_keys:
+            soonest = None
+            for _ in range(SCAN if len(queue) >= SCAN else len(queue)):
+                e = self._visit(now, lock)
+                if e is None:
+                    return None
+                if soonest is None or e < soonest:
+                    soonest = e
+            self.full += 1
+            wait = max(0.0, soonest - now) if soonest is not None else self.algorithm.window
+            return _new(TableFullDecision, (False, self.limit, 0, wait, wait))
+        return None
 
     def _visit(self, now, held):
         """Under _grow: the key at the front of the queue is deleted if idle (returns None), else rotated

@@ -218,7 +218,8 @@ def scrape_admitted(admin_port: int) -> tuple[int, int]:
     finally:
         c.close()
     total = int(re.search(r"^lb_request_duration_seconds_count (\d+)", text, re.M).group(1))
-    limited = int(re.search(r"^lb_rate_limited_total (\d+)", text, re.M).group(1))
+    m = re.search(r'^lb_edge_responses_total\{code="429"\} (\d+)', text, re.M)   # absent until the first
+    limited = int(m.group(1)) if m else 0
     return total, limited
 
 

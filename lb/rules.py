@@ -1,0 +1,186 @@
+"""Limit rules: what a [[rules]] table says, and whether a request matches it.
+
+    [[rules]]
+    name = "login-guard"          # label in metrics, logs and /status
+    key = "ip"                    # ip | api-key | header:NAME | global
+    limit = "5/m"
+    algorithm = "sliding-log"     # optional; default [limits] algorithm
+    match = { path_prefix = "/login", methods = ["POST"], host = "api.example.com" }   # all ANDed
+    dry_run = false               # true: decide and count, never reject
+
+The path is matched after normalisation (percent-encoded unreserved characters decoded, dot segments
+removed, repeated slashes merged), so `//login`, `/./login` and `/%6Cogin` cannot slip past a guard on
+`/login` while the backend serves them as `/login`; the request itself is forwarded unchanged. A host
+matches the Host header case-insensitively, without its port; `*.example.com` matches any subdomain.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from limiter import ALGORITHMS, parse_rate
+
+KINDS = ("ip", "api-key", "global")          # and header:NAME
+BUILTIN = "default"                          # the name of the built-in per-identity rule (--limit)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    name: str
+    key: str                                  # ip | api-key | global | header:NAME (NAME lower-cased)
+    limit: str
+    algorithm: str | None = None              # None: [limits] algorithm
+    path_prefix: str | None = None
+    methods: tuple[str, ...] = ()
+    host: str | None = None
+    dry_run: bool = False
+
+    @property
+    def header(self) -> bytes | None:
+        return self.key[7:].encode() if self.key.startswith("header:") else None
+
+
+def parse_rules(value) -> tuple[RuleSpec, ...]:
+    """[[rules]] tables -> RuleSpecs. ValueError naming rules[i].field on anything wrong."""
+    if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
+        raise ValueError("rules: expected [[rules]] tables")
+    out, seen = [], set()
+    for i, r in enumerate(value):
+        where = f"rules[{i}]"
+        unknown = set(r) - {"name", "key", "limit", "algorithm", "match", "dry_run"}
+        if unknown:
+            raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r} "
+                             f"(known: name, key, limit, algorithm, match, dry_run)")
+        name = r.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"{where}.name: letters, digits, '_', '.', '-' (at most 64), got {name!r}")
+        where = f"rules[{i}] ({name})"
+        if name == BUILTIN:
+            raise ValueError(f"{where}.name: {BUILTIN!r} is the built-in per-identity rule (--limit); "
+                             f"choose another name")
+        if name in seen:
+            raise ValueError(f"{where}.name: two rules are named {name!r}")
+        seen.add(name)
+        for field_ in ("key", "limit"):
+            if field_ not in r:
+                raise ValueError(f"{where}: missing {field_}")
+        key = r["key"]
+        if not isinstance(key, str):
+            raise ValueError(f"{where}.key: expected a string, got {key!r}")
+        if key.startswith("header:"):
+            hname = key[7:].strip()
+            if not hname or not _TOKEN.fullmatch(hname.encode()):
+                raise ValueError(f"{where}.key: header:NAME needs a header name, got {key!r}")
+            key = "header:" + hname.lower()
+        elif key not in KINDS:
+            raise ValueError(f"{where}.key: expected ip, api-key, header:NAME or global, got {key!r}")
+        try:
+            parse_rate(r["limit"])
+        except ValueError as e:
+            raise ValueError(f"{where}.limit: {e}") from None
+        algorithm = r.get("algorithm")
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ValueError(f"{where}.algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        dry = r.get("dry_run", False)
+        if not isinstance(dry, bool):
+            raise ValueError(f"{where}.dry_run: expected true or false, got {dry!r}")
+        m = r.get("match", {})
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}.match: expected a table like {{ path_prefix = \"/login\" }}")
+        unknown = set(m) - {"path_prefix", "methods", "host"}
+        if unknown:
+            raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} (known: path_prefix, methods, host)")
+        prefix = m.get("path_prefix")
+        if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/")):
+            raise ValueError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
+        methods = m.get("methods", [])
+        if isinstance(methods, str):
+            methods = [methods]
+        if not isinstance(methods, list) or not all(
+                isinstance(x, str) and _TOKEN.fullmatch(x.encode()) for x in methods):
+            raise ValueError(f"{where}.match.methods: expected a list of methods like [\"POST\"], got {methods!r}")
+        host = m.get("host")
+        if host is not None and (not isinstance(host, str) or not host or " " in host):
+            raise ValueError(f"{where}.match.host: expected a host name, got {host!r}")
+        out.append(RuleSpec(name=name, key=key, limit=r["limit"], algorithm=algorithm,
+                            path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
+                            methods=tuple(x.upper() for x in methods),
+                            host=host.lower() if host else None, dry_run=dry))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------ matching
+
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_PCT = re.compile(rb"%([0-9A-Fa-f]{2})")
+_SLASHES = re.compile(rb"/{2,}")
+
+
+def _unescape_unreserved(m: re.Match) -> bytes:
+    c = int(m.group(1), 16)
+    return bytes((c,)) if c in _UNRESERVED else b"%" + m.group(1).upper()
+
+
+def normalize_path(target: bytes) -> bytes:
+    """The path a backend would serve for this request target (RFC 3986 6.2.2, plus merged slashes)."""
+    if target[:1] != b"/":                       # absolute-form: http://host/path
+        i = target.find(b"/", target.find(b"//") + 2) if b"//" in target else -1
+        target = target[i:] if i >= 0 else b"/"
+    path = target.split(b"?", 1)[0].split(b"#", 1)[0]
+    if b"%" in path:
+        path = _PCT.sub(_unescape_unreserved, path)
+    if b"//" in path:
+        path = _SLASHES.sub(b"/", path)
+    if b"/." not in path:
+        return path
+    out: list[bytes] = []
+    segs = path.split(b"/")[1:]
+    for i, seg in enumerate(segs):
+        last = i == len(segs) - 1
+        if seg == b".":
+            if last:
+                out.append(b"")
+        elif seg == b"..":
+            if out:
+                out.pop()
+            if last:
+                out.append(b"")
+        else:
+            out.append(seg)
+    return b"/" + b"/".join(out)
+
+
+class Matcher:
+    """A compiled match table; an empty one matches every request."""
+
+    __slots__ = ("prefix", "methods", "host", "wildcard", "always")
+
+    def __init__(self, spec: RuleSpec):
+        self.prefix = spec.path_prefix.encode("latin-1") if spec.path_prefix else None
+        self.methods = frozenset(m.encode() for m in spec.methods)
+        h = spec.host.encode() if spec.host else None
+        self.wildcard = h is not None and h.startswith(b"*.")
+        self.host = h[1:] if self.wildcard else h       # "*.example.com" -> ".example.com"
+        self.always = self.prefix is None and not self.methods and self.host is None
+
+    def __call__(self, req, path) -> bool:
+        """path: a callable giving the request's normalised path (computed once per request)."""
+        if self.always:
+            return True
+        if self.methods and req.method not in self.methods:
+            return False
+        if self.host is not None:
+            h = req.host or b""
+            if h[:1] == b"[":                       # [v6]:port
+                h = h[:h.find(b"]") + 1]
+            else:
+                h = h.rsplit(b":", 1)[0]
+            h = h.lower().rstrip(b".")
+            if not (h.endswith(self.host) and len(h) > len(self.host) if self.wildcard else h == self.host):
+                return False
+        if self.prefix is not None and not path().startswith(self.prefix):
+            return False
+        return True

@@ -1,0 +1,90 @@
+"""Several limits decided together for one request: all or nothing.
+
+    admitted, decisions = allow_all([(limiter, key, enforce), ...], now)
+
+`admitted` is True when every *enforcing* check admits (checks with enforce=False -- shadow/dry-run
+limits -- are decided and reported but never veto).  What is spent:
+
+* admitted: every check that admitted on its own spends (a dry-run check that would have rejected
+  spends nothing, exactly as if it were enforcing and its rejection had been overruled);
+* rejected: NOTHING is spent, in any check.  A request refused by one limit does not eat into the
+  others -- nginx's limit_req with several zones behaves the same way (it looks every zone up without
+  accounting and accounts only when all pass).  Envoy spends in every descriptor instead; we do not,
+  because (a) an attacker held back by a per-IP or login guard would otherwise keep draining a shared
+  global ceiling for everyone else, and (b) a client told "Retry-After: N" by the most restrictive
+  rejecting limit then really is admitted at N: the limits that admitted are still unspent.
+
+Atomic across checks: the memory store holds every involved stripe lock at once (taken in one global
+order, so two requests can never deadlock); the Redis store runs all checks as ONE script
+(limiter.redis_multi).  One check goes straight to limiter.allow (the common case, no overhead).
+"""
+
+from __future__ import annotations
+
+from .memory import MemoryStore
+
+
+def allow_all(checks, now: float | None = None):
+    """checks: sequence of (limiter, key, enforce). Returns (admitted, [Decision per check]).
+
+    now=None: the stores' clock, read as late as they read it for one key (memory: under the locks).
+    """
+    if len(checks) == 1:
+        lim, key, enforce = checks[0]
+        d = lim.allow(key) if now is None else lim.allow(key, now)
+        return (d.allowed or not enforce), [d]
+    kinds = {type(lim) for lim, _, _ in checks}
+    if kinds == {MemoryStore}:
+        return allow_all_memory(checks, now)
+    from .redis_store import RedisStore  # only when a Redis store is in use
+    if kinds == {RedisStore} and len({lim.link for lim, _, _ in checks}) == 1:
+        from .redis_multi import allow_all_redis
+        return allow_all_redis(checks, checks[0][0].clock() if now is None else now)
+    raise ValueError("allow_all: every check must use the same store (all memory, or one Redis)")
+
+
+def allow_all_memory(checks, now: float | None = None):
+    """Every check's stripe lock, then (when a key is new) its store's growth lock, each set in one
+    global order (id), held from the first look to the commit: no other decision interleaves, and no
+    two requests deadlock (MemoryStore.allow takes a stripe lock, then its growth lock, and only ever
+    tries other stripes' locks)."""
+    locks = [lim._locks[hash(key) & lim._mask] for lim, key, _ in checks]
+    held = sorted({id(lk): lk for lk in locks}.items())
+    for _, lk in held:
+        lk.acquire()
+    grows = ()
+    try:
+        if now is None:
+            now = checks[0][0]._clock()   # under the locks, as MemoryStore.allow reads it
+        states = [lim._states.get(key) for lim, key, _ in checks]
+        if None in states:
+            grows = sorted({id(lim._grow): lim._grow for (lim, _, _), st in zip(checks, states) if st is None}.items())
+            for _, g in grows:
+                g.acquire()
+        admitted = True
+        trials = []
+        for (lim, key, enforce), lock, state in zip(checks, locks, states):
+            if state is None:
+                new, d = lim._step(None, now)
+                if d[0]:
+                    full = lim._room(now, lock)     # a new key needs room under the global cap
+                    if full is not None:
+                        new, d = None, full
+            else:
+                # The sliding log steps its list in place: decide on a copy until we know we commit.
+                new, d = lim._step(state[:] if type(state) is list else state, now)
+            trials.append((new, d))
+            if enforce and not d[0]:
+                admitted = False
+        if admitted:
+            for (lim, key, _), state, (new, d) in zip(checks, states, trials):
+                if d[0]:                  # (a dry-run check that would have rejected stays unchanged)
+                    if state is None:
+                        lim._queue.append(key)
+                    lim._states[key] = new
+        return admitted, [t[1] for t in trials]
+    finally:
+        for _, g in reversed(grows):
+            g.release()
+        for _, lk in reversed(held):
+            lk.release()

@@ -1,0 +1,139 @@
+"""Several Redis limits of one request in ONE script call: one round trip, atomic across the limits.
+
+The script is assembled from the per-algorithm scripts each RedisStore already runs (store.lua: its
+algorithm's body with its constants baked in) -- no Lua is copied.  Each body becomes a local function
+whose `redis` is a proxy: reads go to Redis at once, writes (SET, ZADD, PEXPIRE) are queued.  After
+every body has returned its verdict, the queued writes run only if every enforcing limit admitted
+(limiter.compose's all-or-nothing rule; the sliding log's ZREMRANGEBYSCORE of expired entries runs at
+once, which changes no decision).  The reply is the bodies' replies joined by newlines, and each
+limit's Decision is computed from its part by its own algorithm's step(), exactly as RedisStore.allow
+does for one.
+
+One script (one SHA) per combination of limits that apply together; built on first use and cached.
+The call rides on RedisLink.evalsha unchanged: evalsha sends `script.head + <key> + <now>`, so the
+per-call head below carries EVALSHA, the SHA, numkeys and every key but the last.
+
+Redis Cluster hook: a link that cannot take several keys in one call (keys in different slots) should
+define `split_keys(keys) -> [[index, ...], ...]` (one group per slot); each group then runs as its
+own script, atomic within its slot only.  A single Redis (and Sentinel) is one group: the default.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .redis_store import DriftError, RedisError, _Script
+
+_PROXY = """
+local rcall = redis.call
+local writes = {}
+local WRITES = {SET = true, ZADD = true, PEXPIRE = true}
+local proxy = {call = function(cmd, ...)
+  if WRITES[cmd] then
+    writes[#writes + 1] = {cmd, ...}
+    return false
+  end
+  return rcall(cmd, ...)
+end}
+local admitted = true
+local out = {}
+"""
+
+_scripts: dict[tuple, _Script] = {}
+_scripts_lock = threading.Lock()
+
+
+def build_lua(stores, enforce) -> str:
+    """The Lua text deciding stores[i] (on KEYS[i]) together; enforce[i]: whether it may veto."""
+    parts = [_PROXY]
+    for i, store in enumerate(stores, 1):
+        parts.append(f"local function limit{i}(KEYS, ARGV, redis)\n{store.lua}\nend\n")
+    for i, on in enumerate(enforce, 1):
+        parts.append(f"out[{i}] = limit{i}({{KEYS[{i}]}}, ARGV, proxy)\n")
+        if on:
+            parts.append(f"if string.byte(out[{i}], 1) ~= 49 then admitted = false end\n")
+    parts.append("if admitted then\n  for _, w in ipairs(writes) do rcall(unpack(w)) end\nend\n"
+                 "return table.concat(out, '\\n')\n")
+    return "".join(parts)
+
+
+def script_for(stores, enforce) -> _Script:
+    sig = tuple((s.script.sha, e) for s, e in zip(stores, enforce))
+    script = _scripts.get(sig)
+    if script is None:
+        with _scripts_lock:
+            script = _scripts.get(sig)
+            if script is None:
+                script = _scripts[sig] = _Script(build_lua(stores, enforce))
+    return script
+
+
+class _Call:
+    """A script plus this call's keys but the last, in the shape RedisLink.evalsha packs."""
+
+    __slots__ = ("head", "text")
+
+    def __init__(self, script: _Script, keys: list[bytes]):
+        head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (
+            4 + len(keys), script.sha.encode(), len(str(len(keys))), len(keys))
+        for k in keys[:-1]:
+            head += b"$%d\r\n%s\r\n" % (len(k), k)
+        self.head = head
+        self.text = script.text
+
+
+def allow_all_redis(checks, now: float):
+    """limiter.compose.allow_all for RedisStores sharing one link."""
+    link = checks[0][0].link
+    split = getattr(link, "split_keys", None)
+    keys = [lim.key(key).encode() for lim, key, _ in checks]
+    groups = split(keys) if split is not None else [range(len(checks))]
+    admitted, decisions = True, [None] * len(checks)
+    for group in groups:
+        part = [checks[i] for i in group]
+        ok, ds = _one_call(link, part, [keys[i] for i in group], now)
+        admitted = admitted and ok
+        for i, d in zip(group, ds):
+            decisions[i] = d
+    return admitted, decisions
+
+
+def _one_call(link, checks, keys, now):
+    stores = [lim for lim, _, _ in checks]
+    if link.up or link.may_try():
+        script = script_for(stores, [e for _, _, e in checks])
+        try:
+            reply = link.evalsha(_Call(script, keys), keys[-1], now)
+        except RedisError as e:
+            link.failed(e)
+        else:
+            if not link.up and link.succeeded():
+                for s in stores:
+                    if s.local is not None:
+                        s.local.clear()
+            admitted, decisions = True, []
+            for (lim, key, enforce), raw in zip(checks, reply.split(b"\n")):
+                _, d = lim._step(lim._state(raw[2:] or None), now)
+                if d.allowed != (raw[0] == 49):
+                    lim._drifted(key, now, raw, d)
+                if enforce and not d.allowed:
+                    admitted = False
+                decisions.append(d)
+            return admitted, decisions
+    return _fallback(checks, now)
+
+
+def _fallback(checks, now):
+    """Redis unavailable: the stores' failure policy (all stores of one link share it)."""
+    if checks[0][0].on_error == "local":
+        from .compose import allow_all_memory
+        for lim, _, _ in checks:
+            lim.degraded += 1
+        from .redis_store import LocalDecision
+        ok, ds = allow_all_memory([(lim.local, key, e) for lim, key, e in checks], now)
+        return ok, [tuple.__new__(LocalDecision, d) for d in ds]
+    decisions = [lim._fallback(key, now) for lim, key, _ in checks]
+    return all(d.allowed for d, (_, _, e) in zip(decisions, checks) if e), decisions
+
+
+__all__ = ["allow_all_redis", "build_lua", "script_for", "DriftError"]
