@@ -10,19 +10,23 @@ limit's Decision is computed from its part by its own algorithm's step(), exactl
 does for one.
 
 One script (one SHA) per combination of limits that apply together; built on first use and cached.
-The call rides on RedisLink.evalsha unchanged: evalsha sends `script.head + <key> + <now>`, so the
-per-call head below carries EVALSHA, the SHA, numkeys and every key but the last.
+The call rides on the link's evalsha(script, key, now) unchanged (limiter/redis_link.py): evalsha sends
+`script.head + <key> + <now>`, so the per-call head below carries EVALSHA, the SHA, numkeys and every
+key but the last, and `key` is the last one (a link that routes by key routes by that one).
 
-Redis Cluster hook: a link that cannot take several keys in one call (keys in different slots) should
-define `split_keys(keys) -> [[index, ...], ...]` (one group per slot); each group then runs as its
-own script, atomic within its slot only.  A single Redis (and Sentinel) is one group: the default.
+Redis Cluster hook (assumed, not built here): a link whose keys can live in different slots defines
+`split_keys(keys) -> [[index, ...], ...]`, one group per slot; each group then runs as its own script,
+atomic within its slot only (a request's keys do not share a hash tag: a global rule's key is the same
+for every client, an ip rule's differs per client).  A single Redis (and Sentinel) is one group.
 """
 
 from __future__ import annotations
 
 import threading
 
-from .redis_store import DriftError, RedisError, _Script
+from redis.exceptions import RedisError
+
+from .redis_link import _Script
 
 _PROXY = """
 local rcall = redis.call
@@ -136,4 +140,4 @@ def _fallback(checks, now):
     return all(d.allowed for d, (_, _, e) in zip(decisions, checks) if e), decisions
 
 
-__all__ = ["allow_all_redis", "build_lua", "script_for", "DriftError"]
+__all__ = ["allow_all_redis", "build_lua", "script_for"]
