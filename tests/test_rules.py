@@ -316,3 +316,18 @@ def test_bad_rule_and_key_config_is_one_clear_line(tmp_path, body, message):
         load(["--config", write(tmp_path, '[[backends]]\nurl = "http://127.0.0.1:9"\n' + body)])
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_readme_rule_examples_are_valid_configurations(tmp_path):
+    import re
+    from tests.support import ROOT
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Limit rules"):text.index("## Many edges")]
+    blocks = re.findall(r"```toml\n(.*?)```", section, re.S)
+    assert len(blocks) == 4
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[tiers]\nfree = "60/m"\n[[keys]]\nname = "internal-batch"\nkey = "sk-b"\ntier = "free"\n')
+    for block in blocks:
+        block = block.replace("/etc/edge/keys.toml", str(keys))
+        cfg = load(["--config", write(tmp_path, '[[backends]]\nurl = "http://127.0.0.1:9"\n' + block)])
+        assert cfg.rules
