@@ -1,0 +1,131 @@
+"""Acceptance 5: two edges on one real redis-server, three rules applying to every request.
+
+Each rule in turn is the binding one for a client driving it at 2x its limit, alternating between the
+two edges; every rule holds its limit within 2% across both edges, and every request is exactly one
+script call on the Redis server (INFO commandstats: EVALSHA calls == requests, nothing else ran).
+"""
+
+import http.client
+import math
+import re
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.support import Backend, Edge, request
+
+RULES = '''
+[limits]
+algorithm = "fixed-window"
+redis_timeout = 1.0          # accuracy, not faults: a loaded CI box must not fail open
+
+[[rules]]
+name = "per-key"
+key = "api-key"
+limit = "20/s"
+
+[[rules]]
+name = "per-ip"
+key = "ip"
+limit = "30/s"
+
+[[rules]]
+name = "everyone"
+key = "global"
+limit = "50/s"
+'''
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = Backend("rr")
+    yield b
+    b.stop()
+
+
+def paced(ports, src, rate, seconds, headers, out, start):
+    """One client at `src` sending `rate` requests/s from `start` for `seconds`, alternating between the
+    edges on `ports` (a keep-alive connection each); appends (send wall-clock time, status) to out."""
+    conns = [http.client.HTTPConnection("127.0.0.1", p, timeout=10, source_address=(src, 0)) for p in ports]
+    i = 0
+    while True:
+        due = start + i / rate
+        if due - start >= seconds:
+            break
+        pause = due - time.time()
+        if pause > 0:
+            time.sleep(pause)
+        t = time.time()
+        r = request(ports[i % len(ports)], "GET", "/", headers(), conn=conns[i % len(conns)])
+        out.append((t, r.status))
+        i += 1
+    for c in conns:
+        c.close()
+
+
+def phase(ports, clients, seconds):
+    """clients: [(source ip, rate, headers fn)]; all start on the next whole second. -> (samples, start)."""
+    start = math.ceil(time.time()) + 0.05
+    out: list = []
+    threads = [threading.Thread(target=paced, args=(ports, src, rate, seconds, h, out, start))
+               for src, rate, h in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return out, start
+
+
+def commandstats(client) -> dict:
+    return {k[len("cmdstat_"):]: v for k, v in client.info("commandstats").items()}
+
+
+def test_three_rules_on_two_edges_each_within_2_percent_one_script_call_per_request(backend, own_redis, tmp_path):
+    cfg = tmp_path / "rules.toml"
+    cfg.write_text(RULES)
+    edges = [Edge("--config", str(cfg), "--backends", backend.url, "--store", own_redis.url, name=f"edge-{i}")
+             for i in "ab"]
+    ports = [e.port for e in edges]
+    rc = own_redis.client()
+    try:
+        for p in ports:                              # each edge loads its script once (NOSCRIPT, SCRIPT LOAD)
+            assert request(p, "GET", "/", {"X-Api-Key": "warm-up"}).status == 200
+        rc.config_resetstat()
+        seconds, whole = 8.0, range(2, 8)            # measure windows 2..7 of each phase: 6 whole seconds
+        fresh = lambda: {"X-Api-Key": uuid.uuid4().hex}    # noqa: E731
+        runs = {
+            # per-key binds: one key, 2x 20/s (per-ip sees only the 20/s admitted: it never rejects)
+            "per-key": (20, [("127.0.0.2", 40, lambda: {"X-Api-Key": "k-one"})]),
+            # per-ip binds: a fresh key per request (no key quota helps), 2x 30/s from one address
+            "per-ip": (30, [("127.0.0.3", 60, fresh)]),
+            # the global ceiling binds: four addresses, fresh keys, 25/s each (under per-ip), 2x 50/s in all
+            "everyone": (50, [(f"127.0.0.{i}", 25, fresh) for i in (4, 5, 6, 7)]),
+        }
+        sent = 0
+        for rule, (limit, clients) in runs.items():
+            samples, start = phase(ports, clients, seconds)
+            sent += len(samples)
+            statuses = {s for _, s in samples}
+            assert statuses <= {200, 429}, statuses
+            admitted = sum(1 for t, s in samples if s == 200
+                           and start - 0.05 + whole[0] <= t < start - 0.05 + whole[-1] + 1)
+            rate = admitted / len(whole)
+            demand = sum(1 for t, _ in samples if start - 0.05 + whole[0] <= t < start - 0.05 + whole[-1] + 1)
+            print(f"{rule}: {rate:.2f}/s admitted of {demand / len(whole):.1f}/s sent, limit {limit}/s")
+            assert abs(rate - limit) <= 0.02 * limit, (rule, rate, limit)
+            assert demand / len(whole) >= 1.8 * limit, "the client could not keep up 2x demand"
+        stats = commandstats(rc)
+        print({k: v for k, v in stats.items()})
+        assert stats["evalsha"]["calls"] == sent               # one script call per request ...
+        assert stats["evalsha"].get("failed_calls", 0) == 0
+        # ... and nothing else from the edges: the rest are the commands the scripts ran inside Redis
+        assert set(stats) <= {"evalsha", "info", "config|resetstat", "get", "set"}, stats
+        keys = rc.keys("edge:rule:*")
+        assert {re.sub(rb":\{.*", b"", k) for k in keys} == {
+            b"edge:rule:per-key:fixed-window:20/1.0", b"edge:rule:per-ip:fixed-window:30/1.0",
+            b"edge:rule:everyone:fixed-window:50/1.0"}
+    finally:
+        for e in edges:
+            e.stop()
