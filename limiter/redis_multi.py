@@ -104,19 +104,20 @@ def allow_all_redis(checks, now: float):
 
 def _one_call(link, checks, keys, now):
     stores = [lim for lim, _, _ in checks]
-    if link.up or link.may_try():
+    node = link.route(keys[-1])        # one server owns them all (see split_keys above)
+    if node.up or node.may_try():
         script = script_for(stores, [e for _, _, e in checks])
         try:
-            reply = link.evalsha(_Call(script, keys), keys[-1], now)
+            reply = node.evalsha(_Call(script, keys), keys[-1], now)
         except RedisError as e:
-            link.failed(e)
+            (getattr(e, "node", None) or node).failed(e)   # a redirected call names the server that failed
         else:
-            if not link.up and link.succeeded():
-                for s in stores:
-                    if s.local is not None:
-                        s.local.clear()
+            if not node.up:
+                node.succeeded()
             admitted, decisions = True, []
             for (lim, key, enforce), raw in zip(checks, reply.split(b"\n")):
+                if lim._locals:            # this server answers again: its local counts are stale
+                    lim._locals.pop(node, None)
                 _, d = lim._step(lim._state(raw[2:] or None), now)
                 if d.allowed != (raw[0] == 49):
                     lim._drifted(key, now, raw, d)
@@ -124,20 +125,23 @@ def _one_call(link, checks, keys, now):
                     admitted = False
                 decisions.append(d)
             return admitted, decisions
-    return _fallback(checks, now)
+    return _fallback(checks, now, node)
 
 
-def _fallback(checks, now):
-    """Redis unavailable: the stores' failure policy (all stores of one link share it)."""
-    if checks[0][0].on_error == "local":
+def _fallback(checks, now, node):
+    """Redis unavailable: the stores' failure policy (every store of one edge has the same)."""
+    if checks[0][0].on_error == "local":   # all or nothing on the in-process fallback limiters too
         from .compose import allow_all_memory
-        for lim, _, _ in checks:
-            lim.degraded += 1
+        from .memory import MemoryStore
         from .redis_store import LocalDecision
-        ok, ds = allow_all_memory([(lim.local, key, e) for lim, key, e in checks], now)
+        local = []
+        for lim, key, enforce in checks:
+            lim.degraded += 1
+            store = lim._locals.get(node)
+            if store is None:
+                store = lim._locals.setdefault(node, MemoryStore(lim.algorithm, max_keys=lim.max_keys))
+            local.append((store, key, enforce))
+        ok, ds = allow_all_memory(local, now)
         return ok, [tuple.__new__(LocalDecision, d) for d in ds]
-    decisions = [lim._fallback(key, now) for lim, key, _ in checks]
+    decisions = [lim._fallback(key, now, node) for lim, key, _ in checks]
     return all(d.allowed for d, (_, _, e) in zip(decisions, checks) if e), decisions
-
-
-__all__ = ["allow_all_redis", "build_lua", "script_for"]

@@ -331,3 +331,22 @@ def test_the_readme_rule_examples_are_valid_configurations(tmp_path):
         block = block.replace("/etc/edge/keys.toml", str(keys))
         cfg = load(["--config", write(tmp_path, '[[backends]]\nurl = "http://127.0.0.1:9"\n' + block)])
         assert cfg.rules
+
+
+@pytest.mark.parametrize("policy", ["fail-open", "fail-closed", "local"])
+def test_several_rules_on_a_dead_redis_follow_the_failure_policy(own_redis, policy):
+    rules = [{"name": "per-ip", "key": "ip", "limit": "1/m"}, {"name": "ceiling", "key": "global", "limit": "3/m"}]
+    st = stage(None, rules, store=own_redis.url, timeout=0.2, on_error=policy)
+    assert st.check(req(), "192.0.2.1", now=T0).status == 0
+    own_redis.kill()
+    vs = [st.check(req(), ip, now=T0) for ip in ("192.0.2.1", "192.0.2.1", "192.0.2.2", "192.0.2.3",
+                                                 "192.0.2.4", "192.0.2.5")]
+    assert all(v.degraded for v in vs)
+    statuses = [v.status for v in vs]
+    if policy == "fail-open":
+        assert statuses == [0] * 6
+    elif policy == "fail-closed":
+        assert statuses == [503] * 6
+    else:  # fresh in-process counts, still all or nothing: .1's rejections spend no ceiling
+        assert statuses == [0, 429, 0, 0, 429, 429]
+        assert vs[1].rejected == ("per-ip",) and vs[4].rejected == ("ceiling",)
