@@ -361,7 +361,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--tls-ciphers", help="OpenSSL cipher list for TLS 1.2 (default: Python's secure defaults)")
     a("--ca-file", help="PEM CA bundle that https:// backends are verified against (default: system CAs)")
     a("--limit", help="N/PERIOD for every key, e.g. 100/s, 600/m, 50/10s (default: no limiting)")
-    a("--key-limit", action="append", help="KEY=N/PERIOD override, repeatable")
+    a("--key-limit", action="append", help="key:NAME=N/PERIOD or ip:ADDRESS=N/PERIOD override, repeatable "
+                                           "(a bare address is an ip:, anything else a key:)")
     a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
     a("--store", help="memory (default) | redis://[USER:PASS@]HOST:PORT/DB | rediss://... (TLS) | "
                       "redis+unix:///PATH.sock[?db=N] | redis-sentinel://H:P,.../MASTER | redis-cluster://H:P,...")
@@ -484,7 +485,7 @@ def validate(c: Config) -> Config:
                           f"{', '.join(STORE_ERROR_POLICIES)}")
     check_cidrs(c.trusted_proxies, "trusted_proxies")
     _validate_limits(c)
-    if c.workers > 1 and (c.limit is not None or c.rules) and c.store == "memory":
+    if c.workers > 1 and (c.limit is not None or c.rules or any(k.limit for k in c.keys)) and c.store == "memory":
         raise ConfigError(f"workers: {c.workers} workers with the memory store would each count apart, and a "
                           f"key could get {c.workers}x its limit; use store = \"redis://...\" or 1 worker")
     if c.cpu_affinity not in ("auto", "off"):
