@@ -14,6 +14,8 @@
     python3 bench/redis_bench.py [--calls 5000] [--rate 200] [--seconds 10] [--no-edge]
     python3 bench/redis_bench.py --commandstats    # only: server-side µs per call (INFO commandstats)
     python3 bench/redis_bench.py --abuse           # only: script calls per admitted request at 10x the limit
+    python3 bench/redis_bench.py --topologies      # only: µs per decision on one Redis, through Sentinel
+                                                   # and on a 3-master Cluster, ours vs limits' storages
 
 Prints markdown tables (docs/redis.md records one run).
 """
@@ -137,6 +139,49 @@ def commandstats(url: str, calls: int = 20000) -> list[tuple[str, float, str]]:
     return rows
 
 
+def topologies(calls: int) -> list[tuple[str, float]]:
+    """µs per decision on one Redis, a Sentinel-watched master and a 3-master cluster (all started here),
+    ours vs `limits`' RedisStorage / RedisSentinelStorage / RedisClusterStorage, interleaved rounds."""
+    from limits import RateLimitItemPerSecond
+    from limits.storage import storage_from_string
+    from limits.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
+
+    from tests.redis_topologies import Cluster, SentinelSet
+    single = RedisServer().start()
+    sentinels = SentinelSet()
+    cluster = Cluster(masters=3, replicas=0)
+    try:
+        host_list = lambda url: url.split("://", 1)[1]  # noqa: E731
+        targets = [
+            ("one Redis", single.url, single.url),
+            ("Sentinel", sentinels.url, "redis+sentinel://" + host_list(sentinels.url)),
+            ("Cluster (3 masters)", cluster.url, "redis+cluster://" + host_list(cluster.url)),
+        ]
+        keys = [f"client-{i}" for i in range(100)]  # spread over the cluster's three masters
+        item = RateLimitItemPerSecond(100)
+        paths, ours = [], []
+        for where, url, limits_url in targets:
+            for a in ("token-bucket", "fixed-window", "sliding-log"):
+                lim = build(a, 100, 1.0, store=url, prefix=f"topo:{uuid.uuid4().hex[:6]}:", timeout=1.0)
+                ours.append(lim)
+                paths.append((f"{where}: ours, {a} (full Decision)",
+                              lambda i, lim=lim: lim.allow(keys[i % 100], time.time())))
+            st = storage_from_string(limits_url)
+            for name, cls in (("fixed-window", FixedWindowRateLimiter), ("moving-window", MovingWindowRateLimiter)):
+                s, ns = cls(st), uuid.uuid4().hex[:6]
+                paths.append((f"{where}: limits {name}: hit()", lambda i, s=s, ns=ns: s.hit(item, ns, keys[i % 100])))
+                paths.append((f"{where}: limits {name}: hit() + get_window_stats()",
+                              lambda i, s=s, ns=ns + "s": (s.hit(item, ns, keys[i % 100]),
+                                                           s.get_window_stats(item, ns, keys[i % 100]))))
+        rows = measure(paths, calls)
+        assert all(lim.degraded == 0 and lim.drift == 0 for lim in ours), "a Redis call failed or drifted"
+        return rows
+    finally:
+        cluster.stop()
+        sentinels.stop()
+        single.stop()
+
+
 def paced(port: int, rate: float, seconds: float, key: str) -> list[float]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     lat = []
@@ -228,7 +273,18 @@ def main():
     ap.add_argument("--no-edge", action="store_true", help="only the per-decision table")
     ap.add_argument("--commandstats", action="store_true", help="only the server-side µs per call")
     ap.add_argument("--abuse", action="store_true", help="only: script calls per admitted request at 10x")
+    ap.add_argument("--topologies", action="store_true", help="only: one Redis vs Sentinel vs Cluster")
     args = ap.parse_args()
+    if args.topologies:
+        import redis
+        print(f"# {platform.python_implementation()} {platform.python_version()}, redis-py {redis.__version__}, "
+              f"{platform.machine()}, {__import__('os').cpu_count()} CPUs\n")
+        print(f"## µs per decision by topology, single thread, {args.calls} calls per round, best of 5 "
+              f"interleaved rounds, 100 keys\n")
+        print("| path | µs/decision |\n|---|---:|")
+        for name, us in topologies(args.calls):
+            print(f"| {name} | {us:.1f} |")
+        return
     server = RedisServer().start()
     try:
         import redis

@@ -155,6 +155,9 @@ class _Pool:
             self._idle.pop().conn.disconnect()
 
 
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+
+
 class RedisLink:
     """One connection pool + circuit breaker per Redis server (and timeout, pool size) per process.
 
@@ -205,12 +208,17 @@ class RedisLink:
         self.pool = self._new_pool()
         self._lock = threading.Lock()
 
-    def evalsha(self, script, key: bytes, now: float) -> bytes:
-        """Run one of our scripts on key at now; returns its reply (bytes).  Raises RedisError."""
+    def evalsha(self, script, key: bytes, now: float, asking: bool = False) -> bytes:
+        """Run one of our scripts on key at now; returns its reply (bytes).  Raises RedisError.
+
+        asking: precede it with ASKING (a cluster node importing the key's slot serves it only then)."""
         n = repr(float(now)).encode()
         # EVALSHA <sha> 1 <key> <now>, packed by hand (redis-py's generic packer costs ~3x more)
         cmd = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (script.head, len(key), key, len(n), n)
-        slot = self.pool.get()
+        if asking:
+            cmd = _ASKING + cmd
+        pool = self.pool  # the pool the connection goes back to, even if a failover replaced self.pool
+        slot = pool.get()
         try:
             conn = slot.conn
             sock = conn._sock
@@ -226,14 +234,18 @@ class RedisLink:
                 slot.poll.register(sock, select.POLLIN)
             conn.send_packed_command((cmd,), check_health=False)
             try:
+                if asking:
+                    conn.read_response()  # +OK
                 return conn.read_response()
             except NoScriptError:  # a restarted or flushed server: load the script, run it again
                 conn.send_command("SCRIPT", "LOAD", script.text, check_health=False)
                 conn.read_response()
                 conn.send_packed_command((cmd,), check_health=False)
+                if asking:
+                    conn.read_response()
                 return conn.read_response()
         finally:
-            self.pool.put(slot)
+            pool.put(slot)
 
     def may_try(self) -> bool:
         """While down: True for exactly one caller per retry_interval (the probe)."""
@@ -273,13 +285,20 @@ _LINKS: dict[tuple, RedisLink] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def link_for(target: Target, timeout: float = 0.05, pool_size: int = 64, retry_interval: float = 0.5) -> RedisLink:
-    """The process's one link to target (limiter.redis_url.parse(url, ...)): a Redis server for now."""
+def link_for(target: Target, timeout: float = 0.05, pool_size: int = 64, retry_interval: float = 0.5):
+    """The process's one link to target (limiter.redis_url.parse(url, ...)): a RedisLink for one server, a
+    SentinelLink (limiter.redis_sentinel) or a ClusterLink (limiter.redis_cluster, one RedisLink per node)."""
     key = (target, float(timeout), int(pool_size), float(retry_interval))
     with _LINKS_LOCK:
         link = _LINKS.get(key)
         if link is None:
-            link = _LINKS[key] = RedisLink(target, timeout, pool_size, retry_interval)
+            if target.kind == "cluster":
+                from .redis_cluster import ClusterLink as cls
+            elif target.kind == "sentinel":
+                from .redis_sentinel import SentinelLink as cls
+            else:
+                cls = RedisLink
+            link = _LINKS[key] = cls(target, timeout, pool_size, retry_interval)
         return link
 
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote
 
 SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster", "redis+unix", "unix")
-SUPPORTED = ("single",)  # the kinds limiter.redis_store can serve; the others are refused at start-up
 ENV_PASSWORD = "EDGE_REDIS_PASSWORD"
 
 
@@ -167,6 +166,4 @@ def parse(url: str, *, password_file: str | None = None, ca_file: str | None = N
     elif password is None and environ.get(ENV_PASSWORD):
         password = environ[ENV_PASSWORD]
     kind = {"redis-sentinel": "sentinel", "redis-cluster": "cluster"}.get(scheme, "single")
-    if kind not in SUPPORTED:
-        raise ValueError(f"store: {scheme}:// is not supported yet; use redis:// or rediss:// (one Redis)")
     return Target(kind, hosts, db, master, tls, username, password, ca_file, cert_file, key_file, socket)

@@ -29,13 +29,7 @@ from tests.support import Backend, Edge, request, wait_until
     ("redis-cluster://u:pw@h1:7000,h2:7001", "cluster", [("h1", 7000), ("h2", 7001)], {"username": "u"}),
 ])
 def test_store_urls_parse_into_one_target_shape(url, kind, hosts, extra):
-    import limiter.redis_url as ru
-    ru_supported = ru.SUPPORTED
-    ru.SUPPORTED = ("single", "sentinel", "cluster")  # parsing is tested apart from what is served yet
-    try:
-        t = parse(url, environ={})
-    finally:
-        ru.SUPPORTED = ru_supported
+    t = parse(url, environ={})
     assert t.kind == kind and list(t.hosts) == hosts
     for k, v in extra.items():
         assert getattr(t, k) == v
@@ -236,14 +230,3 @@ def test_an_acl_user_from_the_url_works_and_a_wrong_password_is_one_line_without
     finally:
         e.stop()
 
-
-@pytest.mark.parametrize("url", ["redis-cluster://127.0.0.1:7000,127.0.0.1:7001",
-                                 "redis-sentinel://127.0.0.1:26379/mymaster"])
-def test_a_topology_not_served_yet_is_refused_at_start_up_with_one_line(url):
-    import limiter.redis_url as ru
-    if ("cluster" if "cluster" in url else "sentinel") in ru.SUPPORTED:
-        pytest.skip("served now: tested in tests/test_redis_ha.py")
-    import sys
-    p = subprocess.run([sys.executable, "edge.py", "--backends", "http://127.0.0.1:9", "--limit", "5/s",
-                        "--store", url], capture_output=True, text=True, timeout=30)
-    assert p.returncode == 2 and "not supported yet" in p.stderr and len(p.stderr.strip().splitlines()) == 1
