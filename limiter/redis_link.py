@@ -6,6 +6,7 @@ interface to the store is small on purpose (so transports can change without tou
 
     link = link_for(target, timeout, pool_size, retry_interval) # target: limiter.redis_url.parse(url)
     node = link.route(key_bytes)                                 # the server owning the key (a cluster's node)
+    link.slot_of(key_bytes)                                      # keys with equal slot_of may share one call
     link.evalsha(script, key_bytes, now) -> reply bytes          # raises redis.RedisError
     link.up / link.may_try() / link.failed(e) / link.succeeded() / link.retry_at / link.failures
     link.outages                                                 # up -> down transitions so far
@@ -196,6 +197,12 @@ class RedisLink:
     def route(self, key: bytes) -> "RedisLink":
         """The server that owns key: this one (a cluster routes by slot)."""
         return self
+
+    @staticmethod
+    def slot_of(key: bytes) -> int:
+        """Keys with equal slot_of may go in one script call: on one server, all of them (a cluster: the
+        key's hash slot).  Group a request's keys by it and make one call per group."""
+        return 0
 
     def _new_pool(self) -> _Pool:
         kwargs = self.connection_kwargs

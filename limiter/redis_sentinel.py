@@ -8,8 +8,11 @@ old server are dropped as they come back) and the failed call is retried once on
 READONLY script never ran, so nothing is counted twice; a connection that broke mid-call may have run on
 the old master, whose last writes a failover can lose anyway.
 
-Between failures nothing is asked of the sentinels: the call path is RedisLink's.  While the sentinels
-have not promoted anybody, calls fail, the circuit breaker opens, and its probe (one call every
+Besides, one call per `recheck` seconds (1 s) asks the sentinels first: after a manual failover (or a
+partition that heals) the old master stays a writable master until a sentinel reconfigures it, ~10 s
+later, and everything written there meanwhile is lost -- the recheck moves the edge within a second of
+the promotion instead.  Otherwise the call path is RedisLink's.  While the sentinels have not promoted
+anybody, calls fail, the circuit breaker opens, and its probe (one call every
 retry_interval) asks the sentinels again -- so the edge follows a failover within about one
 retry_interval of the sentinels' promotion, without a restart.  The sentinels are asked without the
 master's credentials (a sentinel with its own password is not supported).
@@ -35,10 +38,13 @@ log = logging.getLogger("edge")
 
 
 class SentinelLink(RedisLink):
+    recheck = 1.0  # seconds between two unprompted questions to the sentinels
+
     def __init__(self, target, timeout: float, pool_size: int, retry_interval: float):
         self.sentinels = list(target.hosts)
         self._discover_lock = threading.Lock()
         self._asked_at = -1e9
+        self._recheck_at = 0.0
         super().__init__(target, timeout, pool_size, retry_interval, host="", port=0)
         self.name = target.display
         self.master: tuple[str, int] | None = None
@@ -92,6 +98,13 @@ class SentinelLink(RedisLink):
             if self.master is None:
                 raise RedisConnectionError(f"no sentinel of {self.name} named the master")
             pool = self.pool
+        elif monotonic() >= self._recheck_at and self._discover_lock.acquire(blocking=False):
+            try:  # one caller per `recheck`; the others do not wait for it
+                self._recheck_at = monotonic() + self.recheck
+                self._discover()
+                pool = self.pool
+            finally:
+                self._discover_lock.release()
         try:
             return RedisLink.evalsha(self, script, key, now)
         except (RedisConnectionError, RedisTimeoutError, ReadOnlyError):
