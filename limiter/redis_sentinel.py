@@ -80,6 +80,7 @@ class SentinelLink(RedisLink):
             kwargs = dict(self.connection_kwargs, host=addr[0], port=addr[1])
             self.connection_kwargs = kwargs
             old_pool, self.pool = self.pool, self._new_pool()
+            self.outages += 1  # the new master may lack the old one's last writes: drop what was cached
             old_pool.close()  # idle connections to the old master; busy ones are dropped with their pool
             log.warning("limiter store %s: master %s:%d%s", self.name, *addr,
                         f" (was {old[0]}:{old[1]}): failover followed" if old else "")
