@@ -16,22 +16,24 @@ Redirections:
 At most 3 hops per call.  A failed call also refreshes the table (rate-limited): after a master dies and
 its replica is promoted, the next refresh maps the slots to the new master and enforcement resumes.
 
-Several keys in one call (rules with several limits per request): a script may only touch keys of one
-slot.  The keys of one client share a slot through the hash tag, so one call per slot (hence per client
-identity) is atomic; keys of different identities (an ip and an api-key, or a global key) live on
-different slots and possibly nodes: those are one call per slot.  See docs/redis.md, "Cluster".
+Several keys in one call (rules with several limits per request, limiter.redis_multi): a script may only
+touch keys of one slot, so split_keys() groups a request's keys by slot and each group is one call.  The
+keys of one client identity share a slot through the hash tag, so all the limits on one identity are one
+atomic call; keys of different identities (an ip and an api-key, or a global key) live on different slots
+and possibly nodes: one call each, atomic each.  A TRYAGAIN reply (a group caught half-migrated) is retried
+twice after 2 ms before it counts as a failure.  See docs/redis.md, "Cluster".
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from time import monotonic
+from time import monotonic, sleep
 
 import redis
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import AskError, MovedError, RedisError
+from redis.exceptions import AskError, MovedError, RedisError, TryAgainError
 from redis.retry import Retry
 
 from .redis_link import RedisLink
@@ -40,6 +42,7 @@ log = logging.getLogger("edge")
 
 SLOTS = 16384
 MAX_HOPS = 3
+TRYAGAIN_ATTEMPTS, TRYAGAIN_PAUSE = 3, 0.002
 
 
 class ClusterNode(RedisLink):
@@ -50,10 +53,17 @@ class ClusterNode(RedisLink):
         self.cluster = cluster
 
     def evalsha(self, script, key: bytes, now: float, asking: bool = False) -> bytes:
-        try:
-            return RedisLink.evalsha(self, script, key, now, asking)
-        except AskError as e:  # MovedError is an AskError
-            return self.cluster.redirected(e, script, key, now)
+        for attempt in range(TRYAGAIN_ATTEMPTS):
+            try:
+                return RedisLink.evalsha(self, script, key, now, asking)
+            except AskError as e:  # MovedError is an AskError
+                return self.cluster.redirected(e, script, key, now)
+            except TryAgainError:
+                # several keys of one slot, caught half-migrated (some moved, some not): not an outage --
+                # the migration of that slot finishes in moments; past the last attempt it is a failure
+                if attempt + 1 == TRYAGAIN_ATTEMPTS:
+                    raise
+                sleep(TRYAGAIN_PAUSE)
 
     def failed(self, error: Exception) -> None:
         super().failed(error)
@@ -85,6 +95,14 @@ class ClusterLink:
         return self.slots[key_slot(key)]
 
     slot_of = staticmethod(key_slot)  # for callers grouping several keys into one call per slot
+
+    def split_keys(self, keys: list[bytes]) -> list[list[int]]:
+        """limiter.redis_multi's hook: the keys' indexes grouped by slot, one script call per group (a
+        script may only touch keys of one slot).  Groups come in the order of their first key."""
+        groups: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(key_slot(k), []).append(i)
+        return list(groups.values())
 
     def node(self, host: str, port: int) -> ClusterNode:
         n = self.nodes.get((host, port))

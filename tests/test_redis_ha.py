@@ -159,6 +159,35 @@ def test_moved_is_followed_and_never_taken_for_an_outage(cluster):
     assert owners == set(keys), "the table learned each key's owner from MOVED"
 
 
+def test_several_limits_of_one_request_are_one_call_per_slot(cluster):
+    """Rules (limiter.compose.allow_all over limiter.redis_multi) on a cluster: the limits on one identity
+    share its hash tag, so they are one atomic all-or-nothing call; a global limit lives in another slot
+    and is its own call.  Across slots nothing is refunded: a request refused by one group still spent in
+    the other (docs/redis.md, "Cluster").  Within a group it is all or nothing."""
+    from limiter.compose import allow_all
+    tag = uuid.uuid4().hex[:6]
+    kw = dict(store=cluster.url, on_error="fail-closed", timeout=1.0)
+    per_ip = build("fixed-window", 2, 600.0, prefix=f"mk:{tag}:ip:", **kw)
+    per_ip_burst = build("fixed-window", 5, 600.0, prefix=f"mk:{tag}:ipb:", **kw)
+    glob = build("fixed-window", 4, 600.0, prefix=f"mk:{tag}:g:", **kw)
+    for lim in (per_ip, per_ip_burst, glob):
+        lim.strict = True
+
+    def req(ip):
+        return allow_all([(per_ip, ip, True), (per_ip_burst, ip, True), (glob, "global", True)], 1000.0)
+
+    keys = [per_ip.key("ip:a").encode(), per_ip_burst.key("ip:a").encode(), glob.key("global").encode()]
+    assert per_ip.link.split_keys(keys) == [[0, 1], [2]]
+    assert [req("ip:a")[0] for _ in range(3)] == [True, True, False]   # the ip group refuses the 3rd...
+    ok, ds = req("ip:b")
+    assert ok and ds[2].remaining == 0, "...and the global group spent for it all the same (4 of 4 now)"
+    ok, ds = req("ip:c")
+    assert not ok and ds[0].allowed and not ds[2].allowed
+    assert per_ip.failures == 0 and not any(getattr(d, "degraded", False) for d in ds)
+    # and the other way round: refused by the global group, it still spent in its own ip group
+    assert per_ip.allow("ip:c", 1000.0).remaining == 0, "one call per slot: no refund across slots"
+
+
 # ---------------------------------------------------------------------------- acceptance 1 and 2
 
 @pytest.mark.parametrize("algorithm", ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"])
