@@ -24,19 +24,21 @@ class AccessLog:
 
     def record(self, x, status: int, seconds: float) -> None:
         self.q.put((time.time(), x.key, x.req.method, x.req.target, status,
-                    x.backend.url if x.backend else "-", seconds, x.limited_by))
+                    x.backend.url if x.backend else "-", seconds, x.limited_by, x.tunnel))
 
     def _writer(self) -> None:
         while True:
             item = self.q.get()
             if item is None:
                 break
-            ts, key, method, target, status, backend, secs, limited_by = item
+            ts, key, method, target, status, backend, secs, limited_by, tunnel = item
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
             # Escape what a client controls, so a crafted path cannot forge a log line.
             path = target[:2048].decode("latin-1").encode("unicode_escape").decode("ascii").replace(" ", "%20")
+            # a tunnel (101) is logged when it closes: its whole duration, bytes each way, why it ended
+            extra = f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else ""
             self.file.write(f"{stamp} {key or '-'} {method.decode('latin-1')} {path} {status} "
-                            f"{backend} {secs * 1000:.2f}ms {limited_by or '-'}\n")
+                            f"{backend} {secs * 1000:.2f}ms {limited_by or '-'}{extra}\n")
 
     def close(self) -> None:
         self.q.put(None)

@@ -27,6 +27,7 @@ from .identity import Identifier
 from .metrics import Metrics
 from .netaddr import hostport
 from .outlier import Ejector
+from .tunnel import close_all as close_tunnels
 from .proxy import Edge, EdgeServer
 from .retrybudget import RetryBudget
 
@@ -257,6 +258,12 @@ class App:
         while self.edge.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
             self.edge.wake_idle()   # a connection that finished its request is idle now
+        closed = close_tunnels(self.edge.tunnels)
+        if closed:
+            log.warning("drain deadline (%gs): closing %d tunnels", self.cfg.drain_timeout, closed)
+            end = time.monotonic() + 1.0      # let their threads log them
+            while self.edge.tunnels and time.monotonic() < end:
+                time.sleep(0.01)
         left = self.edge.busy()
         if left:
             log.warning("drain deadline (%gs) passed with %d requests in flight; closing", self.cfg.drain_timeout,

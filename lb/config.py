@@ -70,6 +70,8 @@ class Config:
     body_timeout: float = 30.0               # between body reads
     keepalive_timeout: float = 75.0          # idle client connection (nginx's default)
     max_body_size: int = 10 * 1024 * 1024
+    tunnel_idle_timeout: float = 300.0       # an upgraded connection (WebSocket) silent both ways is closed
+    upgrades: frozenset = frozenset({"websocket"})   # Upgrade protocols tunnelled; empty: none
     # limiting
     limit: str | None = None                 # "N/PERIOD"; None: limiting off
     key_limits: tuple[tuple[str, str], ...] = ()
@@ -218,7 +220,8 @@ _SECTIONS = {
     "server": {"workers": ("workers", "i"), "cpu_affinity": ("cpu_affinity", "s"), "drain_timeout": ("drain_timeout", "f0"),
                "max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
                "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
-               "max_body_size": ("max_body_size", "i")},
+               "max_body_size": ("max_body_size", "i"),
+               "tunnel_idle_timeout": ("tunnel_idle_timeout", "f"), "upgrades": ("upgrades", "list")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -360,6 +363,10 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--tls-min-version", help="TLSv1.2 (default) | TLSv1.3")
     a("--tls-ciphers", help="OpenSSL cipher list for TLS 1.2 (default: Python's secure defaults)")
     a("--ca-file", help="PEM CA bundle that https:// backends are verified against (default: system CAs)")
+    a("--tunnel-idle-timeout", help="seconds an upgraded (WebSocket) connection may be silent both ways "
+                                    "(default 300)")
+    a("--upgrades", help="Upgrade protocols tunnelled to backends, comma separated (default websocket; "
+                         "'' for none)")
     a("--limit", help="N/PERIOD for every key, e.g. 100/s, 600/m, 50/10s (default: no limiting)")
     a("--key-limit", action="append", help="key:NAME=N/PERIOD or ip:ADDRESS=N/PERIOD override, repeatable "
                                            "(a bare address is an ip:, anything else a key:)")
@@ -400,7 +407,7 @@ def _from_flags(ns: argparse.Namespace) -> dict:
                     raise ConfigError(f"--key-limit: expected KEY=N/PERIOD, got {item!r}")
                 pairs.append((k, rate))
             out["key_limits"] = tuple(pairs)
-        elif name == "trusted_proxies":
+        elif name in ("trusted_proxies", "upgrades"):
             out[name] = tuple(x for x in value.split(",") if x.strip())
         else:
             out[name] = value
@@ -417,6 +424,19 @@ def load(argv: list[str] | None = None) -> Config:
     values.update(_from_flags(ns))
     values["keys"] = _known_keys(values)
     return validate(replace(Config(), config_path=path, **values))
+
+
+def check_upgrades(values) -> frozenset:
+    out = set()
+    for v in values:
+        t = str(v).strip().lower() if isinstance(v, str) else None
+        if not t or not t.isascii() or t.encode().translate(None, _TOKEN_CHARS):
+            raise ConfigError(f"server.upgrades: not a protocol name: {v!r} (e.g. \"websocket\")")
+        out.add(t)
+    return frozenset(out)
+
+
+_TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
 
 
 def check_tls(c: Config) -> None:
@@ -497,6 +517,7 @@ def validate(c: Config) -> Config:
             raise ConfigError(f"cpu_affinity: expected auto, off or a list of CPU numbers like 0,1; "
                               f"got {c.cpu_affinity!r}") from None
     check_tls(c)
+    c = replace(c, upgrades=check_upgrades(c.upgrades))
     if c.workers > 1 and c.demo:
         raise ConfigError("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return c

@@ -22,6 +22,7 @@ from time import monotonic
 
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from . import tunnel
 from .backends import Backend, PoolExhausted
 from .netaddr import hostport
 from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, own_response,
@@ -55,7 +56,7 @@ class UpstreamFailed(Exception):
 
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
-                  close: bool = False, proto: bytes = b"http") -> bytearray:
+                  close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended.
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
@@ -79,7 +80,9 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
         out += b"X-Forwarded-Host: " + req.host + b"\r\n"
     if req.chunked:
         out += b"Transfer-Encoding: chunked\r\n"
-    if close:
+    if upgrade:   # an allowed upgrade (lb/tunnel.py): the one exception to hop-by-hop stripping
+        out += b"Upgrade: " + upgrade + b"\r\nConnection: Upgrade\r\n"
+    elif close:
         out += b"Connection: close\r\n"
     out += b"\r\n"
     return out
@@ -127,13 +130,15 @@ class Forwarder:
     # -- one request --------------------------------------------------------------------------------
 
     def forward(self, x, backend: Backend, body, sock: socket.socket, peer: bytes,
-                trusted: bool = False) -> bool:
+                trusted: bool = False, reader: Reader | None = None) -> bool:
         """Forward x.req with its body (bytes, or an iterator when streamed) and relay the answer.
 
         A try that failed to connect sent nothing, so it is retried -- any method -- on a backend in
         rotation this request has not tried, up to cfg.retries times and within the retry budget
         (lb/retrybudget.py). Any other failure is answered: a request is never sent twice once a byte
         of it was written (but for attempt()'s stale keep-alive retry, on the same backend).
+        An allowed upgrade (x.upgrade, lb/tunnel.py) is forwarded with its Upgrade header; a 101 to it
+        becomes a tunnel to the client (`reader`: the client's, with any bytes it sent early).
         True when the client connection may carry another request.
         """
         edge = self.edge
@@ -145,7 +150,7 @@ class Forwarder:
         tried = None          # the backends tried so far, once there was a failure
         try:
             while True:
-                head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto)
+                head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade)
                 with backend.lock:
                     backend.inflight += 1
                 try:
@@ -173,6 +178,9 @@ class Forwarder:
                         # a request body we were streaming turned out malformed
                         log.warning("client %s: %d %s", peer.decode(), e.status, e.reason)
                         return edge._answer(sock, x, e.status, e.reason, False)
+                    if rh.status == 101 and x.upgrade:
+                        self.observe(backend, True, "101 Switching Protocols")
+                        return tunnel.take(edge, x, conn, rh, ur, sock, reader)
                     return self.relay(x, rh, ur, conn, sock)    # it tells passive health the outcome
                 finally:
                     with backend.lock:

@@ -33,6 +33,9 @@ class Metrics:
         self.admin_actions: dict[tuple[str, str], int] = {}     # (backend, "drain" | "enable")
         self.retries: dict[str, int] = {}                       # backend retried *from* -> count
         self.retry_budget = None                                # RetryBudget, for its gauges
+        self.tunnels_open = 0                                     # upgraded connections (WebSocket) now
+        self.tunnels_total = 0
+        self.tunnel_bytes = [0, 0]                                # client->backend, backend->client
         self.hist = [0] * (len(BUCKETS) + 1)
         self.hist_sum = 0.0
         self.hist_count = 0
@@ -65,6 +68,17 @@ class Metrics:
             if unavailable:
                 self.unavailable += 1
             self.observe(seconds)
+
+    def tunnel_opened(self) -> None:
+        with self.lock:
+            self.tunnels_open += 1
+            self.tunnels_total += 1
+
+    def tunnel_closed(self, to_backend: int, to_client: int) -> None:
+        with self.lock:
+            self.tunnels_open -= 1
+            self.tunnel_bytes[0] += to_backend
+            self.tunnel_bytes[1] += to_client
 
     def tls_failed(self) -> None:
         with self.lock:
@@ -121,6 +135,7 @@ class Metrics:
             exempt = self.exempt
             tls_failures = self.tls_failures
             ejections, actions, retries = dict(self.ejections), dict(self.admin_actions), dict(self.retries)
+            t_open, t_total, t_bytes = self.tunnels_open, self.tunnels_total, list(self.tunnel_bytes)
             hist, hsum, hcount = list(self.hist), self.hist_sum, self.hist_count
         out = []
         w = out.append
@@ -158,6 +173,16 @@ class Metrics:
           "(timeout, refused protocol version, plain HTTP on the HTTPS port).")
         w("# TYPE lb_tls_handshake_failures_total counter")
         w(f"lb_tls_handshake_failures_total {tls_failures}")
+        w("# HELP lb_tunnels_open Upgraded connections (WebSocket) open now.")
+        w("# TYPE lb_tunnels_open gauge")
+        w(f"lb_tunnels_open {t_open}")
+        w("# HELP lb_tunnels_total Upgraded connections opened (backend answered 101).")
+        w("# TYPE lb_tunnels_total counter")
+        w(f"lb_tunnels_total {t_total}")
+        w("# HELP lb_tunnel_bytes_total Bytes carried by tunnels, by direction.")
+        w("# TYPE lb_tunnel_bytes_total counter")
+        w(f'lb_tunnel_bytes_total{{direction="upstream"}} {t_bytes[0]}')
+        w(f'lb_tunnel_bytes_total{{direction="downstream"}} {t_bytes[1]}')
         w("# HELP lb_backend_up 1 when the backend passes its active health checks.")
         w("# TYPE lb_backend_up gauge")
         for b in backends:

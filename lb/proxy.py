@@ -18,7 +18,7 @@ import socketserver
 import threading
 from time import monotonic
 
-from . import netaddr, tls
+from . import netaddr, tls, tunnel
 from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
 from .outlier import Ejector
@@ -111,6 +111,7 @@ class Edge:
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
         self.forwarder = Forwarder(self)     # the upstream half: lb/forward.py
         self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
+        self.tunnels: dict = {}             # client socket -> backend socket, while upgraded (for the drain)
 
     # -- the connection loop ------------------------------------------------------------------------
 
@@ -266,6 +267,12 @@ class Edge:
             return self._answer(sock, x, 503, "no healthy backend", keep_if_early, unavailable=True)
         x.backend = backend
 
+        # An allowed upgrade (WebSocket): forwarded with its Upgrade header; a 101 makes it a tunnel.
+        if req.conn_tokens and not has_body:
+            x.upgrade = tunnel.requested(req, cfg.upgrades)
+            if x.upgrade is not None:
+                return self.forwarder.forward(x, backend, b"", sock, peer, peer_trusted, reader)
+
         # 4. the body: only now is the client invited to send it
         if req.expect_continue:
             self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -312,13 +319,15 @@ class Edge:
 class Exchange:
     """What the stages learned about one request, carried to wherever its response is written."""
 
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries", "limited_by")
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries", "limited_by", "upgrade", "tunnel")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
         self.proto = proto           # the scheme the client used: X-Forwarded-Proto
         self.key = ""                # who, as logs may show it (never a raw API key)
         self.limited_by = ""         # the rules that rejected (or, dry-run, would have)
+        self.upgrade = None          # the Upgrade value forwarded, for an allowed upgrade (lb/tunnel.py)
+        self.tunnel = None           # (bytes client->backend, bytes backend->client, why it ended) after a 101
         self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
         self.backend = None
         self.set_cookie = b""

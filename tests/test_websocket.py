@@ -1,0 +1,241 @@
+"""WebSocket through the edge with a real client and server (the `websockets` library): the handshake
+through the pipeline, the tunnel both ways, closes from either side, idle timeout, drain, 100 at once,
+and the backend's plain HTTP afterwards."""
+
+import asyncio
+import json
+import re
+import signal
+import ssl
+import time
+
+import pytest
+
+from tests.support import PY, Edge, Proc, request, wait_until
+
+websockets = pytest.importorskip("websockets", reason="websockets (requirements-dev.txt) is the real client")
+from websockets.asyncio.client import connect  # noqa: E402
+from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
+
+
+class WsBackend(Proc):
+    def __init__(self):
+        super().__init__([PY, "-m", "tests.ws_backend", "--port", "0"], "ws-backend")
+        self.port = int(self.wait_log(r"listening \S+:(\d+)").group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def wsb():
+    b = WsBackend()
+    yield b
+    b.stop()
+
+
+def ws(port, path="/echo", **kw):
+    return connect(f"ws://127.0.0.1:{port}{path}", proxy=None, open_timeout=10, close_timeout=5,
+                   ping_interval=None, compression=None, **kw)
+
+
+def metric(e, name):
+    text = request(e.admin_port, "GET", "/metrics").body.decode()
+    m = re.search(rf"^{re.escape(name)} (\d+)", text, re.M)
+    return int(m.group(1))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_echo_both_closes_and_plain_http_after(wsb, tmp_path):
+    log = tmp_path / "access.log"
+    e = Edge("--backends", wsb.url, "--health-interval", "30", "--admin", "127.0.0.1:0", "--limit", "100/m",
+             "--access-log", str(log))
+    try:
+        async def session():
+            # echo; the 101 carries Upgrade, Connection and our rate-limit headers
+            async with ws(e.port) as c:
+                h = c.response.headers
+                assert c.response.status_code == 101
+                assert h["Upgrade"].lower() == "websocket" and h["Connection"].lower() == "upgrade"
+                assert h["X-RateLimit-Limit"] == "100" and h["X-RateLimit-Remaining"] == "99"
+                for msg in ("one", "two" * 1000, b"\x00\xff" * 40000):
+                    await c.send(msg)
+                    assert await c.recv() == msg
+                assert metric(e, "lb_tunnels_open") == 1
+                await c.close()                          # client-initiated close
+                assert c.close_code == 1000
+            # the server speaks first, then closes with its own code
+            async with ws(e.port, "/hello") as c:
+                assert await c.recv() == "hello"
+                await c.send("close:4001")
+                with pytest.raises(ConnectionClosed) as info:
+                    await c.recv()
+                assert info.value.rcvd.code == 4001           # server-initiated close arrived intact
+
+        run(session())
+        wait_until(lambda: metric(e, "lb_tunnels_open") == 0, what="tunnels closed")
+        assert metric(e, "lb_tunnels_total") == 2
+        assert metric(e, 'lb_backend_inflight{backend="%s"}' % wsb.url) == 0
+        # A plain request to the same backend afterwards, through the edge: its pool slot is free.
+        r = request(e.port, "GET", "/plain")
+        assert r.status == 200 and r.body.startswith(b"plain opened=")
+        assert r.header("Upgrade") is None
+        lines = wait_until(lambda: [ln for ln in log.read_text().splitlines() if " 101 " in ln] if log.exists()
+                           and log.read_text().count(" 101 ") == 2 else None, what="two 101 access-log lines")
+        for ln in lines:
+            m = re.search(r" 101 \S+ (\d+\.\d+)ms \S+ up=(\d+) down=(\d+) \((.+)\)$", ln)
+            assert m, ln
+            assert int(m.group(2)) > 0 and int(m.group(3)) > 0
+        assert int(re.search(r"up=(\d+)", lines[0]).group(1)) > 80000      # the 80 kB binary message
+    finally:
+        e.stop()
+
+
+def test_one_token_per_handshake_and_a_refused_upgrade_is_relayed(wsb):
+    e = Edge("--backends", wsb.url, "--health-interval", "30", "--limit", "2/m")
+    try:
+        async def session():
+            async with ws(e.port) as c:
+                await c.send("x")
+                for _ in range(50):        # messages inside a tunnel spend no tokens
+                    await c.send("y")
+                    await c.recv()
+            with pytest.raises(InvalidStatus) as info:     # the backend declines: its 403, relayed
+                async with ws(e.port, "/refuse"):
+                    pass
+            assert info.value.response.status_code == 403
+            with pytest.raises(InvalidStatus) as info:     # third handshake in the minute
+                async with ws(e.port):
+                    pass
+            assert info.value.response.status_code == 429
+            assert info.value.response.headers["Retry-After"]
+
+        run(session())
+    finally:
+        e.stop()
+
+
+def test_upgrades_not_allowed_are_stripped(wsb):
+    e = Edge("--backends", wsb.url, "--health-interval", "30", "--upgrades", "h2c-not-websocket")
+    try:
+        async def session():
+            with pytest.raises(InvalidStatus) as info:
+                async with ws(e.port):
+                    pass
+            # the backend never saw Upgrade: it answered as plain HTTP
+            assert info.value.response.status_code == 200
+            assert info.value.response.body.startswith(b"plain")
+
+        run(session())
+    finally:
+        e.stop()
+
+
+def test_a_hundred_concurrent_tunnels_over_a_pool_of_four(wsb):
+    e = Edge("--backends", wsb.url, "--health-interval", "30", "--admin", "127.0.0.1:0", "--pool-maxsize", "4")
+    try:
+        async def one(i, opened, go):
+            async with ws(e.port) as c:
+                opened.append(i)
+                await go.wait()
+                for j in range(3):
+                    await c.send(f"{i}:{j}")
+                    assert await c.recv() == f"{i}:{j}"
+            return i
+
+        async def session():
+            opened, go = [], asyncio.Event()
+            tasks = [asyncio.create_task(one(i, opened, go)) for i in range(100)]
+            deadline = time.monotonic() + 40
+            while len(opened) < 100 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert len(opened) == 100
+            assert await asyncio.to_thread(metric, e, "lb_tunnels_open") == 100
+            go.set()
+            return sorted(await asyncio.gather(*tasks))
+
+        assert run(session()) == list(range(100))
+        wait_until(lambda: metric(e, "lb_tunnels_open") == 0, what="all tunnels closed")
+        assert metric(e, "lb_tunnels_total") == 100
+        assert request(e.port, "GET", "/after").status == 200
+    finally:
+        e.stop()
+
+
+def test_idle_tunnel_is_closed_and_drain_closes_tunnels(wsb):
+    idle = Edge("--backends", wsb.url, "--health-interval", "30", "--tunnel-idle-timeout", "1")
+    drain = Edge("--backends", wsb.url, "--health-interval", "30", "--drain-timeout", "1")
+    try:
+        async def idle_session():
+            async with ws(idle.port) as c:
+                await c.send("a")
+                assert await c.recv() == "a"
+                t0 = time.monotonic()
+                with pytest.raises(ConnectionClosed):
+                    await c.recv()                      # nothing moves: the edge closes it
+                return time.monotonic() - t0
+
+        took = run(idle_session())
+        assert 0.9 <= took < 10, took
+
+        async def drain_session():
+            async with ws(drain.port) as c:
+                await c.send("a")
+                assert await c.recv() == "a"
+                drain.signal(signal.SIGTERM)
+                # Still a working tunnel during the drain...
+                await c.send("b")
+                assert await c.recv() == "b"
+                with pytest.raises(ConnectionClosed):
+                    await c.recv()                      # ...until the drain deadline closes it
+
+        run(drain_session())
+        drain.popen.wait(15)
+        assert drain.popen.returncode == 0
+        assert "closing 1 tunnels" in drain.log()
+    finally:
+        idle.stop()
+        drain.stop()
+
+
+def test_wss_through_tls_termination(wsb, tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    e = Edge("--backends", wsb.url, "--health-interval", "30", "--tls-cert", str(cert), "--tls-key", str(key))
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    try:
+        async def session():
+            async with connect(f"wss://127.0.0.1:{e.port}/hello", ssl=ctx, proxy=None, compression=None,
+                               ping_interval=None, open_timeout=10) as c:
+                assert await c.recv() == "hello"
+                big = "z" * 300000                      # many TLS records each way
+                await c.send(big)
+                assert await c.recv() == big
+
+        run(session())
+    finally:
+        e.stop()
+
+
+def test_a_handshake_to_a_dead_backend_is_retried_on_another(wsb):
+    from tests.support import free_port
+    dead = f"http://127.0.0.1:{free_port()}"        # nothing listens there: connect refused
+    e = Edge("--backends", f"{dead},{wsb.url}", "--strategy", "round-robin", "--health-interval", "30",
+             "--retries", "1")
+    try:
+        async def session():
+            for i in range(4):                        # every other pick is the dead one
+                async with ws(e.port) as c:
+                    await c.send(f"m{i}")
+                    assert await c.recv() == f"m{i}"
+
+        run(session())
+        assert "retrying on " + wsb.url in e.log()
+    finally:
+        e.stop()
