@@ -231,7 +231,8 @@ def test_each_process_is_pinned_to_one_cpu_unless_told_otherwise(backends):
         cpu = e.wait_log(r"on CPU (\d+) \(--cpu-affinity auto\)").group(1)
         assert cpus_allowed(e.popen.pid) == cpu                  # every thread inherits it
         assert "," in cpus_allowed(off.popen.pid) or "-" in cpus_allowed(off.popen.pid)
-        w.wait_log(r"worker 1: on CPU")
+        w.wait_log(r"worker 0: on CPU")
+        w.wait_log(r"worker 1: on CPU")         # both: the two workers log in either order
         workers = dict(__import__("re").findall(r"worker (\d): on CPU (\d+)", w.log()))
         assert workers["0"] != workers["1"]                      # worker i takes the i-th CPU
         assert request(e.port, "GET", "/").status == 200
