@@ -42,21 +42,29 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None) -> int
     from lb.app import App
     log = logging.getLogger("edge")
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
-    app = App(cfg, argv, reuse_port=reuse_port, worker=worker)
-    if cpu is not None:
-        log.info("%son CPU %d (--cpu-affinity %s)", f"worker {worker}: " if worker is not None else "", cpu,
-                 cfg.cpu_affinity)
+    app = None
+    early: list = []      # signals that arrived while the app was being built (it logs "listening" then)
 
     def on_term(signum, frame):
+        if app is None:
+            return early.append((on_term, signum))
         log.info("received %s: draining (up to %gs)", signal.Signals(signum).name, app.cfg.drain_timeout)
         threading.Thread(target=app.stop_accepting, name="stop", daemon=True).start()
 
     def on_hup(signum, frame):
+        if app is None:
+            return early.append((on_hup, signum))
         threading.Thread(target=app.reload, name="reload", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     signal.signal(signal.SIGHUP, on_hup)
+    app = App(cfg, argv, reuse_port=reuse_port, worker=worker)
+    if cpu is not None:
+        log.info("%son CPU %d (--cpu-affinity %s)", f"worker {worker}: " if worker is not None else "", cpu,
+                 cfg.cpu_affinity)
+    for handler, signum in early:
+        handler(signum, None)
     app.serve_forever()
     app.drain()
     log.info("stopped")
