@@ -319,7 +319,8 @@ class Edge:
 class Exchange:
     """What the stages learned about one request, carried to wherever its response is written."""
 
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries", "limited_by", "upgrade", "tunnel")
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries", "limited_by", "upgrade",
+                 "tunnel")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
