@@ -240,7 +240,7 @@ class Edge:
         ip = self.identifier.client_ip(peer_ip, peer_trusted, req.xff) if peer_trusted else peer_ip
         if self.limiter is not None:
             v = self.limiter.check(req, ip)
-            x.key, x.rl, x.limited_by = v.label, v.headers, v.limited_by
+            x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
             if v.degraded:                   # the store was unreachable: its failure policy decided
                 self.metrics.limiter_error()
             if v.rejected or v.dry or v.exempt:
@@ -320,12 +320,13 @@ class Exchange:
     """What the stages learned about one request, carried to wherever its response is written."""
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries", "limited_by", "upgrade",
-                 "tunnel")
+                 "tunnel", "key_name")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
         self.proto = proto           # the scheme the client used: X-Forwarded-Proto
         self.key = ""                # who, as logs may show it (never a raw API key)
+        self.key_name = None         # a known API key's configured name (lb/keys.py)
         self.limited_by = ""         # the rules that rejected (or, dry-run, would have)
         self.upgrade = None          # the Upgrade value forwarded, for an allowed upgrade (lb/tunnel.py)
         self.tunnel = None           # (bytes client->backend, bytes backend->client, why it ended) after a 101

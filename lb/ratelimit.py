@@ -34,13 +34,15 @@ from .rules import BUILTIN, Matcher, normalize_path
 class Verdict:
     """What the stage decided for one request, for the pipeline, the access log and the metrics."""
 
-    __slots__ = ("status", "reason", "headers", "label", "limited_by", "rejected", "dry", "degraded", "exempt")
+    __slots__ = ("status", "reason", "headers", "label", "key_name", "limited_by", "rejected", "dry", "degraded",
+                 "exempt")
 
     def __init__(self, label: str):
         self.status = 0              # 0: go on; else answer it (400, 401, 429, 503)
         self.reason = ""
         self.headers = b""           # X-RateLimit-* (and Retry-After), RateLimit-* when enabled
         self.label = label           # the identity as logs may show it: never a raw API key
+        self.key_name = None         # a known key's configured name
         self.limited_by = ""         # "rule,rule:dry_run" -- the access log's limited_by
         self.rejected = ()           # names of enforcing rules that rejected
         self.dry = ()                # names of dry-run rules that would have rejected
@@ -154,6 +156,8 @@ class LimitStage:
             v.status, v.reason = 400, str(e)
             return v
         v = Verdict(label)
+        if known is not None:
+            v.key_name = known.name
         if ident is None:
             v.status, v.reason = 401, "unknown API key"
             return v

@@ -204,7 +204,7 @@ def test_known_keys_get_their_tier_unknown_keys_are_limited_by_ip():
     st = stage("5/s", keys=known())
     assert [st.check(req(X_Api_Key="sk-acme-1"), "192.0.2.1", now=T0).status for _ in range(25)].count(0) == 20
     v = st.check(req(X_Api_Key="test"), "192.0.2.1", now=T0)
-    assert v.label == "key:bob" and hdr(v, "X-RateLimit-Limit") == "5"
+    assert v.label == "key:bob" and v.key_name == "bob" and hdr(v, "X-RateLimit-Limit") == "5"
     minted = [st.check(req(X_Api_Key=uuid.uuid4().hex), "192.0.2.2", now=T0) for _ in range(25)]
     assert sum(v.status == 0 for v in minted) == 5                  # one bucket: the IP's
     assert {v.label for v in minted} == {"ip:192.0.2.2"}
