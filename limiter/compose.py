@@ -17,6 +17,7 @@ limits -- are decided and reported but never veto).  What is spent:
 Atomic across checks: the memory store holds every involved stripe lock at once (taken in one global
 order, so two requests can never deadlock); the Redis store runs all checks as ONE script
 (limiter.redis_multi).  One check goes straight to limiter.allow (the common case, no overhead).
+Other stores are decided one check after another (see the end of allow_all).
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ def allow_all(checks, now: float | None = None):
     if kinds == {RedisStore} and len({lim.link for lim, _, _ in checks}) == 1:
         from .redis_multi import allow_all_redis
         return allow_all_redis(checks, checks[0][0].clock() if now is None else now)
-    raise ValueError("allow_all: every check must use the same store (all memory, or one Redis)")
+    # Any other store (or a mix): one decision after another -- correct per limit, but neither atomic
+    # across limits nor all-or-nothing (a limit that admitted spends even when another rejects, as
+    # Envoy's descriptors do). A store that can do better gets its own branch above.
+    ds = [lim.allow(key) if now is None else lim.allow(key, now) for lim, key, _ in checks]
+    return all(d.allowed for d, (_, _, e) in zip(ds, checks) if e), ds
 
 
 def allow_all_memory(checks, now: float | None = None):

@@ -387,3 +387,19 @@ def test_allow_all_under_threads_is_exact_and_never_deadlocks():
     from collections import Counter
     assert max(Counter(a for a in admitted if a != "alone").values()) <= 5
     assert len(per_ip) <= 40
+
+
+def test_allow_all_on_another_kind_of_store_decides_one_by_one():
+    class Plain:               # a store allow_all has no atomic path for (e.g. one added later)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def allow(self, key, now=None):
+            return self.inner.allow(key, now)
+
+    a, b = Plain(build("fixed-window", 1, 60.0)), Plain(build("fixed-window", 5, 60.0))
+    t = 60.0 * 40000
+    assert allow_all([(a, "k", True), (b, "k", True)], t)[0] is True
+    ok, (da, db) = allow_all([(a, "k", True), (b, "k", True)], t)
+    assert (ok, da.allowed, db.allowed) == (False, False, True)   # b spent: no atomic path here
+    assert [b.allow("k", t).allowed for _ in range(4)] == [True, True, True, False]
