@@ -73,9 +73,10 @@ def script_for(stores, enforce) -> _Script:
 
 
 class _Call:
-    """A script plus this call's keys but the last, in the shape RedisLink.evalsha packs."""
+    """A script plus this call's keys but the last, in the shape RedisLink.evalsha packs (a _Script:
+    head, text, sha -- what a NOSCRIPT reload needs)."""
 
-    __slots__ = ("head", "text")
+    __slots__ = ("head", "text", "sha")
 
     def __init__(self, script: _Script, keys: list[bytes]):
         head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (
@@ -84,6 +85,7 @@ class _Call:
             head += b"$%d\r\n%s\r\n" % (len(k), k)
         self.head = head
         self.text = script.text
+        self.sha = script.sha
 
 
 def allow_all_redis(checks, now: float):

@@ -403,3 +403,13 @@ def test_allow_all_on_another_kind_of_store_decides_one_by_one():
     ok, (da, db) = allow_all([(a, "k", True), (b, "k", True)], t)
     assert (ok, da.allowed, db.allowed) == (False, False, True)   # b spent: no atomic path here
     assert [b.allow("k", t).allowed for _ in range(4)] == [True, True, True, False]
+
+
+def test_the_one_script_survives_a_script_flush(own_redis):
+    """NOSCRIPT (a restarted or flushed Redis): the assembled script is loaded again transparently."""
+    st = stage(None, [{"name": "a", "key": "ip", "limit": "2/m"}, {"name": "b", "key": "global", "limit": "9/m"}],
+               store=own_redis.url, timeout=2.0)
+    assert st.check(req(), "192.0.2.1", now=T0).status == 0
+    own_redis.client().script_flush()
+    assert [st.check(req(), "192.0.2.1", now=T0).status for _ in range(2)] == [0, 429]
+    assert not st.check(req(), "192.0.2.1", now=T0).degraded
