@@ -27,6 +27,8 @@ import hashlib
 import logging
 import os
 import select
+import socket
+import struct
 import threading
 from collections import deque
 from time import monotonic
@@ -35,11 +37,26 @@ import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .redis_url import Target
 
 log = logging.getLogger("edge")
+
+
+def _kernel_timeout(sock, seconds: float) -> None:
+    """The socket stays blocking and its timeout lives in the kernel (SO_RCVTIMEO/SO_SNDTIMEO): each
+    send and recv is then one system call. With redis-py's socket_timeout (Python's settimeout) each is
+    a poll() and then the call, every one a point where the request thread gives up the GIL and must win
+    it back (lb/httpio.py does the same for HTTP; docs/latency.md has the counts). TLS: left alone."""
+    if type(sock) is not socket.socket:
+        return
+    sock.settimeout(None)
+    usec = int(seconds % 1 * 1e6)
+    tv = struct.pack("@ll", int(seconds), usec if seconds >= 1 else max(1, usec))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class _Slot:
@@ -239,18 +256,24 @@ class RedisLink:
                 slot.sock = sock = conn._sock
                 slot.poll = select.poll()
                 slot.poll.register(sock, select.POLLIN)
-            conn.send_packed_command((cmd,), check_health=False)
+                _kernel_timeout(sock, self.timeout)
             try:
-                if asking:
-                    conn.read_response()  # +OK
-                return conn.read_response()
-            except NoScriptError:  # a restarted or flushed server: load the script, run it again
-                conn.send_command("SCRIPT", "LOAD", script.text, check_health=False)
-                conn.read_response()
                 conn.send_packed_command((cmd,), check_health=False)
-                if asking:
+                try:
+                    if asking:
+                        conn.read_response()  # +OK
+                    return conn.read_response()
+                except NoScriptError:  # a restarted or flushed server: load the script, run it again
+                    conn.send_command("SCRIPT", "LOAD", script.text, check_health=False)
                     conn.read_response()
-                return conn.read_response()
+                    conn.send_packed_command((cmd,), check_health=False)
+                    if asking:
+                        conn.read_response()
+                    return conn.read_response()
+            except RedisConnectionError as e:
+                if isinstance(e.__context__, BlockingIOError):   # the kernel timeout expired: say so
+                    raise RedisTimeoutError(f"Timeout ({self.timeout:g} s) talking to Redis") from None
+                raise
         finally:
             pool.put(slot)
 
