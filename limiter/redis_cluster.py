@@ -85,6 +85,7 @@ class ClusterLink:
         self._nodes_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._refreshed_at = -1e9
+        self._lost = False
         first = self.node(*target.hosts[0])
         self.slots: list[ClusterNode] = [first] * SLOTS  # until the first refresh: the first seed
         self.refresh()
@@ -157,9 +158,12 @@ class ClusterLink:
                     continue
                 self.slots = table
                 self._refreshed_at = monotonic()
+                self._lost = False
                 return True
             self._refreshed_at = monotonic()
-            log.warning("limiter store %s: no node answered CLUSTER SLOTS (%s)", self.name, "; ".join(errors))
+            if not self._lost:  # one line when the cluster goes out of reach, not one per refresh
+                self._lost = True
+                log.warning("limiter store %s: no node answered CLUSTER SLOTS (%s)", self.name, "; ".join(errors))
             return False
         finally:
             self._refresh_lock.release()

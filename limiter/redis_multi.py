@@ -14,8 +14,8 @@ The call rides on the link's evalsha(script, key, now) unchanged (limiter/redis_
 `script.head + <key> + <now>`, so the per-call head below carries EVALSHA, the SHA, numkeys and every
 key but the last, and `key` is the last one (a link that routes by key routes by that one).
 
-Redis Cluster hook (assumed, not built here): a link whose keys can live in different slots defines
-`split_keys(keys) -> [[index, ...], ...]`, one group per slot; each group then runs as its own script,
+Redis Cluster hook (limiter/redis_cluster.py's ClusterLink has it): a link whose keys can live in
+different slots defines `split_keys(keys) -> [[index, ...], ...]`, one group per slot; each group then runs as its own script,
 atomic within its slot only (a request's keys do not share a hash tag: a global rule's key is the same
 for every client, an ip rule's differs per client).  A single Redis (and Sentinel) is one group.
 """

@@ -45,6 +45,7 @@ class SentinelLink(RedisLink):
         self._discover_lock = threading.Lock()
         self._asked_at = -1e9
         self._recheck_at = 0.0
+        self._said_none = False
         super().__init__(target, timeout, pool_size, retry_interval, host="", port=0)
         self.name = target.display
         self.master: tuple[str, int] | None = None
@@ -86,7 +87,8 @@ class SentinelLink(RedisLink):
                         f" (was {old[0]}:{old[1]}): failover followed" if old else "")
             return True
         self._asked_at = monotonic()
-        if self.master is None:
+        if self.master is None and not self._said_none:  # once, not once per probe
+            self._said_none = True
             log.warning("limiter store %s: no sentinel named the master (%s)", self.name, "; ".join(errors))
         return False
 
