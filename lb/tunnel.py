@@ -16,7 +16,6 @@ thread could not safely read a TLS socket while this one writes it).
 
 from __future__ import annotations
 
-import logging
 import select
 import socket
 import ssl
@@ -24,7 +23,6 @@ from time import monotonic
 
 from .httpio import HOP_BY_HOP, Reader
 
-log = logging.getLogger("edge")
 
 PIECE = 65536
 

@@ -152,6 +152,15 @@ def request(port: int, method: str = "GET", path: str = "/", headers: dict | lis
             c.close()
 
 
+def config_error(*args: str) -> str:
+    """edge.py with a bad configuration: it must exit 2 with one line on stderr and no traceback; that line."""
+    import subprocess
+    p = subprocess.run([PY, "edge.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=20)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+    return lines[0]
+
+
 def raw(port: int, data: bytes, timeout: float = 5.0, read_all: bool = True) -> bytes:
     """Send raw bytes, return what came back until the peer closes (or the timeout)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:

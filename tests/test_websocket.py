@@ -3,7 +3,6 @@ through the pipeline, the tunnel both ways, closes from either side, idle timeou
 and the backend's plain HTTP afterwards."""
 
 import asyncio
-import json
 import re
 import signal
 import ssl
