@@ -152,7 +152,7 @@ def test_slow_start_ramps_a_backend_that_comes_back(backends):
         assert admin(e, "POST", f"/backends/{hostport(c)}/enable")[0] == 200
         back = wait_until(lambda: next((ts for ts, _, body in t.results if ts > mark and body == b"c\n"), None),
                           what="c's first answer")
-        wait_until(lambda: t.results[-1][0] > back + 5.0, timeout=20, what="5 s of traffic after the return")
+        wait_until(lambda: t.results[-1][0] > back + 6.0, timeout=30, what="6 s of traffic after the return")
     finally:
         t.stop()
         e.stop()
@@ -162,9 +162,10 @@ def test_slow_start_ramps_a_backend_that_comes_back(backends):
     def window(lo, hi):
         return [body for ts, _, body in t.results if back + lo <= ts < back + hi]
 
-    first, last = window(0, 0.75), window(3.5, 5.0)
+    first, last = window(0, 0.75), window(3.5, 6.0)
     print("c share first 0.75 s", share(first, b"c\n"), "after 3.5 s", share(last, b"c\n"))
-    assert len(first) > 30 and len(last) > 60, (len(first), len(last))
+    # enough picks that one more or less (the smooth WRR is exact to one pick) stays inside the margins
+    assert len(first) >= 10 and len(last) >= 30, (len(first), len(last))
     # weight over the first 0.75 s: 0.10..0.25 -> share under 11%; after the ramp: a third
     assert share(first, b"c\n") < 0.2, Counter(first)
     assert abs(share(last, b"c\n") - 1 / 3) < 0.07, Counter(last)
@@ -303,7 +304,7 @@ def test_a_backend_answering_500_is_ejected_and_returns_after_eject_for(backends
     5 + a few of 150 requests; it is back in rotation after --eject-for, and ejected again for twice as
     long when it still fails."""
     a, b, c = backends
-    e = Edge("--backends", ",".join(x.url for x in backends), "--eject-after", "5", "--eject-for", "5",
+    e = Edge("--backends", ",".join(x.url for x in backends), "--eject-after", "5", "--eject-for", "8",
              "--admin", "127.0.0.1:0")
     request(c.port, "POST", "/_ctl/fail")
     try:
@@ -312,7 +313,7 @@ def test_a_backend_answering_500_is_ejected_and_returns_after_eject_for(backends
         statuses = Counter(request(e.port, "GET", "/", conn=conn).status for _ in range(150))
         got = c.stats()["count"] - before
         assert 5 <= got <= 8 and statuses == {200: 150 - got, 500: got}, (got, statuses)
-        e.wait_log(rf"backend {c.url} EJECTED for 5s: 5 consecutive failed requests \(last: 500 Internal "
+        e.wait_log(rf"backend {c.url} EJECTED for 8s: 5 consecutive failed requests \(last: 500 Internal "
                    r"Server Error\); ejection 1")
         assert metric(e, f'lb_ejections_total{{backend="{c.url}"}}') == 1
         st = next(x for x in status(e)["backends"] if x["url"] == c.url)
@@ -320,13 +321,13 @@ def test_a_backend_answering_500_is_ejected_and_returns_after_eject_for(backends
         assert metric(e, f'lb_backend_ejected{{backend="{c.url}"}}') == 1
         # back after eject_for (status sweeps the ejections, so no traffic is needed to see it)
         wait_until(lambda: next(x for x in status(e)["backends"] if x["url"] == c.url)["state"] == "UP",
-                   timeout=15, what="c back from its ejection")
+                   timeout=20, what="c back from its ejection")
         e.wait_log(rf"backend {c.url} returns from ejection")
         assert metric(e, f'lb_ejection_returns_total{{backend="{c.url}"}}') == 1
         before = c.stats()["count"]
         statuses = Counter(request(e.port, "GET", "/", conn=conn).status for _ in range(30))
         assert c.stats()["count"] - before == 5                        # back in rotation, ejected again
-        e.wait_log(rf"backend {c.url} EJECTED for 10s: .*; ejection 2")
+        e.wait_log(rf"backend {c.url} EJECTED for 16s: .*; ejection 2")
     finally:
         request(c.port, "POST", "/_ctl/ok")
         e.stop()
