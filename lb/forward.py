@@ -148,6 +148,10 @@ class Forwarder:
         budget.start()
         held = False          # this request holds a retry slot of the budget
         tried = None          # the backends tried so far, once there was a failure
+        if not backend.in_rotation:
+            # Ejected (or taken out) since it was picked -- in a burst, by the failures of requests
+            # picked just before this one: choose again rather than try it. Nothing was tried yet.
+            backend = self.repick(x, backend)
         try:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade)
@@ -172,7 +176,7 @@ class Forwarder:
                             return self.failed(sock, x, f.kind, f.status, f.detail, keep_if_failed, tried)
                         held = True
                         self.retrying(x, backend, f, nxt, len(tried))
-                        backend = x.backend = nxt
+                        backend = nxt
                         continue
                     except HttpError as e:
                         # a request body we were streaming turned out malformed
@@ -203,12 +207,22 @@ class Forwarder:
                         "ejection %d", backend.url, duration, ej.eject_after, why, backend.times_ejected)
             edge.metrics.ejection(backend.url)
 
+    def repick(self, x, backend: Backend) -> Backend:
+        nxt = self.edge.balancer.pick()
+        if nxt is None:
+            return backend    # nobody else: try it anyway (it may be the one that answers)
+        x.backend = nxt
+        if x.set_cookie:
+            x.set_cookie = b"Set-Cookie: route=" + nxt.route.encode() + b"; Path=/; HttpOnly\r\n"
+        return nxt
+
     def retrying(self, x, failed: Backend, f: "UpstreamFailed", nxt: Backend, tries: int) -> None:
         """A failed connect is retried elsewhere: logged and counted, not answered."""
         req = x.req
         x.tries = tries + 1
         if x.set_cookie:          # sticky: the client is pinned to whoever answers
             x.set_cookie = b"Set-Cookie: route=" + nxt.route.encode() + b"; Path=/; HttpOnly\r\n"
+        x.backend = nxt
         log.warning("backend %s %s: %s %s (%s); retrying on %s (try %d)", failed.url, f.kind,
                     req.method.decode(), req.target[:200].decode("latin-1"), f.detail, nxt.url, tries + 1)
         self.edge.metrics.try_failed(failed.url, f.kind)
