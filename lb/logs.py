@@ -1,0 +1,90 @@
+"""The application log (stderr): a level and a UTC timestamp on every line, `worker N:` in a worker,
+and no credential in any line, whoever wrote it.
+
+    2026-12-01T09:48:13.120Z WARNING edge: worker 1: backend http://10.0.0.7:80 DOWN: ...
+
+Redaction happens in the formatter, after the message is built, so a URL passed as an argument by any
+module (the Redis store's own lines included) is covered: `redis://user:secret@host` -> `redis://user:***@host`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+import sys
+import time
+
+# scheme://[user[:password]@]host: the userinfo's password part (or a lone token, Redis's AUTH-only form)
+_URL_SECRET = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^:@/\s]*):([^@/\s]*)@", re.I)
+_URL_TOKEN = re.compile(r"(\bredis[a-z+-]*://)([^:@/\s]+)@", re.I)
+
+
+def redact(text: str) -> str:
+    """Any URL's password replaced by ***; use it for every line that might hold a store URL."""
+    text = _URL_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}:***@" if m.group(3) else m.group(0), text)
+    return _URL_TOKEN.sub(r"\1***@", text)
+
+
+class Formatter(logging.Formatter):
+    converter = time.gmtime
+
+    def __init__(self, worker: int | None = None):
+        super().__init__("%(asctime)s.%(msecs)03dZ %(levelname)s edge: %(message)s", "%Y-%m-%dT%H:%M:%S")
+        self.prefix = f"worker {worker}: " if worker is not None else ""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        if self.prefix:
+            head, sep, rest = line.partition(" edge: ")
+            line = f"{head}{sep}{self.prefix}{rest}"
+        return redact(line)
+
+
+def setup(worker: int | None = None) -> None:
+    """(Re)configure the root logger on stderr; called again in each worker with its number."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(Formatter(worker))
+    root.addHandler(h)
+    root.setLevel(logging.INFO)
+
+
+def say(line: str, worker: int | None = None, level: str = "ERROR") -> None:
+    """One line on stderr in the log format, before (or without) logging being set up."""
+    rec = logging.LogRecord("edge", getattr(logging, level), "", 0, line, None, None)
+    sys.stderr.write(Formatter(worker).format(rec) + "\n")
+    sys.stderr.flush()
+
+
+# -- reopening stderr after logrotate moved it (SIGUSR1 / SIGHUP) ----------------------------------
+
+_stderr_path: str | None = None
+
+
+def remember_stderr() -> None:
+    """If stderr is a regular file, note its name now: after `mv`, /proc would name the new one."""
+    global _stderr_path
+    try:
+        if stat.S_ISREG(os.fstat(2).st_mode):
+            _stderr_path = os.readlink("/proc/self/fd/2")
+    except OSError:
+        _stderr_path = None
+
+
+def reopen_stderr() -> bool:
+    """Point fd 2 at a fresh file of the remembered name (logrotate's create/move dance)."""
+    if not _stderr_path:
+        return False
+    try:
+        fd = os.open(_stderr_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    except OSError as e:
+        logging.getLogger("edge").error("cannot reopen stderr %s: %s", _stderr_path, e.strerror)
+        return False
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    return True
