@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
+import os
+import sys
 import tomllib
+from typing import NamedTuple
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
@@ -18,7 +22,11 @@ from .netaddr import hostport, split_hostport
 
 
 class ConfigError(ValueError):
-    """A configuration value is wrong; the message is the one line the operator sees."""
+    """One or more configuration values are wrong; each problem is one line naming the key and the value."""
+
+    def __init__(self, *problems: str):
+        self.problems = list(problems)
+        super().__init__("; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Config:
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
     drain_timeout: float = 30.0              # SIGTERM: in-flight requests may finish within this
+    grace: float = 0.0                       # SIGTERM: /readyz fails at once, accepting stops this much later
     max_connections: int = 1024
     header_timeout: float = 10.0             # whole request head, slowloris or not
     body_timeout: float = 30.0               # between body reads
@@ -99,6 +108,8 @@ class Config:
     max_keys: int = 100_000                  # keys holding state in memory, per limiter (per rule and rate)
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
+    access_log_format: str = "text"          # text | json
+    check: bool = field(default=False, compare=False)   # --check: validate and exit
     config_path: str | None = field(default=None, compare=False)
 
     @property
@@ -111,6 +122,7 @@ class Config:
 STRATEGIES = ("round-robin", "weighted", "least-request")
 STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
 UNKNOWN_KEYS = ("as-ip", "reject")
+ACCESS_LOG_FORMATS = ("text", "json")
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 
 
@@ -157,24 +169,41 @@ def parse_backends_flag(value: str) -> tuple[BackendSpec, ...]:
     return tuple(specs)
 
 
-def _number(value, key: str, *, integer=False, minimum=0.0, strict=True):
+class Num(NamedTuple):
+    """The range of one numeric setting: every number is finite and inside [lo, hi] (lo excluded if open)."""
+    integer: bool
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+
+DAY = 86400.0
+SECONDS = Num(False, 0.0, DAY, lo_open=True)      # a duration that must be > 0
+SECONDS0 = Num(False, 0.0, DAY)                   # a duration where 0 means "none"
+STREAK = Num(True, 1, 1000)
+PERCENT = Num(False, 0.0, 100.0)
+
+
+def _number(value, key: str, spec: Num):
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     try:
-        n = int(value) if integer else float(value)
-        if integer and float(value) != n:
+        n = int(value) if spec.integer else float(value)
+        if spec.integer and float(value) != n:
             raise ValueError
-    except (TypeError, ValueError):
-        kind = "a whole number" if integer else "a number"
+    except (TypeError, ValueError, OverflowError):
+        kind = "a whole number" if spec.integer else "a number"
         raise ConfigError(f"{key}: expected {kind}, got {value!r}") from None
-    if n < minimum or (strict and n == minimum):
-        op = ">" if strict else ">="
-        raise ConfigError(f"{key}: must be {op} {minimum:g}, got {value!r}")
+    if not math.isfinite(n) or n < spec.lo or n > spec.hi or (spec.lo_open and n == spec.lo):
+        lo = f"> {spec.lo:g}" if spec.lo_open else f">= {spec.lo:g}"
+        raise ConfigError(f"{key}: must be a finite number {lo} and <= {spec.hi:g}, got {value!r}")
     return n
 
 
 def check_rate(value: str, key: str) -> str:
     from limiter import parse_rate  # the limiter owns the N/PERIOD grammar
+    if str(value).lstrip().startswith("-"):
+        raise ConfigError(f"{key}: N in N/PERIOD must be a whole number >= 1, got {value!r}")
     try:
         parse_rate(value)
     except ValueError as e:
@@ -184,7 +213,8 @@ def check_rate(value: str, key: str) -> str:
 
 def redis_files(c: "Config") -> dict:
     """The [limits] redis_*_file settings, as limiter.redis_url.parse / RedisStore keyword arguments."""
-    return {"password_file": c.redis_password_file, "ca_file": c.redis_ca_file,
+    pw_file = os.path.expandvars(c.redis_password_file) if c.redis_password_file else None   # ${CREDENTIALS_DIRECTORY}
+    return {"password_file": pw_file, "ca_file": c.redis_ca_file,
             "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
 
 
@@ -200,55 +230,48 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------------- TOML
 
-# file key -> (Config field, kind); kind: "f" float > 0, "f0" float >= 0, "i" int >= 1, "i0" int >= 0,
-# "pct" a number 0..100, "s" string, "b" bool
+# The one table of settings: file key -> (Config field, kind). A kind is a Num range (every number is
+# checked here: finite, in range, NaN/inf/negative refused with the key named), or "s" string, "b" bool,
+# "hostport", "list", "table". The numeric flags take their kind from this table too (_FLAG_KINDS).
 _TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s",
-        "sticky": "b"}
+        "access_log_format": "s", "sticky": "b"}
 _SECTIONS = {
-    "health": {"path": ("health_path", "s"), "interval": ("health_interval", "f"),
-               "timeout": ("health_timeout", "f"),
-               "unhealthy_threshold": ("unhealthy_threshold", "i"),
-               "healthy_threshold": ("healthy_threshold", "i"),
-               "eject_after": ("eject_after", "i0"), "eject_for": ("eject_for", "f"),
-               "max_ejected_percent": ("max_ejected_percent", "pct"), "slow_start": ("slow_start", "f0")},
-    "upstream": {"connect_timeout": ("connect_timeout", "f"), "read_timeout": ("read_timeout", "f"),
-                 "response_timeout": ("response_timeout", "f"), "pool_maxsize": ("pool_maxsize", "i"),
-                 "pool_timeout": ("pool_timeout", "f"), "pool_idle_timeout": ("pool_idle_timeout", "f0"),
-                 "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", "i0"),
-                 "retry_budget_percent": ("retry_budget_percent", "pct"),
-                 "retry_budget_min": ("retry_budget_min", "i0")},
-    "server": {"workers": ("workers", "i"), "cpu_affinity": ("cpu_affinity", "s"), "drain_timeout": ("drain_timeout", "f0"),
-               "max_connections": ("max_connections", "i"), "header_timeout": ("header_timeout", "f"),
-               "body_timeout": ("body_timeout", "f"), "keepalive_timeout": ("keepalive_timeout", "f"),
-               "max_body_size": ("max_body_size", "i"),
-               "tunnel_idle_timeout": ("tunnel_idle_timeout", "f"), "upgrades": ("upgrades", "list")},
+    "health": {"path": ("health_path", "s"), "interval": ("health_interval", SECONDS),
+               "timeout": ("health_timeout", SECONDS),
+               "unhealthy_threshold": ("unhealthy_threshold", STREAK),
+               "healthy_threshold": ("healthy_threshold", STREAK),
+               "eject_after": ("eject_after", Num(True, 0, 1000)), "eject_for": ("eject_for", SECONDS),
+               "max_ejected_percent": ("max_ejected_percent", PERCENT), "slow_start": ("slow_start", SECONDS0)},
+    "upstream": {"connect_timeout": ("connect_timeout", SECONDS), "read_timeout": ("read_timeout", SECONDS),
+                 "response_timeout": ("response_timeout", SECONDS),
+                 "pool_maxsize": ("pool_maxsize", Num(True, 1, 100_000)),
+                 "pool_timeout": ("pool_timeout", SECONDS), "pool_idle_timeout": ("pool_idle_timeout", SECONDS0),
+                 "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", Num(True, 0, 100)),
+                 "retry_budget_percent": ("retry_budget_percent", PERCENT),
+                 "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000))},
+    "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
+               "drain_timeout": ("drain_timeout", SECONDS0), "grace": ("grace", SECONDS0),
+               "max_connections": ("max_connections", Num(True, 1, 1_000_000)),
+               "header_timeout": ("header_timeout", SECONDS), "body_timeout": ("body_timeout", SECONDS),
+               "keepalive_timeout": ("keepalive_timeout", SECONDS),
+               "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
+               "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
-               "redis_timeout": ("redis_timeout", "f"), "on_store_error": ("on_store_error", "s"),
+               "redis_timeout": ("redis_timeout", SECONDS), "on_store_error": ("on_store_error", "s"),
                "redis_password_file": ("redis_password_file", "s"), "redis_ca_file": ("redis_ca_file", "s"),
                "redis_cert_file": ("redis_cert_file", "s"), "redis_key_file": ("redis_key_file", "s"),
                "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table"),
                "api_keys_file": ("api_keys_file", "s"), "unknown_keys": ("unknown_keys", "s"),
                "exempt": ("exempt", "list"), "ietf_headers": ("ietf_headers", "b"),
-               "tiers": ("tiers", "table"), "max_keys": ("max_keys", "i")},
+               "tiers": ("tiers", "table"), "max_keys": ("max_keys", Num(True, 1, 100_000_000))},
 }
 
 
 def _typed(value, kind: str, key: str):
-    if kind == "f":
-        return _number(value, key)
-    if kind == "f0":
-        return _number(value, key, strict=False)
-    if kind == "i":
-        return _number(value, key, integer=True, minimum=1, strict=False)
-    if kind == "i0":
-        return _number(value, key, integer=True, strict=False)
-    if kind == "pct":
-        n = _number(value, key, strict=False)
-        if n > 100:
-            raise ConfigError(f"{key}: must be a percentage from 0 to 100, got {value!r}")
-        return n
+    if isinstance(kind, Num):
+        return _number(value, key, kind)
     if kind == "b":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -270,51 +293,59 @@ def _typed(value, kind: str, key: str):
     raise AssertionError(kind)
 
 
-def read_file(path: str) -> dict:
-    """The TOML file as Config field values (not yet cross-validated)."""
+def read_file(path: str, problems: list[str]) -> dict:
+    """The TOML file as Config field values (not yet cross-validated); problems collects every bad key."""
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
     except OSError as e:
-        raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
+        problems.append(f"--config {path}: {e.strerror}")
+        return {}
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
+        problems.append(f"--config {path}: not valid TOML: {e}")
+        return {}
     out: dict = {}
     for key, value in doc.items():
-        if key == "backends":
-            if not isinstance(value, list) or not all(isinstance(b, dict) for b in value):
-                raise ConfigError("backends: expected [[backends]] tables with url and weight")
-            specs = []
-            for i, b in enumerate(value):
-                unknown = set(b) - {"url", "weight"}
-                if unknown:
-                    raise ConfigError(f"backends[{i}]: unknown key {sorted(unknown)[0]!r} (known: url, weight)")
-                if "url" not in b:
-                    raise ConfigError(f"backends[{i}]: missing url")
-                specs.append(parse_backend_url(b["url"], b.get("weight", 1), f"backends[{i}]"))
-            out["backends"] = tuple(specs)
-        elif key == "rules":
-            from .rules import parse_rules
-            try:
-                out["rules"] = parse_rules(value)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        elif key == "keys":
-            out["keys"] = value          # parsed in load(), once the tiers are known
-        elif key in _TOP:
-            out[key] = _typed(value, _TOP[key], key)
-        elif key in _SECTIONS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key}: expected a [{key}] table")
-            for sub, v in value.items():
-                if sub not in _SECTIONS[key]:
-                    known = ", ".join(_SECTIONS[key])
-                    raise ConfigError(f"{key}.{sub}: unknown key (known in [{key}]: {known})")
-                name, kind = _SECTIONS[key][sub]
-                out[name] = _typed(v, kind, f"{key}.{sub}")
-        else:
-            known = ", ".join([*_TOP, "backends", "rules", "keys", *_SECTIONS])
-            raise ConfigError(f"{key}: unknown key (known at the top level: {known})")
+        try:
+            if key == "backends":
+                if not isinstance(value, list) or not all(isinstance(b, dict) for b in value):
+                    raise ConfigError("backends: expected [[backends]] tables with url and weight")
+                specs = []
+                for i, b in enumerate(value):
+                    unknown = set(b) - {"url", "weight"}
+                    if unknown:
+                        raise ConfigError(f"backends[{i}]: unknown key {sorted(unknown)[0]!r} (known: url, weight)")
+                    if "url" not in b:
+                        raise ConfigError(f"backends[{i}]: missing url")
+                    specs.append(parse_backend_url(b["url"], b.get("weight", 1), f"backends[{i}]"))
+                out["backends"] = tuple(specs)
+            elif key == "rules":
+                from .rules import parse_rules
+                try:
+                    out["rules"] = parse_rules(value)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+            elif key == "keys":
+                out["keys"] = value          # parsed in load(), once the tiers are known
+            elif key in _TOP:
+                out[key] = _typed(value, _TOP[key], key)
+            elif key in _SECTIONS:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{key}: expected a [{key}] table")
+                for sub, v in value.items():
+                    try:
+                        if sub not in _SECTIONS[key]:
+                            known = ", ".join(_SECTIONS[key])
+                            raise ConfigError(f"{key}.{sub}: unknown key (known in [{key}]: {known})")
+                        name, kind = _SECTIONS[key][sub]
+                        out[name] = _typed(v, kind, f"{key}.{sub}")
+                    except ConfigError as e:
+                        problems.extend(e.problems)
+            else:
+                known = ", ".join([*_TOP, "backends", "rules", "keys", *_SECTIONS])
+                raise ConfigError(f"{key}: unknown key (known at the top level: {known})")
+        except ConfigError as e:
+            problems.extend(e.problems)
     return out
 
 
@@ -353,6 +384,7 @@ def build_argparser() -> argparse.ArgumentParser:
                         "when limiting")
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
     a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
+    a("--grace", help="seconds between SIGTERM (/readyz fails at once) and closing the listener (default 0)")
     a("--max-connections", help="concurrent client connections (default 1024)")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
@@ -372,58 +404,97 @@ def build_argparser() -> argparse.ArgumentParser:
                                            "(a bare address is an ip:, anything else a key:)")
     a("--algorithm", help="token-bucket (default) | fixed-window | sliding-log | sliding-counter")
     a("--store", help="memory (default) | redis://[USER:PASS@]HOST:PORT/DB | rediss://... (TLS) | "
-                      "redis+unix:///PATH.sock[?db=N] | redis-sentinel://H:P,.../MASTER | redis-cluster://H:P,...")
+                      "redis+unix:///PATH.sock[?db=N] | redis-sentinel://H:P,.../MASTER | redis-cluster://H:P,... "
+                      "(the password: better in env EDGE_REDIS_PASSWORD or [limits] redis_password_file)")
     a("--redis-timeout", help="seconds per Redis call before --on-store-error applies (default 0.05)")
     a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
     a("--admin", help="HOST:PORT for /metrics and /status (default off)")
     a("--access-log", help="file path, or - for stderr (default off)")
+    a("--access-log-format", help="text (default) | json: one JSON object per line")
+    a("--check", action="store_true", help="validate the configuration, print one line per problem, "
+                                           "exit 0 or 2; starts nothing")
     a("--demo", action="store_true", help="start three built-in identity backends and balance over them")
     return p
 
 
 # Numeric flags take the kind their TOML key has: one table, no twin to keep in step.
 _FLAG_KINDS = {name: kind for section in _SECTIONS.values() for name, kind in section.values()
-               if kind in ("f", "f0", "i", "i0", "pct")}
+               if isinstance(kind, Num)}
 
 
-def _from_flags(ns: argparse.Namespace) -> dict:
+def _from_flags(ns: argparse.Namespace, problems: list[str]) -> dict:
     out: dict = {}
     for name, value in vars(ns).items():
         flag = "--" + name.replace("_", "-")
         if name == "config":
             continue
-        if name in ("listen", "admin"):
-            out[name] = parse_hostport(value, flag)
-        elif name == "backends":
-            out[name] = parse_backends_flag(value)
-        elif name in _FLAG_KINDS:
-            out[name] = _typed(value, _FLAG_KINDS[name], flag)
-        elif name == "key_limit":
-            pairs = []
-            for item in value:
-                k, sep, rate = item.rpartition("=")
-                if not sep or not k:
-                    raise ConfigError(f"--key-limit: expected KEY=N/PERIOD, got {item!r}")
-                pairs.append((k, rate))
-            out["key_limits"] = tuple(pairs)
-        elif name in ("trusted_proxies", "upgrades"):
-            out[name] = tuple(x for x in value.split(",") if x.strip())
-        else:
-            out[name] = value
+        try:
+            if name in ("listen", "admin"):
+                out[name] = parse_hostport(value, flag)
+            elif name == "backends":
+                out[name] = parse_backends_flag(value)
+            elif name in _FLAG_KINDS:
+                out[name] = _typed(value, _FLAG_KINDS[name], flag)
+            elif name == "key_limit":
+                pairs = []
+                for item in value:
+                    k, sep, rate = item.rpartition("=")
+                    if not sep or not k:
+                        raise ConfigError(f"--key-limit: expected KEY=N/PERIOD, got {item!r}")
+                    pairs.append((k, rate))
+                out["key_limits"] = tuple(pairs)
+            elif name in ("trusted_proxies", "upgrades"):
+                out[name] = tuple(x for x in value.split(",") if x.strip())
+            else:
+                out[name] = value
+        except ConfigError as e:
+            problems.extend(e.problems)
+    return out
+
+
+def _values_may_start_with_dash(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--limit -5/s` -> `--limit=-5/s`: argparse would take -5/s for an option and say "expected one
+    argument"; as a value it gets the clear range error from the table instead."""
+    takes_value = {o for a in parser._actions if a.option_strings and a.nargs is None for o in a.option_strings}
+    known = {o for a in parser._actions for o in a.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1].split("=", 1)[0] not in known:
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
     return out
 
 
 def load(argv: list[str] | None = None) -> Config:
-    """Flags over file over defaults, then the checks that span several keys."""
-    ns = build_argparser().parse_args(argv)
+    """Flags over file over defaults, then the checks that span several keys. Raises ConfigError with
+    every problem found (one line each), not only the first."""
+    parser = build_argparser()
+    ns = parser.parse_args(_values_may_start_with_dash(list(sys.argv[1:] if argv is None else argv), parser))
+    problems: list[str] = []
     values: dict = {}
     path = getattr(ns, "config", None)
     if path:
-        values.update(read_file(path))
-    values.update(_from_flags(ns))
-    values["keys"] = _known_keys(values)
-    return validate(replace(Config(), config_path=path, **values))
+        values.update(read_file(path, problems))
+    values.update(_from_flags(ns, problems))
+    try:
+        values["keys"] = _known_keys(values)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        values.pop("keys", None)
+    cfg = replace(Config(), config_path=path, **values)
+    later = validate(cfg)
+    if any(p.startswith(("--backends", "backends")) for p in problems):   # not "none configured" as well
+        later = [p for p in later if not p.startswith("backends: none configured")]
+    problems += later
+    if problems:
+        raise ConfigError(*problems)
+    return replace(cfg, upgrades=check_upgrades(cfg.upgrades))   # normalised (lower case, a set)
 
 
 def check_upgrades(values) -> frozenset:
@@ -470,57 +541,66 @@ def _known_keys(values: dict) -> tuple:
     return keys
 
 
-def validate(c: Config) -> Config:
+def validate(c: Config) -> list[str]:
+    """Checks across keys; every problem found, one line each."""
+    bad: list[str] = []
+
+    def check(fn, *args):
+        try:
+            fn(*args)
+        except ConfigError as e:
+            bad.extend(e.problems)
+
     if c.strategy not in STRATEGIES:
-        raise ConfigError(f"strategy: {c.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        bad.append(f"strategy: {c.strategy!r} is not one of {', '.join(STRATEGIES)}")
     if c.algorithm not in ALGORITHMS:
-        raise ConfigError(f"algorithm: {c.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        bad.append(f"algorithm: {c.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if c.access_log_format not in ACCESS_LOG_FORMATS:
+        bad.append(f"access_log_format: {c.access_log_format!r} is not one of {', '.join(ACCESS_LOG_FORMATS)}")
     if not c.backends and not c.demo:
-        raise ConfigError("backends: none configured (use --backends URL,... or [[backends]], or --demo)")
+        bad.append("backends: none configured (use --backends URL,... or [[backends]], or --demo)")
     seen = set()
     for b in c.backends:
         if b.url in seen:
-            raise ConfigError(f"backends: {b.url} is listed twice")
+            bad.append(f"backends: {b.url} is listed twice")
         seen.add(b.url)
     if not c.health_path.startswith("/"):
-        raise ConfigError(f"health.path: must start with '/', got {c.health_path!r}")
+        bad.append(f"health.path: must start with '/', got {c.health_path!r}")
     if c.health_timeout is not None and c.health_timeout >= c.health_interval:
-        raise ConfigError(f"health.timeout: must be shorter than the interval ({c.health_interval:g}), "
-                          f"got {c.health_timeout:g}")
+        bad.append(f"health.timeout: must be shorter than the interval ({c.health_interval:g}), "
+                   f"got {c.health_timeout:g}")
     if c.limit is not None:
-        check_rate(c.limit, "limits.default")
+        check(check_rate, c.limit, "limits.default")
     for k, rate in c.key_limits:
-        check_rate(rate, f"limits.keys.{k}")
+        check(check_rate, rate, f"limits.keys.{k}")
     if c.key_limits and c.limit is None:
-        raise ConfigError("limits.keys: per-key limits need a default limit (--limit / limits.default)")
+        bad.append("limits.keys: per-key limits need a default limit (--limit / limits.default)")
     if c.store != "memory":
         try:
             redis_url.parse(c.store, **redis_files(c))  # one line, never the password
         except ValueError as e:
-            raise ConfigError(str(e) if str(e).startswith(("store", "redis_", "the Redis")) else f"store: {e}") from None
+            bad.append(str(e) if str(e).startswith(("store", "redis_", "the Redis")) else f"store: {e}")
     elif any(redis_files(c).values()):
-        raise ConfigError("limits.redis_*_file: only apply to a Redis store (limits.store)")
+        bad.append("limits.redis_*_file: only apply to a Redis store (limits.store)")
     if c.on_store_error not in STORE_ERROR_POLICIES:
-        raise ConfigError(f"limits.on_store_error: {c.on_store_error!r} is not one of "
-                          f"{', '.join(STORE_ERROR_POLICIES)}")
-    check_cidrs(c.trusted_proxies, "trusted_proxies")
-    _validate_limits(c)
+        bad.append(f"limits.on_store_error: {c.on_store_error!r} is not one of {', '.join(STORE_ERROR_POLICIES)}")
+    check(check_cidrs, c.trusted_proxies, "trusted_proxies")
+    check(_validate_limits, c)
     if c.workers > 1 and (c.limit is not None or c.rules or any(k.limit for k in c.keys)) and c.store == "memory":
-        raise ConfigError(f"workers: {c.workers} workers with the memory store would each count apart, and a "
-                          f"key could get {c.workers}x its limit; use store = \"redis://...\" or 1 worker")
+        bad.append(f"workers: {c.workers} workers with the memory store would each count apart, and a "
+                   f"key could get {c.workers}x its limit; use store = \"redis://...\" or 1 worker")
     if c.cpu_affinity not in ("auto", "off"):
         try:
             cpus = [int(x) for x in c.cpu_affinity.split(",")]
             if not cpus or min(cpus) < 0:
                 raise ValueError
         except ValueError:
-            raise ConfigError(f"cpu_affinity: expected auto, off or a list of CPU numbers like 0,1; "
-                              f"got {c.cpu_affinity!r}") from None
-    check_tls(c)
-    c = replace(c, upgrades=check_upgrades(c.upgrades))
+            bad.append(f"cpu_affinity: expected auto, off or a list of CPU numbers like 0,1; got {c.cpu_affinity!r}")
+    check(check_tls, c)
+    check(check_upgrades, c.upgrades)
     if c.workers > 1 and c.demo:
-        raise ConfigError("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
-    return c
+        bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
+    return bad
 
 
 def _validate_limits(c: Config) -> None:

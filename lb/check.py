@@ -1,0 +1,49 @@
+"""`edge.py --check`: what the configuration parser cannot see, checked without starting anything.
+
+The parser already refused bad values (one line per problem). Here: the listen and admin hosts
+resolve to an address of this kind of socket, the access log can be opened for appending, the store
+URL names a host that resolves. Nothing is bound, opened for writing or connected to, so it is safe
+to run next to the running edge (the systemd unit's ExecReload runs it before sending HUP).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from .logs import redact
+
+
+def problems(cfg) -> list[str]:
+    out: list[str] = []
+    for key, addr in (("listen", cfg.listen), ("admin", cfg.admin)):
+        if addr is None:
+            continue
+        host, port = addr
+        try:
+            socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (OSError, UnicodeError) as e:
+            out.append(f"{key} {host}:{port}: {getattr(e, 'strerror', None) or e}")
+    if cfg.admin and cfg.admin == cfg.listen and cfg.listen[1]:
+        out.append(f"admin {cfg.admin[0]}:{cfg.admin[1]}: the same address as listen")
+    if cfg.access_log and cfg.access_log != "-":
+        out += _writable(cfg.access_log, "access_log")
+    if cfg.store.startswith("redis://"):
+        from urllib.parse import urlsplit
+        host = urlsplit(cfg.store).hostname
+        try:
+            socket.getaddrinfo(host, None)
+        except (OSError, UnicodeError) as e:
+            out.append(f"limits.store {redact(cfg.store)}: {getattr(e, 'strerror', None) or e}")
+    return out
+
+
+def _writable(path: str, key: str) -> list[str]:
+    if os.path.exists(path):
+        if os.path.isdir(path):
+            return [f"{key} {path}: Is a directory"]
+        return [] if os.access(path, os.W_OK) else [f"{key} {path}: Permission denied"]
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return [f"{key} {path}: No such file or directory"]
+    return [] if os.access(parent, os.W_OK | os.X_OK) else [f"{key} {path}: Permission denied"]
