@@ -1,7 +1,11 @@
-"""The admin listener: /metrics (Prometheus text) and /status (JSON), on a port of its own so that no
-backend path is ever shadowed, and the deploy actions POST /backends/<route>/drain and .../enable
-(<route> is the backend's id in /status, or its HOST:PORT). http.server is fine here: this is not the
-per-request path. Off unless --admin is given; it binds only where configured.
+"""The admin listener: /metrics (Prometheus text), /status (JSON), /healthz and /readyz, on a port of its
+own so that no backend path is ever shadowed, and the deploy actions POST /backends/<route>/drain and
+.../enable (<route> is the backend's id in /status, or its HOST:PORT). http.server is fine here: this is
+not the per-request path. Off unless --admin is given; it binds only where configured.
+
+/healthz: 200 while the process runs (liveness). /readyz: 200 once the edge serves (and, with
+on_store_error = fail-closed, its store answered), 503 from the moment a drain starts (SIGTERM), before
+the listener closes (see `grace`), so a load balancer in front stops sending first.
 """
 
 from __future__ import annotations
@@ -20,23 +24,29 @@ def start_admin(addr, app) -> ThreadingHTTPServer:
         def log_message(self, *args):
             pass
 
-        def _reply(self, status: int, body: bytes, ctype: str = "text/plain") -> None:
+        def _reply(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
             self.end_headers()
             self.wfile.write(body)
 
         def do_GET(self):
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._reply(200, app.metrics.render(app.balancer.backends).encode(), "text/plain; version=0.0.4")
+                self._reply(200, app.render_metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/status":
                 self._reply(200, json.dumps(app.status(), indent=2).encode(), "application/json")
+            elif path == "/healthz":
+                self._reply(200, b"ok\n")
+            elif path == "/readyz":
+                why = app.not_ready()
+                self._reply(503, f"not ready: {why}\n".encode()) if why else self._reply(200, b"ready\n")
             elif path.startswith("/backends/"):
                 self._reply(405, b"use POST /backends/<route>/drain or /enable\n")
             else:
-                self._reply(404, b"not found: try /metrics or /status\n")
+                self._reply(404, b"not found: try /metrics, /status, /healthz or /readyz\n")
 
         def do_POST(self):
             n = int(self.headers.get("Content-Length") or 0)

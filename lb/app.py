@@ -5,18 +5,21 @@ without closing a client connection: backends that stay keep their health state 
 start UP, removed ones leave the rotation at once and are drained (their in-flight requests finish,
 then their pool closes); limiters whose rate is unchanged are reused, so their counters are kept.
 An invalid new configuration is refused in one log line and the running one keeps serving.
-The listen and admin addresses and the worker count need a restart (logged when they change).
+Every other setting applies: kept backends whose pool settings changed get a new pool (the old one
+drains like a removed backend's), a new access-log path or format opens a new log. The listen and admin
+addresses, the worker count and the CPU affinity need a restart: one line names those that changed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 from dataclasses import replace
 
-from . import sdnotify
+from . import logs, metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
@@ -30,23 +33,48 @@ from .outlier import Ejector
 from .tunnel import close_all as close_tunnels
 from .proxy import Edge, EdgeServer
 from .retrybudget import RetryBudget
+from .server import StartError
 
 log = logging.getLogger("edge")
 
+# Settings a running process cannot take on; a reload names them in one line.
+NEED_RESTART = ("listen", "admin", "workers", "cpu_affinity")
+POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeout", "pool_idle_timeout", "no_pool")
 
-class ReusePortServer(EdgeServer):
-    """Worker processes each bind the same port; the kernel spreads connections between them."""
+
+class Server(EdgeServer):
+    """The listener (IPv4 or IPv6 by the address: EdgeServer), SO_REUSEPORT for workers, and a heartbeat of the
+    accept loop (service_actions runs every pass, at least every poll interval) for the watchdog."""
+
+    reuse_port = False
+    loop_seen = 0.0
 
     def server_bind(self):
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if self.reuse_port:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
+
+    def service_actions(self):
+        self.loop_seen = time.monotonic()
+
+
+def make_server(addr, edge, reuse_port: bool) -> Server:
+    cls = type("Server", (Server,), {"reuse_port": reuse_port})
+    try:
+        return cls(addr, edge)
+    except OSError as e:
+        raise StartError(f"--listen {hostport(*addr)}: {e.strerror or e}") from None
 
 
 class App:
     def __init__(self, cfg: Config, argv: list[str] | None = None, reuse_port: bool = False,
-                 worker: int | None = None):
+                 worker: int | None = None, rundir: str | None = None):
+        """Raises StartError naming what could not be opened or bound."""
         self.argv = argv
         self.worker = worker
+        self.rundir = rundir
+        self.ready = False               # serving, and the store answered when fail-closed asks for it
+        self.stopping = False            # a drain started: /readyz fails from here on
         self._reload_lock = threading.Lock()
         self.demo_servers = []
         if cfg.demo:
@@ -62,33 +90,54 @@ class App:
         self.metrics.retry_budget = self.retry_budget
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
                                     rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold)
-        self.access_log = AccessLog(cfg.access_log) if cfg.access_log else None
+        self.access_log = self._open_access_log(cfg)
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
                          ejector=self.ejector, retry_budget=self.retry_budget)
         self.edge.tls = self._tls_context(cfg)
-        self.server = (ReusePortServer if reuse_port else EdgeServer)(cfg.listen, self.edge)
-        who = f"worker {worker}: " if worker is not None else ""
-        log.info("%slistening on %s%s, %d backends (%s): %s", who, hostport(*self.server.server_address[:2]),
+        self.server = make_server(cfg.listen, self.edge, reuse_port)
+        log.info("listening on %s%s, %d backends (%s): %s", hostport(*self.server.server_address[:2]),
                  f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
         if self.edge.limiter is not None:
             rules = "".join(f", rule {r.name} {r.limit} by {r.key}{' (dry run)' if r.dry_run else ''}"
                             for r in cfg.rules)
-            log.info("%slimiting %s per key (%s, %s store%s), %d overrides, %d known keys%s", who,
-                     cfg.limit or "off", cfg.algorithm, cfg.store.split("@")[-1], "" if cfg.store == "memory" else
+            log.info("limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s", 
+                     cfg.limit or "off", cfg.algorithm, logs.redact(cfg.store), "" if cfg.store == "memory" else
                      f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
                      len(cfg.keys), rules)
         self.admin = None
+        self.published = None
+        if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
+            self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
+                                                 lambda: self.metrics.snapshot(self._live(), worker))
         if cfg.admin:
             addr = cfg.admin
-            if worker is not None and addr[1]:
-                addr = (addr[0], addr[1] + worker)   # one admin port per worker: N, N+1, ...
-            self.admin = start_admin(addr, self)
-            log.info("%sadmin on %s (/metrics, /status, POST /backends/<route>/drain|enable)", who,
-                     hostport(*self.admin.server_address[:2]))
+            if worker and addr[1]:
+                addr = (addr[0], addr[1] + worker)   # worker i's own port (PORT + i): its /status and drain
+            try:
+                self.admin = start_admin(addr, self)
+            except OSError as e:
+                self.server.server_close()
+                raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}") from None
+            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable)",
+                     hostport(*self.admin.server_address[:2]),
+                     " of every worker" if worker == 0 else " of this worker only" if worker else "")
         for b in backends:
             self.health.watch(b)
+
+    @staticmethod
+    def _open_access_log(cfg: Config):
+        if not cfg.access_log:
+            return None
+        try:
+            return AccessLog(cfg.access_log, cfg.access_log_format)
+        except OSError as e:
+            raise StartError(f"--access-log {cfg.access_log}: {e.strerror or e}") from None
+
+    @property
+    def loop_seen(self) -> float:
+        return self.server.loop_seen
 
     def _with_demo(self, cfg: Config) -> Config:
         specs = tuple(BackendSpec(url=f"http://127.0.0.1:{s.server_address[1]}", host="127.0.0.1",
@@ -120,7 +169,7 @@ class App:
         self.metrics.declare_rules(stage.declared)
         return stage
 
-    # -- status -------------------------------------------------------------------------------------
+    # -- status, metrics, readiness ------------------------------------------------------------------
 
     def status(self) -> dict:
         self.edge.sweep_ejections()     # an ejection whose time is up shows as over, traffic or not
@@ -131,8 +180,9 @@ class App:
             "worker": self.worker,
             "strategy": self.cfg.strategy,
             "connections": self.server.active,
-            "draining": self.edge.draining,
-            "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": self.cfg.store.split("@")[-1],
+            "ready": self.not_ready() is None,
+            "draining": self.stopping,
+            "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": logs.redact(self.cfg.store),
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
@@ -168,6 +218,77 @@ class App:
                         "DRAINED" if drained else "ENABLED", b.inflight)
         return self.backend_status(b, time.monotonic())
 
+    def _live(self) -> dict:
+        """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
+        out = {("lb_client_connections", ()): self.server.active,
+               ("lb_refused_connections_total", ()): self.edge.refused_connections}
+        for b in self.balancer.backends:
+            lab = (("backend", b.url),)
+            out[("lb_backend_up", lab)] = 1 if b.up else 0
+            out[("lb_backend_in_rotation", lab)] = 1 if b.in_rotation else 0
+            out[("lb_backend_ejected", lab)] = 1 if b.ejected else 0
+            out[("lb_backend_drained", lab)] = 1 if b.drained else 0
+            out[("lb_backend_inflight", lab)] = b.inflight
+            out.setdefault(("lb_requests_total", lab), 0)
+        stage = self.edge.limiter
+        for lim in (getattr(stage, "limiters", None) or {}).values():
+            link = getattr(lim, "link", None)
+            if link is not None:
+                out[("lb_limiter_store_up", (("store", logs.redact(self.cfg.store)),))] = 1 if link.up else 0
+        return out
+
+    def render_metrics(self) -> str:
+        others = ()
+        if self.rundir is not None and self.worker == 0:
+            n = self.cfg.workers
+            others = metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
+                                        for i in range(n) if i != self.worker)
+        live = self._live()
+        # counters kept elsewhere are added to this process's own, not double counted
+        for k in [k for k in live if k[0] == "lb_requests_total"]:
+            if k in self.metrics.counters:
+                del live[k]
+        return self.metrics.render(live, others)
+
+    def not_ready(self) -> str | None:
+        """None when ready; else why not (for /readyz)."""
+        if self.stopping:
+            return "draining"
+        if not self.ready:
+            return "starting" if self.cfg.store == "memory" else "waiting for the limiter store"
+        return None
+
+    def wait_until_ready(self) -> None:
+        """The start-up store check: one line; with fail-closed, not ready until the store answers."""
+        ok, line = store.check(self.cfg)
+        if line:
+            policy = self.cfg.on_store_error
+            if ok:
+                log.info("%s", line)
+            elif policy == "fail-closed":
+                log.error("%s; fail-closed: not reporting ready until it answers (requests get 503 meanwhile)",
+                          line)
+                last = time.monotonic()
+                while not self.stopping:
+                    time.sleep(1.0)
+                    ok, line = store.check(self.cfg)
+                    if ok:
+                        log.info("%s; ready now", line)
+                        break
+                    if time.monotonic() - last > 30:
+                        log.error("%s; still not ready", line)
+                        last = time.monotonic()
+            else:
+                how = {"fail-open": "requests are allowed while it is down",
+                       "local": "each process limits on its own while it is down"}[policy]
+                log.warning("%s; %s: starting anyway, %s", line, policy, how)
+        self.ready = not self.stopping
+
+    def reopen_logs(self) -> None:
+        from .server import reopen_logs
+        reopen_logs(self.access_log)
+        log.info("logs reopened")
+
     # -- reload -------------------------------------------------------------------------------------
 
     def reload(self) -> bool:
@@ -180,11 +301,20 @@ class App:
                 sdnotify.notify("READY=1", "STATUS=reload rejected: see the log")
                 return False
             old = self.cfg
-            for name in ("listen", "admin", "workers"):
-                if getattr(new, name) != getattr(old, name):
-                    log.warning("reload: %s changed (%s -> %s); that needs a restart, ignored",
-                                name, getattr(old, name), getattr(new, name))
-                    new = replace(new, **{name: getattr(old, name)})
+            kept = [n for n in NEED_RESTART if getattr(new, n) != getattr(old, n)]
+            if kept:
+                log.warning("reload: %s changed; that needs a restart, the running value%s stay%s: %s",
+                            ", ".join(kept), "s" if len(kept) > 1 else "", "" if len(kept) > 1 else "s",
+                            ", ".join(f"{n} {getattr(old, n)} (file/flags say {getattr(new, n)})" for n in kept))
+                new = replace(new, **{n: getattr(old, n) for n in kept})
+            access_log = self.access_log
+            if (new.access_log, new.access_log_format) != (old.access_log, old.access_log_format):
+                try:
+                    access_log = self._open_access_log(new)
+                except StartError as e:
+                    log.error("reload rejected, the running configuration stays: %s", e)
+                    sdnotify.notify("READY=1")
+                    return False
             try:
                 limiter = self._limit_stage(new, self.edge.limiter)
                 tls = self._tls_context(new)   # a broken new pair: rejected here, the old one serves on
@@ -194,7 +324,8 @@ class App:
                 return False
 
             current = {b.url: b for b in self.balancer.backends}
-            keep, added = [], []
+            keep, added, old_pools = [], [], []
+            new_pools = any(getattr(new, n) != getattr(old, n) for n in POOL_SETTINGS)
             for spec in new.backends:
                 b = current.pop(spec.url, None)
                 if b is None:
@@ -203,6 +334,9 @@ class App:
                 else:
                     b.weight = spec.weight
                     b.spec = spec
+                    if new_pools:        # a pool's limits are fixed at creation: a new one, the old drains
+                        old_pools.append(b.pool)
+                        b.pool = make_backend(spec, new).pool
                 keep.append(b)
             removed = list(current.values())
 
@@ -217,7 +351,13 @@ class App:
             self.edge.tls = tls                # new connections handshake with the new pair
             self.edge.identifier = Identifier(new.trusted_proxies)
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
+            if access_log is not self.access_log:
+                self.edge.access_log, old_log, self.access_log = access_log, self.access_log, access_log
+                if old_log is not None:
+                    old_log.close()
             self.cfg = new
+            for p in old_pools:
+                p.close()   # idle connections close now; one in use closes when its request gives it back
             for b in added:
                 self.health.watch(b)
             for b in removed:
@@ -225,8 +365,9 @@ class App:
                 self.ejector.forget(b)
                 threading.Thread(target=self._drain_backend, args=(b,), daemon=True,
                                  name=f"drain {b.url}").start()
-            log.info("reloaded: %d backends (%d added, %d removed), limit %s, %d rules, %d known keys", len(keep),
-                     len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys))
+            log.info("reloaded: %d backends (%d added, %d removed), limit %s, %d rules, %d known keys%s", len(keep),
+                     len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys),
+                     ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
             return True
 
@@ -241,12 +382,17 @@ class App:
     # -- serving and stopping ----------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        sdnotify.notify("READY=1", f"STATUS=serving {len(self.balancer.backends)} backends")
         self.server.serve_forever(poll_interval=0.25)
 
     def stop_accepting(self) -> None:
-        """From a signal handler's thread: ends serve_forever in the main thread."""
+        """From a signal handler's thread: readiness off at once, then (after `grace`, still serving, so a
+        load balancer polling /readyz stops sending first) end serve_forever in the main thread."""
+        if self.stopping:
+            return
+        self.stopping = True
         sdnotify.notify("STOPPING=1")
+        if self.cfg.grace > 0:
+            time.sleep(self.cfg.grace)
         self.edge.draining = True
         self.server.shutdown()
 
@@ -271,6 +417,8 @@ class App:
         self.health.stop()
         if self.admin:
             self.admin.shutdown()
+        if self.published is not None:
+            self.published.close()
         if self.access_log:
             self.access_log.close()
         for s in self.demo_servers:

@@ -1,244 +1,352 @@
-"""Counters and a latency histogram, rendered in the Prometheus text format for the admin port.
+"""Counters, gauges and histograms, rendered in the Prometheus text format for the admin port.
 
-One lock, taken once per request in record(): cheaper than a lock per counter, and exact (tests
-compare these numbers with the backends' own counts).
+One lock, taken once per request: cheaper than a lock per counter, and exact (tests compare these
+numbers with the backends' own counts). State is kept as samples keyed by (family, labels) so a
+snapshot is plain data: with --workers N each worker publishes its snapshot on a unix socket and
+worker 0's /metrics sums them (one scrape target, however many workers; lb/app.py).
+
+Adding a metric: name it in FAMILIES (type, help), then `metrics.inc("lb_x_total", backend=url)`,
+`metrics.add_gauge("lb_x", +1)` or a histogram via `observe_into`. Label values must be bounded
+(backend URLs, status classes, rule names): never a client key or a path.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import sys
 import threading
+import time
 from bisect import bisect_left
 
 # Seconds. Proxy latencies live between ~0.2 ms and a backend's timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+VERSION = "0.3.0"
+
+FAMILIES = {
+    "lb_requests_total": ("counter", "Requests sent to each backend (answered or failed)."),
+    "lb_backend_responses_total": ("counter", "Backend responses relayed, by backend and status class."),
+    "lb_upstream_errors_total": ("counter", "Backend failures: connect, reset, timeout, protocol, pool."),
+    "lb_edge_responses_total": ("counter", "Responses the edge produced itself, by status."),
+    "lb_rate_limited_total": ("counter", "Rejections by rule (dry_run=\"true\": would have rejected; a request "
+                                         "refused by two rules counts under both -- requests answered 429: "
+                                         "lb_edge_responses_total)."),
+    "lb_rate_limit_exempt_total": ("counter", "Requests let through unlimited by [limits] exempt."),
+    "lb_unavailable_total": ("counter", "Requests answered 503 because no backend was healthy."),
+    "lb_limiter_errors_total": ("counter", "Limiter store failures (the configured failure policy applied)."),
+    "lb_limiter_decisions_total": ("counter", "Rate-limit decisions by rule and outcome (allowed, limited, "
+                                              "degraded: the store failed and its policy decided)."),
+    "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
+    "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
+                                    "by the failed one."),
+    "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
+    "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
+    "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
+    "lb_admin_actions_total": ("counter", "Admin API actions on a backend (drain, enable)."),
+    "lb_tunnels_total": ("counter", "Upgraded connections opened (backend answered 101)."),
+    "lb_tunnel_bytes_total": ("counter", "Bytes carried by tunnels, by direction."),
+    "lb_tls_handshake_failures_total": ("counter", "TLS connections that never completed a handshake "
+                                                   "(timeout, refused protocol version, plain HTTP on the HTTPS port)."),
+    "lb_worker_requests_total": ("counter", "Requests answered by each worker process (balance check)."),
+    "lb_backend_up": ("gauge", "1 when the backend passes its active health checks (with workers: in every one)."),
+    "lb_backend_in_rotation": ("gauge", "1 when the backend takes new requests: up, not ejected, not drained."),
+    "lb_backend_ejected": ("gauge", "1 while passive health checks keep the backend out (in any worker)."),
+    "lb_backend_drained": ("gauge", "1 while the admin API keeps the backend out (drain)."),
+    "lb_retries_in_flight": ("gauge", "Requests holding a retry slot of the budget now."),
+    "lb_retries_in_flight_peak": ("gauge", "The most requests that ever held a retry slot at once."),
+    "lb_upstream_active": ("gauge", "Requests being forwarded now (the retry budget's base)."),
+    "lb_backend_inflight": ("gauge", "Requests in flight to the backend."),
+    "lb_client_connections": ("gauge", "Client connections open now."),
+    "lb_tunnels_open": ("gauge", "Upgraded connections (WebSocket) open now."),
+    "lb_limiter_store_up": ("gauge", "1 when the limiter's Redis store answers, 0 while its failure policy applies."),
+    "lb_workers": ("gauge", "Worker processes whose numbers are summed here."),
+    "edge_build_info": ("gauge", "Always 1; the labels say which edge and Python this is."),
+    "process_cpu_seconds_total": ("counter", "User and system CPU time, summed over the edge's processes."),
+    "process_resident_memory_bytes": ("gauge", "Resident memory, summed over the edge's processes."),
+    "process_open_fds": ("gauge", "Open file descriptors, summed over the edge's processes."),
+    "process_threads": ("gauge", "Threads, summed over the edge's processes."),
+    "process_start_time_seconds": ("gauge", "Start time of the oldest process, seconds since the epoch."),
+    "lb_request_duration_seconds": ("histogram", "Time from request head to the last byte relayed."),
+    "lb_upstream_duration_seconds": ("histogram", "Per backend: from sending the request to the last "
+                                                  "response byte."),
+}
+# Gauges whose sum over workers means nothing: the most pessimistic (or the earliest) value wins.
+_MERGE_MIN = {"lb_backend_up", "lb_backend_in_rotation", "lb_limiter_store_up", "process_start_time_seconds"}
+_MERGE_MAX = {"edge_build_info", "lb_backend_ejected", "lb_backend_drained"}
 
 
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _esc(v) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(**kv) -> tuple:
+    return tuple(kv.items())
 
 
 class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
-        self.backend_requests: dict[str, int] = {}
-        self.backend_responses: dict[tuple[str, str], int] = {}   # (backend, status class)
-        self.upstream_errors: dict[tuple[str, str], int] = {}     # (backend, kind)
-        self.edge_responses: dict[int, int] = {}                  # statuses the edge answered itself
-        self.rate_limited: dict[tuple[str, str], int] = {}         # (rule, dry_run "true"/"false")
-        self.exempt = 0
-        self.unavailable = 0
-        self.limiter_errors = 0
-        self.tls_failures = 0                                     # handshakes that did not complete
-        self.ejections: dict[tuple[str, str], int] = {}         # (family, backend)
-        self.admin_actions: dict[tuple[str, str], int] = {}     # (backend, "drain" | "enable")
-        self.retries: dict[str, int] = {}                       # backend retried *from* -> count
-        self.retry_budget = None                                # RetryBudget, for its gauges
-        self.tunnels_open = 0                                     # upgraded connections (WebSocket) now
-        self.tunnels_total = 0
-        self.tunnel_bytes = [0, 0]                                # client->backend, backend->client
-        self.hist = [0] * (len(BUCKETS) + 1)
-        self.hist_sum = 0.0
-        self.hist_count = 0
+        self.counters: dict[tuple[str, tuple], float] = {}
+        self.gauges: dict[tuple[str, tuple], float] = {}      # set by other modules (tunnels ...)
+        self.hists: dict[tuple[str, tuple], list] = {}        # [bucket counts..., +Inf], then sum, count
+        self.started = time.time()
+        for name in ("lb_rate_limit_exempt_total", "lb_unavailable_total", "lb_limiter_errors_total",
+                     "lb_tls_handshake_failures_total", "lb_tunnels_total"):
+            self.counters[(name, ())] = 0
+        for d in ("upstream", "downstream"):
+            self.counters[("lb_tunnel_bytes_total", (("direction", d),))] = 0
+        self.gauges[("lb_tunnels_open", ())] = 0
+        self.hists[("lb_request_duration_seconds", ())] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
+        self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
 
-    def observe(self, seconds: float) -> None:
-        # called with self.lock held
-        self.hist[bisect_left(BUCKETS, seconds)] += 1
-        self.hist_sum += seconds
-        self.hist_count += 1
+    # -- recording (with self.lock held in the _ helpers) --------------------------------------------
 
-    def backend_done(self, backend: str, status: int, seconds: float) -> None:
-        cls = f"{status // 100}xx"
+    def _inc(self, name: str, labels: tuple = (), n: float = 1) -> None:
+        k = (name, labels)
+        self.counters[k] = self.counters.get(k, 0) + n
+
+    def _observe(self, name: str, labels: tuple, seconds: float) -> None:
+        h = self.hists.get((name, labels))
+        if h is None:
+            h = self.hists[(name, labels)] = [[0] * (len(BUCKETS) + 1), 0.0, 0]
+        h[0][bisect_left(BUCKETS, seconds)] += 1
+        h[1] += seconds
+        h[2] += 1
+
+    def inc(self, name: str, n: float = 1, **labels) -> None:
+        """Any counter in FAMILIES, e.g. inc("lb_retries_total", backend=url)."""
         with self.lock:
-            self.backend_requests[backend] = self.backend_requests.get(backend, 0) + 1
-            k = (backend, cls)
-            self.backend_responses[k] = self.backend_responses.get(k, 0) + 1
-            self.observe(seconds)
+            self._inc(name, _labels(**labels), n)
+
+    def add_gauge(self, name: str, delta: float, **labels) -> None:
+        """A gauge kept by events, e.g. add_gauge("lb_tunnels_active", +1) when a tunnel opens."""
+        k = (name, _labels(**labels))
+        with self.lock:
+            self.gauges[k] = self.gauges.get(k, 0) + delta
+
+    def backend_done(self, backend: str, status: int, seconds: float, upstream: float | None = None) -> None:
+        b = (("backend", backend),)
+        with self.lock:
+            self._inc("lb_requests_total", b)
+            self._inc("lb_backend_responses_total", (("backend", backend), ("code", f"{status // 100}xx")))
+            self._observe("lb_request_duration_seconds", (), seconds)
+            self._observe("lb_upstream_duration_seconds", b, seconds if upstream is None else upstream)
 
     def upstream_error(self, backend: str, kind: str, status: int, seconds: float) -> None:
         with self.lock:
-            self.backend_requests[backend] = self.backend_requests.get(backend, 0) + 1
-            k = (backend, kind)
-            self.upstream_errors[k] = self.upstream_errors.get(k, 0) + 1
-            self.edge_responses[status] = self.edge_responses.get(status, 0) + 1
-            self.observe(seconds)
+            self._inc("lb_requests_total", (("backend", backend),))
+            self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
+            self._inc("lb_edge_responses_total", (("code", str(status)),))
+            self._observe("lb_request_duration_seconds", (), seconds)
 
     def edge_answered(self, status: int, seconds: float, *, limited=False, unavailable=False) -> None:
         with self.lock:
-            self.edge_responses[status] = self.edge_responses.get(status, 0) + 1
+            self._inc("lb_edge_responses_total", (("code", str(status)),))
             if unavailable:
-                self.unavailable += 1
-            self.observe(seconds)
+                self._inc("lb_unavailable_total")
+            self._observe("lb_request_duration_seconds", (), seconds)
 
     def tunnel_opened(self) -> None:
         with self.lock:
-            self.tunnels_open += 1
-            self.tunnels_total += 1
+            self.gauges[("lb_tunnels_open", ())] += 1
+            self._inc("lb_tunnels_total")
 
     def tunnel_closed(self, to_backend: int, to_client: int) -> None:
         with self.lock:
-            self.tunnels_open -= 1
-            self.tunnel_bytes[0] += to_backend
-            self.tunnel_bytes[1] += to_client
+            self.gauges[("lb_tunnels_open", ())] -= 1
+            self._inc("lb_tunnel_bytes_total", (("direction", "upstream"),), to_backend)
+            self._inc("lb_tunnel_bytes_total", (("direction", "downstream"),), to_client)
 
     def tls_failed(self) -> None:
         with self.lock:
-            self.tls_failures += 1
+            self._inc("lb_tls_handshake_failures_total")
+
+    def try_failed(self, backend: str, kind: str) -> None:
+        """One try that failed and was retried elsewhere: the backend's error, not a response of ours."""
+        b = (("backend", backend),)
+        with self.lock:
+            self._inc("lb_requests_total", b)
+            self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
+            self._inc("lb_retries_total", b)
+
+    def ejection(self, backend: str, returned: bool = False) -> None:
+        self.inc("lb_ejection_returns_total" if returned else "lb_ejections_total", backend=backend)
+
+    def admin_action(self, backend: str, action: str) -> None:
+        self.inc("lb_admin_actions_total", backend=backend, action=action)
 
     def declare_rules(self, rules) -> None:
         """The limit rules in force, (name, dry_run): each one's counter is shown from 0."""
         with self.lock:
             for name, dry in rules:
-                self.rate_limited.setdefault((name, "true" if dry else "false"), 0)
+                self.counters.setdefault(("lb_rate_limited_total", (("rule", name), ("dry_run", "true" if dry else "false"))), 0)
 
     def limit_outcome(self, rejected, dry, exempt: bool) -> None:
         """Rules that rejected a request, dry-run rules that would have, or an exempt client."""
         with self.lock:
             for n in rejected:
-                k = (n, "false")
-                self.rate_limited[k] = self.rate_limited.get(k, 0) + 1
+                self._inc("lb_rate_limited_total", (("rule", n), ("dry_run", "false")))
             for n in dry:
-                k = (n, "true")
-                self.rate_limited[k] = self.rate_limited.get(k, 0) + 1
+                self._inc("lb_rate_limited_total", (("rule", n), ("dry_run", "true")))
             if exempt:
-                self.exempt += 1
+                self._inc("lb_rate_limit_exempt_total")
 
     def limiter_error(self) -> None:
         with self.lock:
-            self.limiter_errors += 1
+            self._inc("lb_limiter_errors_total")
 
-    def try_failed(self, backend: str, kind: str) -> None:
-        """One try that failed and was retried elsewhere: the backend's error, not a response of ours."""
+    def decision(self, rule: str, outcome: str) -> None:
+        """outcome: allowed | limited | degraded. rule: the rule's name ("default" without rules)."""
         with self.lock:
-            self.backend_requests[backend] = self.backend_requests.get(backend, 0) + 1
-            k = (backend, kind)
-            self.upstream_errors[k] = self.upstream_errors.get(k, 0) + 1
-            self.retries[backend] = self.retries.get(backend, 0) + 1
+            self._inc("lb_limiter_decisions_total", (("rule", rule), ("outcome", outcome)))
 
-    def ejection(self, backend: str, returned: bool = False) -> None:
-        with self.lock:
-            k = ("lb_ejection_returns_total" if returned else "lb_ejections_total", backend)
-            self.ejections[k] = self.ejections.get(k, 0) + 1
+    # -- snapshots: plain data, summed over workers ---------------------------------------------------
 
-    def admin_action(self, backend: str, action: str) -> None:
+    def snapshot(self, live: dict | None = None, worker: int | None = None) -> dict:
+        """This process's samples; live: gauges read now {(name, labels): value}, plus counters kept
+        elsewhere (refused connections) under the same form."""
         with self.lock:
-            k = (backend, action)
-            self.admin_actions[k] = self.admin_actions.get(k, 0) + 1
-
-    def render(self, backends) -> str:
-        """Prometheus text exposition format 0.0.4."""
-        with self.lock:
-            req = dict(self.backend_requests)
-            resp = dict(self.backend_responses)
-            errs = dict(self.upstream_errors)
-            edge = dict(self.edge_responses)
-            limited, unavailable, lim_err = dict(self.rate_limited), self.unavailable, self.limiter_errors
-            exempt = self.exempt
-            tls_failures = self.tls_failures
-            ejections, actions, retries = dict(self.ejections), dict(self.admin_actions), dict(self.retries)
-            t_open, t_total, t_bytes = self.tunnels_open, self.tunnels_total, list(self.tunnel_bytes)
-            hist, hsum, hcount = list(self.hist), self.hist_sum, self.hist_count
-        out = []
-        w = out.append
-        w("# HELP lb_requests_total Requests sent to each backend (answered or failed).")
-        w("# TYPE lb_requests_total counter")
-        for b in backends:
-            w(f'lb_requests_total{{backend="{_esc(b.url)}"}} {req.get(b.url, 0)}')
-        w("# HELP lb_backend_responses_total Backend responses relayed, by status class.")
-        w("# TYPE lb_backend_responses_total counter")
-        for (b, cls), n in sorted(resp.items()):
-            w(f'lb_backend_responses_total{{backend="{_esc(b)}",code="{cls}"}} {n}')
-        w("# HELP lb_upstream_errors_total Backend failures: connect, reset, timeout, protocol.")
-        w("# TYPE lb_upstream_errors_total counter")
-        for (b, kind), n in sorted(errs.items()):
-            w(f'lb_upstream_errors_total{{backend="{_esc(b)}",kind="{kind}"}} {n}')
-        w("# HELP lb_edge_responses_total Responses the edge produced itself, by status.")
-        w("# TYPE lb_edge_responses_total counter")
-        for code, n in sorted(edge.items()):
-            w(f'lb_edge_responses_total{{code="{code}"}} {n}')
-        w("# HELP lb_rate_limited_total Rejections by rule (dry_run=\"true\": would have rejected; a request "
-          "refused by two rules counts under both -- requests answered 429: lb_edge_responses_total).")
-        w("# TYPE lb_rate_limited_total counter")
-        for (rule, dry), n in sorted(limited.items()):
-            w(f'lb_rate_limited_total{{rule="{_esc(rule)}",dry_run="{dry}"}} {n}')
-        w("# HELP lb_rate_limit_exempt_total Requests let through unlimited by [limits] exempt.")
-        w("# TYPE lb_rate_limit_exempt_total counter")
-        w(f"lb_rate_limit_exempt_total {exempt}")
-        w("# HELP lb_unavailable_total Requests answered 503 because no backend was healthy.")
-        w("# TYPE lb_unavailable_total counter")
-        w(f"lb_unavailable_total {unavailable}")
-        w("# HELP lb_limiter_errors_total Limiter store failures (the configured failure policy applied).")
-        w("# TYPE lb_limiter_errors_total counter")
-        w(f"lb_limiter_errors_total {lim_err}")
-        w("# HELP lb_tls_handshake_failures_total TLS connections that never completed a handshake "
-          "(timeout, refused protocol version, plain HTTP on the HTTPS port).")
-        w("# TYPE lb_tls_handshake_failures_total counter")
-        w(f"lb_tls_handshake_failures_total {tls_failures}")
-        w("# HELP lb_tunnels_open Upgraded connections (WebSocket) open now.")
-        w("# TYPE lb_tunnels_open gauge")
-        w(f"lb_tunnels_open {t_open}")
-        w("# HELP lb_tunnels_total Upgraded connections opened (backend answered 101).")
-        w("# TYPE lb_tunnels_total counter")
-        w(f"lb_tunnels_total {t_total}")
-        w("# HELP lb_tunnel_bytes_total Bytes carried by tunnels, by direction.")
-        w("# TYPE lb_tunnel_bytes_total counter")
-        w(f'lb_tunnel_bytes_total{{direction="upstream"}} {t_bytes[0]}')
-        w(f'lb_tunnel_bytes_total{{direction="downstream"}} {t_bytes[1]}')
-        w("# HELP lb_backend_up 1 when the backend passes its active health checks.")
-        w("# TYPE lb_backend_up gauge")
-        for b in backends:
-            w(f'lb_backend_up{{backend="{_esc(b.url)}"}} {1 if b.up else 0}')
-        w("# HELP lb_backend_in_rotation 1 when the backend takes new requests: up, not ejected, not drained.")
-        w("# TYPE lb_backend_in_rotation gauge")
-        for b in backends:
-            w(f'lb_backend_in_rotation{{backend="{_esc(b.url)}"}} {1 if b.in_rotation else 0}')
-        w("# HELP lb_backend_ejected 1 while passive health checks keep the backend out.")
-        w("# TYPE lb_backend_ejected gauge")
-        for b in backends:
-            w(f'lb_backend_ejected{{backend="{_esc(b.url)}"}} {1 if b.ejected else 0}')
-        w("# HELP lb_backend_drained 1 while the admin API keeps the backend out (drain).")
-        w("# TYPE lb_backend_drained gauge")
-        for b in backends:
-            w(f'lb_backend_drained{{backend="{_esc(b.url)}"}} {1 if b.drained else 0}')
-        for family, what in (("lb_ejections_total", "ejected by passive health (consecutive failures)"),
-                             ("lb_ejection_returns_total", "back from an ejection")):
-            w(f"# HELP {family} Times a backend was {what}.")
-            w(f"# TYPE {family} counter")
-            for (f, b), n in sorted(ejections.items()):
-                if f == family:
-                    w(f'{family}{{backend="{_esc(b)}"}} {n}')
-        w("# HELP lb_admin_actions_total Admin API actions on a backend (drain, enable).")
-        w("# TYPE lb_admin_actions_total counter")
-        for (b, action), n in sorted(actions.items()):
-            w(f'lb_admin_actions_total{{backend="{_esc(b)}",action="{action}"}} {n}')
-        w("# HELP lb_retries_total Tries that failed to connect and were retried on another backend, by the failed one.")
-        w("# TYPE lb_retries_total counter")
-        for b, n in sorted(retries.items()):
-            w(f'lb_retries_total{{backend="{_esc(b)}"}} {n}')
+            c = [[n, list(map(list, l)), v] for (n, l), v in self.counters.items()]
+            g = [[n, list(map(list, l)), v] for (n, l), v in self.gauges.items()]
+            h = [[n, list(map(list, l)), list(x[0]), x[1], x[2]] for (n, l), x in self.hists.items()]
+        for (n, l), v in (live or {}).items():
+            (c if FAMILIES[n][0] == "counter" else g).append([n, list(map(list, l)), v])
+        g += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "gauge"]
+        c += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "counter"]
+        g.append(["edge_build_info", [["version", VERSION], ["python", sys.version.split()[0]]], 1])
         rb = self.retry_budget
         if rb is not None:
-            w("# HELP lb_retry_budget_exhausted_total Retries not made because the retry budget was spent.")
-            w("# TYPE lb_retry_budget_exhausted_total counter")
-            w(f"lb_retry_budget_exhausted_total {rb.refused}")
-            w("# HELP lb_retries_in_flight Requests holding a retry slot of the budget now.")
-            w("# TYPE lb_retries_in_flight gauge")
-            w(f"lb_retries_in_flight {rb.retrying}")
-            w("# HELP lb_retries_in_flight_peak The most requests that ever held a retry slot at once.")
-            w("# TYPE lb_retries_in_flight_peak gauge")
-            w(f"lb_retries_in_flight_peak {rb.peak}")
-            w("# HELP lb_upstream_active Requests being forwarded now (the retry budget's base).")
-            w("# TYPE lb_upstream_active gauge")
-            w(f"lb_upstream_active {rb.active}")
-        w("# HELP lb_backend_inflight Requests in flight to the backend.")
-        w("# TYPE lb_backend_inflight gauge")
-        for b in backends:
-            w(f'lb_backend_inflight{{backend="{_esc(b.url)}"}} {b.inflight}')
-        w("# HELP lb_request_duration_seconds Time from request head to the last byte relayed.")
-        w("# TYPE lb_request_duration_seconds histogram")
-        acc = 0
-        for le, n in zip(BUCKETS, hist):
-            acc += n
-            w(f'lb_request_duration_seconds_bucket{{le="{le}"}} {acc}')
-        w(f'lb_request_duration_seconds_bucket{{le="+Inf"}} {hcount}')
-        w(f"lb_request_duration_seconds_sum {hsum:.6f}")
-        w(f"lb_request_duration_seconds_count {hcount}")
-        return "\n".join(out) + "\n"
+            c.append(["lb_retry_budget_exhausted_total", [], rb.refused])
+            g += [["lb_retries_in_flight", [], rb.retrying], ["lb_retries_in_flight_peak", [], rb.peak],
+                  ["lb_upstream_active", [], rb.active]]
+        served = sum(x[4] for x in h if x[0] == "lb_request_duration_seconds")
+        return {"worker": worker, "c": c, "g": g, "h": h, "served": served}
+
+    def render(self, live: dict | None = None, others=()) -> str:
+        """Prometheus text exposition format 0.0.4: this process plus the other workers' snapshots."""
+        snaps = [self.snapshot(live, 0 if others else None), *others]
+        return render(merge(snaps))
+
+
+def merge(snaps: list[dict]) -> dict:
+    counters: dict = {}
+    gauges: dict = {}
+    hists: dict = {}
+    for s in snaps:
+        for n, l, v in s["c"]:
+            k = (n, tuple(map(tuple, l)))
+            counters[k] = counters.get(k, 0) + v
+        for n, l, v in s["g"]:
+            k = (n, tuple(map(tuple, l)))
+            if k not in gauges:
+                gauges[k] = v
+            elif n in _MERGE_MIN:
+                gauges[k] = min(gauges[k], v)
+            elif n in _MERGE_MAX:
+                gauges[k] = max(gauges[k], v)
+            else:
+                gauges[k] += v
+        for n, l, b, total, count in s["h"]:
+            k = (n, tuple(map(tuple, l)))
+            cur = hists.setdefault(k, [[0] * len(b), 0.0, 0])
+            cur[0] = [x + y for x, y in zip(cur[0], b)]
+            cur[1] += total
+            cur[2] += count
+    if len(snaps) > 1 or snaps[0].get("worker") is not None:
+        for s in snaps:
+            counters[("lb_worker_requests_total", (("worker", str(s["worker"])),))] = s["served"]
+    gauges[("lb_workers", ())] = len(snaps)
+    return {"c": counters, "g": gauges, "h": hists}
+
+
+def _num(v) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.6f}".rstrip("0").rstrip(".") if v == v else "NaN"
+
+
+def render(m: dict) -> str:
+    out = []
+    w = out.append
+    for name, (kind, help_) in FAMILIES.items():
+        src = m["h"] if kind == "histogram" else m["c"] if kind == "counter" else m["g"]
+        samples = sorted((l, v) for (n, l), v in src.items() if n == name)
+        w(f"# HELP {name} {help_}")
+        w(f"# TYPE {name} {kind}")
+        for labels, v in samples:
+            lab = ",".join(f'{k}="{_esc(x)}"' for k, x in labels)
+            if kind != "histogram":
+                w(f"{name}{{{lab}}} {_num(v)}" if lab else f"{name} {_num(v)}")
+                continue
+            counts, total, count = v
+            sep = "," if lab else ""
+            acc = 0
+            for le, n in zip(BUCKETS, counts):
+                acc += n
+                w(f'{name}_bucket{{{lab}{sep}le="{le}"}} {acc}')
+            w(f'{name}_bucket{{{lab}{sep}le="+Inf"}} {count}')
+            w(f"{name}_sum{{{lab}}} {total:.6f}" if lab else f"{name}_sum {total:.6f}")
+            w(f"{name}_count{{{lab}}} {count}" if lab else f"{name}_count {count}")
+    return "\n".join(out) + "\n"
+
+
+def process_sample(started: float) -> dict:
+    """process_* for this process from /proc (Linux), as prometheus_client's process collector names them."""
+    t = os.times()
+    out = {"process_cpu_seconds_total": round(t.user + t.system, 3), "process_start_time_seconds": started,
+           "process_threads": threading.active_count()}
+    try:
+        with open("/proc/self/statm") as f:
+            out["process_resident_memory_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out["process_open_fds"] = len(os.listdir("/proc/self/fd"))
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    out["process_threads"] = int(line.split()[1])   # OS threads, not only Python's
+    except OSError:
+        pass
+    return out
+
+
+# -- workers: each publishes its snapshot on a unix socket; worker 0 gathers them ---------------------
+
+def publish(path: str, snapshot) -> socket.socket:
+    """Serve snapshot() as JSON to whoever connects to the unix socket at path (worker 0's admin)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(8)
+
+    def loop():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.sendall(json.dumps(snapshot()).encode())
+                except OSError:
+                    pass
+
+    threading.Thread(target=loop, name="metrics-publish", daemon=True).start()
+    return srv
+
+
+def gather(paths, timeout: float = 1.0) -> list[dict]:
+    """The other workers' snapshots; a worker that is restarting is left out of this scrape."""
+    out = []
+    for p in paths:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect(p)
+                data = bytearray()
+                while chunk := s.recv(65536):
+                    data += chunk
+            out.append(json.loads(data))
+        except (OSError, ValueError):
+            continue
+    return out
