@@ -102,7 +102,7 @@ class App:
         if self.edge.limiter is not None:
             rules = "".join(f", rule {r.name} {r.limit} by {r.key}{' (dry run)' if r.dry_run else ''}"
                             for r in cfg.rules)
-            log.info("limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s", 
+            log.info("limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s",
                      cfg.limit or "off", cfg.algorithm, logs.redact(cfg.store), "" if cfg.store == "memory" else
                      f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
                      len(cfg.keys), rules)

@@ -54,7 +54,7 @@ class Worker:
 
 
 def run(cfg, argv) -> int:
-    from . import accesslog  # noqa: F401  (imported before fork: one key-hash secret for every worker)
+    from . import keys  # noqa: F401  (imported before fork: one key-hash secret for every worker)
     reserve = socket.socket(family(cfg.listen[0]))
     reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     bind_options(reserve, cfg.listen[0])      # the same V6ONLY as the workers' sockets, or no sharing

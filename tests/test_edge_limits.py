@@ -203,9 +203,11 @@ def test_access_log_has_one_line_per_request(backends, tmp_path):
         wait_until(lambda: path.exists() and len(path.read_text().splitlines()) == 2, timeout=5,
                    what="two access-log lines")
         one, two = path.read_text().splitlines()
-        label = re.search(r" (key:#[0-9a-f]{12}) GET /one 200 " + re.escape(backends[0].url), one).group(1)
-        assert f" {label} GET /two 429 - " in two          # the same client, never the raw key
-        assert one.endswith("ms -") and two.endswith("ms default")   # limited_by: the rule that rejected
+        assert ' 127.0.0.1 "GET /one" 200 ' in one and " " + backends[0].url + " " in one
+        assert ' 127.0.0.1 "GET /two" 429 ' in two and " - - " in two     # no upstream, no upstream time
+        tag = re.search(r" key=(#[0-9a-f]{12}) ", one).group(1)
+        assert f" key={tag} " in two                  # the same client, never the raw key
+        assert one.endswith("limited_by=-") and two.endswith("limited_by=default")   # the rule that rejected
     finally:
         e.stop()
 

@@ -191,28 +191,27 @@ def test_the_systemd_unit_verifies(tmp_path):
 
 
 def test_two_workers_on_the_redis_store_hold_one_limit_per_key(backends, redis_server):
-    """The kernel spreads connections over both workers; the key's limit is still one limit."""
+    """The kernel spreads connections over both workers; the key's limit is still one limit, and the one
+    admin port (worker 0's) sums both workers' numbers."""
+    from prometheus_client.parser import text_string_to_metric_families
     e = Edge("--backends", backends[0].url, "--workers", "2", "--limit", "20/m", "--algorithm", "sliding-log",
              "--store", redis_server.url, "--redis-timeout", "1", "--admin", "127.0.0.1:0")
     try:
-        e.wait_log(r"worker 1: admin on")
-        e.wait_log(r"worker 0: admin on")
+        e.wait_log(r"all 2 workers ready")
         statuses = Counter()
         for _ in range(60):   # a new connection each time, so both workers take turns
             statuses[request(e.port, "GET", "/", {"X-Api-Key": "one-key"}).status] += 1
         assert statuses == {200: 20, 429: 40}
-        # each worker answered some of them, and together they kept the one limit
-        import re
-        per_worker = []
-        for port in re.findall(r"worker \d: admin on 127\.0\.0\.1:(\d+)", e.log()):
-            text = request(int(port), "GET", "/metrics").body.decode()
-            served = sum(int(float(line.split()[-1])) for line in text.splitlines()
-                         if line.startswith("lb_requests_total{"))
-            m = re.search(r'^lb_edge_responses_total\{code="429"\} (\d+)', text, re.M)
-            limited = int(m.group(1)) if m else 0
-            per_worker.append((served, limited))
-        assert len(per_worker) == 2 and all(s + l > 0 for s, l in per_worker), per_worker
-        assert sum(s for s, _ in per_worker) == 20 and sum(l for _, l in per_worker) == 40
+        fams = {f.name: f for f in text_string_to_metric_families(
+            request(e.admin_port, "GET", "/metrics").body.decode())}
+        value = lambda fam, **lab: sum(s.value for s in fams[fam].samples
+                                       if all(s.labels.get(k) == v for k, v in lab.items()))
+        assert value("lb_requests") == 20 and value("lb_rate_limited") == 40
+        assert value("lb_workers") == 2
+        per_worker = {s.labels["worker"]: s.value for s in fams["lb_worker_requests"].samples}
+        assert set(per_worker) == {"0", "1"} and sum(per_worker.values()) == 60
+        assert all(n > 0 for n in per_worker.values()), per_worker     # each worker answered some
+        assert value("lb_limiter_store_up") == 1
     finally:
         e.stop()
 
@@ -231,8 +230,7 @@ def test_each_process_is_pinned_to_one_cpu_unless_told_otherwise(backends):
         cpu = e.wait_log(r"on CPU (\d+) \(--cpu-affinity auto\)").group(1)
         assert cpus_allowed(e.popen.pid) == cpu                  # every thread inherits it
         assert "," in cpus_allowed(off.popen.pid) or "-" in cpus_allowed(off.popen.pid)
-        w.wait_log(r"worker 0: on CPU")
-        w.wait_log(r"worker 1: on CPU")         # both: the two workers log in either order
+        w.wait_log(r"all 2 workers ready")    # both lines are there by then (each worker pins, then reports)
         workers = dict(__import__("re").findall(r"worker (\d): on CPU (\d+)", w.log()))
         assert workers["0"] != workers["1"]                      # worker i takes the i-th CPU
         assert request(e.port, "GET", "/").status == 200

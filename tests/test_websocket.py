@@ -83,7 +83,7 @@ def test_echo_both_closes_and_plain_http_after(wsb, tmp_path):
         lines = wait_until(lambda: [ln for ln in log.read_text().splitlines() if " 101 " in ln] if log.exists()
                            and log.read_text().count(" 101 ") == 2 else None, what="two 101 access-log lines")
         for ln in lines:
-            m = re.search(r" 101 \S+ (\d+\.\d+)ms \S+ up=(\d+) down=(\d+) \((.+)\)$", ln)
+            m = re.search(r'"GET /\S*" 101 .* (\d+\.\d+) rid=.* up=(\d+) down=(\d+) \((.+)\)$', ln)
             assert m, ln
             assert int(m.group(2)) > 0 and int(m.group(3)) > 0
         assert int(re.search(r"up=(\d+)", lines[0]).group(1)) > 80000      # the 80 kB binary message
