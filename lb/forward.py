@@ -37,6 +37,7 @@ _NO_BODY_STATUS = frozenset({204, 304})
 # Forwarding headers we write ourselves (after the client's), and Expect, which the edge answered.
 _REPLACED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"expect"})
 _REPLACED_TRUSTED = frozenset({b"x-forwarded-for", b"expect"})
+_REQUEST_ID_HEADER = frozenset({b"x-request-id"})
 
 _REASONS = {"connect": "backend unreachable", "reset": "backend closed the connection",
             "timeout": "backend timed out", "protocol": "backend sent an invalid response",
@@ -56,15 +57,19 @@ class UpstreamFailed(Exception):
 
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
-                  close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None) -> bytearray:
+                  close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
+                  request_id: bytes | None = None) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended.
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
-    are; from anyone else they are replaced with what the edge saw.
+    are; from anyone else they are replaced with what the edge saw. request_id: the id the edge made
+    up (the client sent none, or a malformed one), which replaces the client's X-Request-Id.
     """
     out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
     tokens = req.conn_tokens
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
+    if request_id is not None:
+        replaced = replaced | _REQUEST_ID_HEADER
     for name, lname, value in req.headers:
         if lname in HOP_BY_HOP or (tokens and lname in tokens):
             continue
@@ -78,6 +83,8 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
         out += b"X-Forwarded-Proto: " + proto + b"\r\n"      # https when it came over our TLS
     if req.host and not (trusted and req.fwd_host):
         out += b"X-Forwarded-Host: " + req.host + b"\r\n"
+    if request_id is not None:
+        out += b"X-Request-Id: " + request_id + b"\r\n"
     if req.chunked:
         out += b"Transfer-Encoding: chunked\r\n"
     if upgrade:   # an allowed upgrade (lb/tunnel.py): the one exception to hop-by-hop stripping
@@ -152,9 +159,10 @@ class Forwarder:
             # Ejected (or taken out) since it was picked -- in a burst, by the failures of requests
             # picked just before this one: choose again rather than try it. Nothing was tried yet.
             backend = self.repick(x, backend)
+        x.upstream_start = monotonic()   # upstream_seconds: every try, up to the last response byte
         try:
             while True:
-                head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade)
+                head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent)
                 with backend.lock:
                     backend.inflight += 1
                 try:
@@ -296,9 +304,11 @@ class Forwarder:
         log.warning("backend %s %s: %s %s -> %d (%s)%s", backend.url, kind, req.method.decode(),
                     req.target[:200].decode("latin-1"), status, detail, after)
         self.edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
+        data = own_response(status, _REASONS[kind], close=not keep, extra=x.extra_headers(),
+                            head_only=req.method == b"HEAD")
+        x.bytes_sent = len(data)
         self.edge._done(x, status)
-        send(sock, own_response(status, _REASONS[kind], close=not keep, extra=x.rl,
-                                head_only=req.method == b"HEAD"))
+        send(sock, data)
         return keep
 
     # -- relaying the response ------------------------------------------------------------------------
@@ -316,9 +326,11 @@ class Forwarder:
         for name, lname, value in rh.headers:
             if lname in HOP_BY_HOP or (tokens and lname in tokens):
                 continue
-            if limiting and (lname[:12] == b"x-ratelimit-" or ietf and lname in _IETF_FIELDS):
+            if limiting and (lname[:12] == b"x-ratelimit-" or ietf and lname in _IETF_FIELDS) \
+                    or lname == b"x-request-id":
                 continue               # ours replace the backend's, never duplicate them
             out += name + b": " + value + b"\r\n"
+        out += b"X-Request-Id: " + x.request_id + b"\r\n"
         if limiting:
             out += x.rl
         if x.set_cookie:
@@ -359,14 +371,16 @@ class Forwarder:
             mode = "sent-with-head"
 
         upstream_ok = False
+        x.bytes_sent = len(out)
         try:
             if mode in ("none", "sent-with-head"):
                 send(sock, out)
                 upstream_ok = True
             elif mode == "length":
+                x.bytes_sent += rh.content_length
                 upstream_ok = _relay_length(rh.content_length, out, ur, sock)
             else:
-                upstream_ok = _relay_chunks(mode, http10, out, ur, sock)
+                upstream_ok, x.bytes_sent = _relay_chunks(mode, http10, out, ur, sock)
         except (socket.timeout, UpstreamError, OSError, EOFError, HttpError) as e:
             # The head is gone to the client: all we can do is close, so the truncation shows.
             kind = "timeout" if isinstance(e, socket.timeout) else "reset"
@@ -383,7 +397,9 @@ class Forwarder:
         reusable = upstream_ok and not rh.close and mode != "eof" and not ur.buf
         backend.pool.release(conn, reusable)
         self.observe(backend, rh.status < 500, rh.status_line)
-        edge.metrics.backend_done(backend.url, rh.status, monotonic() - start)
+        now = monotonic()
+        x.upstream_seconds = now - x.upstream_start
+        edge.metrics.backend_done(backend.url, rh.status, now - start, x.upstream_seconds)
         edge._done(x, rh.status)
         return client_keep
 
@@ -402,9 +418,11 @@ def _relay_length(n: int, out: bytearray, ur: Reader, sock) -> bool:
     return True
 
 
-def _relay_chunks(mode: str, http10: bool, out: bytearray, ur: Reader, sock) -> bool:
-    """Chunked or EOF-delimited from the backend -> chunked to an HTTP/1.1 client, raw to 1.0."""
+def _relay_chunks(mode: str, http10: bool, out: bytearray, ur: Reader, sock) -> tuple[bool, int]:
+    """Chunked or EOF-delimited from the backend -> chunked to an HTTP/1.1 client, raw to 1.0.
+    (the backend ended the body cleanly, bytes sent to the client)"""
     pending = out
+    sent = 0
     if mode == "eof":
         while True:
             if not ur.buf and not ur.fill():
@@ -413,11 +431,12 @@ def _relay_chunks(mode: str, http10: bool, out: bytearray, ur: Reader, sock) -> 
             ur.buf.clear()
             pending += data if http10 else b"%x\r\n%s\r\n" % (len(data), data)
             send(sock, pending)
+            sent += len(pending)
             pending = bytearray()
         if not http10:
             pending += b"0\r\n\r\n"
         send(sock, pending)
-        return False
+        return False, sent + len(pending)
     while True:
         line = ur.read_line(1024)
         size_s = line.split(b";", 1)[0].strip()
@@ -431,13 +450,14 @@ def _relay_chunks(mode: str, http10: bool, out: bytearray, ur: Reader, sock) -> 
             if not http10:
                 pending += b"0\r\n\r\n"
             send(sock, pending)
-            return True
+            return True, sent + len(pending)
         data = ur.read_exact(size + 2)
         if data[-2:] != b"\r\n":
             raise UpstreamError("protocol", "chunk longer than declared")
         pending += data[:-2] if http10 else line + b"\r\n" + data
         if not ur.buf:             # about to block on the backend: flush what we have
             send(sock, pending)
+            sent += len(pending)
             pending = bytearray()
 
 

@@ -188,7 +188,8 @@ class Reader:
 
 class Request:
     __slots__ = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive",
-                 "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie")
+                 "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie",
+                 "request_id")
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -242,7 +243,7 @@ def parse_request(head: bytes) -> Request:
     r.headers = headers = _split_headers(lines, 1)
     r.content_length = None
     r.chunked = False
-    r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = None
+    r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = None
     r.expect_continue = False
     tokens: set[bytes] = set()
     te_seen = False
@@ -285,6 +286,8 @@ def parse_request(head: bytes) -> Request:
             r.expect_continue = True
         elif lname == b"x-api-key":
             r.api_key = value
+        elif lname == b"x-request-id":
+            r.request_id = value
         elif lname == b"x-forwarded-for":
             r.xff = value if r.xff is None else r.xff + b", " + value
         elif lname == b"x-forwarded-proto":

@@ -35,8 +35,6 @@ FAMILIES = {
     "lb_rate_limit_exempt_total": ("counter", "Requests let through unlimited by [limits] exempt."),
     "lb_unavailable_total": ("counter", "Requests answered 503 because no backend was healthy."),
     "lb_limiter_errors_total": ("counter", "Limiter store failures (the configured failure policy applied)."),
-    "lb_limiter_decisions_total": ("counter", "Rate-limit decisions by rule and outcome (allowed, limited, "
-                                              "degraded: the store failed and its policy decided)."),
     "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
     "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
                                     "by the failed one."),
@@ -195,11 +193,6 @@ class Metrics:
     def limiter_error(self) -> None:
         with self.lock:
             self._inc("lb_limiter_errors_total")
-
-    def decision(self, rule: str, outcome: str) -> None:
-        """outcome: allowed | limited | degraded. rule: the rule's name ("default" without rules)."""
-        with self.lock:
-            self._inc("lb_limiter_decisions_total", (("rule", rule), ("outcome", outcome)))
 
     # -- snapshots: plain data, summed over workers ---------------------------------------------------
 

@@ -13,6 +13,8 @@ the bytes on them are ours (lb/httpio.py), so nothing is added or reordered on t
 from __future__ import annotations
 
 import logging
+import os
+import re
 import socket
 import socketserver
 import threading
@@ -211,8 +213,11 @@ class Edge:
         """Answer a request we could not read, then the caller closes: framing is lost."""
         log.warning("client %s: %d %s", peer_ip, status, reason)
         self.metrics.edge_answered(status, 0.0)
+        rid = new_request_id()
+        if self.access_log is not None:
+            self.access_log.refusal(peer_ip, status, reason, request_id=rid.decode())
         try:
-            sock.sendall(own_response(status, reason, close=True))
+            sock.sendall(own_response(status, reason, close=True, extra=b"X-Request-Id: " + rid + b"\r\n"))
         except OSError:
             pass
 
@@ -228,6 +233,22 @@ class Edge:
         """
         cfg = self.cfg
         x = Exchange(req, monotonic(), b"https" if over_tls else b"http")
+        try:
+            return self._handle(x, req, reader, sock, peer, peer_trusted, peer_ip)
+        except ClientGone:
+            if x.status is None:     # the client left before its answer was complete: nginx's 499
+                self.metrics.edge_answered(499, monotonic() - x.start)
+                self._done(x, 499)
+            raise
+
+    def _handle(self, x: "Exchange", req: Request, reader: Reader, sock: socket.socket, peer: bytes,
+                peer_trusted: bool, peer_ip: str) -> bool:
+        cfg = self.cfg
+        # The request id: the client's when well formed, else ours; sent on to the backend and back.
+        rid = req.request_id
+        if rid is None or not _REQUEST_ID.fullmatch(rid):
+            x.rid_sent = rid = new_request_id()      # replaces whatever the client sent
+        x.request_id = rid
         has_body = req.chunked or bool(req.content_length)
         # After an early answer, an unread body would be read as the next request: close instead.
         keep_if_early = req.keep_alive and not has_body
@@ -238,6 +259,7 @@ class Edge:
         # 1. identify, 2. rate limit (lb/ratelimit.py: the rules, the verdict, the headers)
         peer_ip = peer_ip or peer.decode()
         ip = self.identifier.client_ip(peer_ip, peer_trusted, req.xff) if peer_trusted else peer_ip
+        x.client_ip = ip
         if self.limiter is not None:
             v = self.limiter.check(req, ip)
             x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
@@ -304,12 +326,16 @@ class Edge:
         """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers."""
         keep = keep and not self.draining
         self.metrics.edge_answered(status, monotonic() - x.start, **counters)
+        data = own_response(status, reason, close=not keep, extra=x.extra_headers(),
+                            head_only=x.req.method == b"HEAD")
+        x.bytes_sent = len(data)
         self._done(x, status)
-        self._send(sock, own_response(status, reason, close=not keep, extra=x.rl,
-                                      head_only=x.req.method == b"HEAD"))
+        self._send(sock, data)
         return keep
 
     def _done(self, x: "Exchange", status: int) -> None:
+        """The request's outcome is known: the access-log line (once per request)."""
+        x.status = status
         if self.access_log is not None:
             self.access_log.record(x, status, monotonic() - x.start)
 
@@ -317,9 +343,13 @@ class Edge:
 
 
 class Exchange:
-    """What the stages learned about one request, carried to wherever its response is written."""
+    """What the stages learned about one request, carried to wherever its response is written.
 
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "tries", "limited_by", "upgrade",
+    The access log reads the fields after `set_cookie`; a stage that learns one (a retry: tries; the
+    rules: limited_by and the client's label, key) sets it here and the log line and JSON object carry it."""
+
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
+                 "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
                  "tunnel", "key_name")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
@@ -333,7 +363,26 @@ class Exchange:
         self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
         self.backend = None
         self.set_cookie = b""
+        self.request_id = b""
+        self.rid_sent = None         # the id the backend must get instead of the client's (generated)
+        self.client_ip = None
+        self.status = None           # set once the access-log line is written
+        self.bytes_sent = None       # bytes written to the client (head and body)
+        self.upstream_start = 0.0
+        self.upstream_seconds = None
         self.tries = 1               # backends tried: more than 1 after a connect failure was retried
+
+    def extra_headers(self) -> bytes:
+        """What every response to this request carries: its id, and the rate-limit headers."""
+        return b"X-Request-Id: " + self.request_id + b"\r\n" + self.rl
+
+
+# A client's X-Request-Id is kept when it looks like an id (no spaces, quotes or controls; <= 128).
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+def new_request_id() -> bytes:
+    return os.urandom(16).hex().encode()
 
 
 def _linger(sock: socket.socket, seconds: float = 1.0) -> None:

@@ -62,9 +62,28 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channe
     channel: (workers) the pipe to the supervisor; rundir: where workers publish their metrics."""
     from .app import App
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
+    early: list[int] = []     # a signal that came while the App was being built: acted on once it is
+    app = None
+
+    def on_signal(signum, frame):
+        if app is None:
+            early.append(signum)
+        elif signum in (signal.SIGTERM, signal.SIGINT):
+            log.info("received %s: draining (readiness off now; listener closes in %gs; up to %gs for "
+                     "requests)", signal.Signals(signum).name, app.cfg.grace, app.cfg.drain_timeout)
+            threading.Thread(target=app.stop_accepting, name="stop", daemon=True).start()
+        elif signum == signal.SIGHUP:
+            threading.Thread(target=app.reload, name="reload", daemon=True).start()
+        elif signum == signal.SIGUSR1:
+            threading.Thread(target=app.reopen_logs, name="reopen", daemon=True).start()
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(s, on_signal)
     app = App(cfg, argv, reuse_port=reuse_port, worker=worker, rundir=rundir)
     if cpu is not None:
         log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
+    for signum in early:
+        on_signal(signum, None)
 
     def tell(msg: str) -> None:
         if channel is not None:
@@ -73,25 +92,9 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channe
             except OSError:
                 pass
 
-    def on_term(signum, frame):
-        log.info("received %s: draining (readiness off now; listener closes in %gs; up to %gs for requests)",
-                 signal.Signals(signum).name, app.cfg.grace, app.cfg.drain_timeout)
-        threading.Thread(target=app.stop_accepting, name="stop", daemon=True).start()
-
-    def on_hup(signum, frame):
-        threading.Thread(target=app.reload, name="reload", daemon=True).start()
-
-    def on_usr1(signum, frame):
-        threading.Thread(target=app.reopen_logs, name="reopen", daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    signal.signal(signal.SIGHUP, on_hup)
-    signal.signal(signal.SIGUSR1, on_usr1)
-
     def when_ready():
         app.wait_until_ready()          # e.g. fail-closed: the store must answer first
-        if app.edge.draining:
+        if app.stopping:
             return
         tell("ready")
         sdnotify.notify("READY=1", f"STATUS=serving {len(app.balancer.backends)} backends")

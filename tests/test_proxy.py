@@ -47,9 +47,11 @@ def test_get_direct_and_proxied_differ_only_by_the_header_rules(backends, path):
         e.stop()
     assert proxied.status == direct.status
     assert proxied.body == direct.body
-    # Same headers, same order, duplicates kept (Set-Cookie twice); Date may tick over a second.
-    drop = HOP | {"date"}
+    # Same headers, same order, duplicates kept (Set-Cookie twice); Date may tick over a second; the
+    # edge adds the request's X-Request-Id (DESIGN: "sent to backend and client").
+    drop = HOP | {"date", "x-request-id"}
     assert headers_without(proxied, drop) == headers_without(direct, drop)
+    assert len(proxied.header("X-Request-Id")) == 32 and not direct.header("X-Request-Id")
     assert proxied.header("Date") and proxied.header("Server") == direct.header("Server")
 
 
@@ -77,11 +79,13 @@ def test_post_body_arrives_byte_for_byte(backends, framing):
 
     def names(info):
         return [(k.lower(), v) for k, v in info["headers"] if k.lower() not in HOP | {"content-length"}]
-    # The backend sees the client's headers in order (Host unchanged), then the forwarding headers.
+    # The backend sees the client's headers in order (Host unchanged), then the forwarding headers and
+    # the request's id (the client sent none: the edge's).
     got = names(proxied)
-    assert got[:-3] == [(k, v) for k, v in names(direct)]
-    assert got[-3:] == [("x-forwarded-for", "127.0.0.1"), ("x-forwarded-proto", "http"),
-                        ("x-forwarded-host", "api.example")]
+    assert got[:-4] == [(k, v) for k, v in names(direct)]
+    assert got[-4:-1] == [("x-forwarded-for", "127.0.0.1"), ("x-forwarded-proto", "http"),
+                          ("x-forwarded-host", "api.example")]
+    assert got[-1][0] == "x-request-id" and len(got[-1][1]) == 32
     assert got[0] == ("host", "api.example")
     assert not any(k in ("user-agent", "accept-encoding") for k, _ in got)  # nothing invented
 
