@@ -97,7 +97,8 @@ class AccessLog:
     def entry(self, item) -> Entry:
         (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel) = item
         e = Entry()
-        e.time, e.request_id, e.client_ip = _stamp(ts), rid, ip
+        e.time, e.client_ip = _stamp(ts), ip
+        e.request_id = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         # the client's label (lb/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
         e.key = key[4:] if key and key.startswith("key:") else None
         e.method = method.decode("latin-1")

@@ -80,6 +80,12 @@ def reopen_stderr() -> bool:
     if not _stderr_path:
         return False
     try:
+        a, b = os.stat(_stderr_path), os.fstat(2)
+        if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+            return False      # not moved: keep the description the workers share (and its offset)
+    except OSError:
+        pass                  # moved away and not recreated: open a new one
+    try:
         fd = os.open(_stderr_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
     except OSError as e:
         logging.getLogger("edge").error("cannot reopen stderr %s: %s", _stderr_path, e.strerror)

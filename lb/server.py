@@ -72,8 +72,8 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channe
             log.info("received %s: draining (readiness off now; listener closes in %gs; up to %gs for "
                      "requests)", signal.Signals(signum).name, app.cfg.grace, app.cfg.drain_timeout)
             threading.Thread(target=app.stop_accepting, name="stop", daemon=True).start()
-        elif signum == signal.SIGHUP:
-            threading.Thread(target=app.reload, name="reload", daemon=True).start()
+        elif signum == signal.SIGHUP:       # reload, and reopen the logs as nginx does on HUP
+            threading.Thread(target=lambda: (app.reload(), app.reopen_logs()), name="reload", daemon=True).start()
         elif signum == signal.SIGUSR1:
             threading.Thread(target=app.reopen_logs, name="reopen", daemon=True).start()
 

@@ -137,6 +137,7 @@ def run(cfg, argv) -> int:
                 sdnotify.notify("READY=1", f"STATUS={cfg.workers} workers")
                 if pending_hup:
                     pending_hup = False
+                    log.info("SIGHUP: reloading %d workers (it came during start-up)", len(by_pid))
                     send_all(signal.SIGHUP)
             now = time.monotonic()
             if wd and announced and not stopping and now - last_ping >= wd:

@@ -183,8 +183,15 @@ def test_sd_notify_ready_reloading_stopping(backends, tmp_path):
 def test_the_systemd_unit_verifies(tmp_path):
     unit = (ROOT / "conf" / "edge.service").read_text()
     # verify checks that ExecStart exists: point it at this checkout instead of /opt/edge
-    unit = unit.replace("/opt/edge/venv/bin/python", PY).replace("/opt/edge/edge.py", str(ROOT / "edge.py"))
+    unit = unit.replace("/opt/edge/venv/bin/python3", PY).replace("/opt/edge/edge.py", str(ROOT / "edge.py"))
     (tmp_path / "edge.service").write_text(unit)
+    p = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "edge.service")], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and not p.stderr.strip(), p.stderr
+    # and with the low-port lines uncommented, as an operator would
+    opened = unit.replace("# AmbientCapabilities=", "AmbientCapabilities=").replace(
+        "# CapabilityBoundingSet=CAP", "CapabilityBoundingSet=CAP")
+    (tmp_path / "edge.service").write_text(opened)
     p = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "edge.service")], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and not p.stderr.strip(), p.stderr

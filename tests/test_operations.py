@@ -1,0 +1,432 @@
+"""Operating the edge for real (issue 14): --check, start-up failures that say why, workers that fail
+loudly, logs an SRE can use (levels, UTC, request ids, JSON, reopen), no secrets in them, metrics worth
+scraping (checked with prometheus_client's parser), /healthz and /readyz, systemd's watchdog."""
+
+import http.client
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lb import config
+from tests.support import PY, ROOT, Edge, Proc, free_port, raw, request, wait_until
+
+LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (INFO|WARNING|ERROR) edge: ")
+
+
+def run_edge(*args, env=None, timeout=30):
+    return subprocess.run([PY, "edge.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+class NotifySocket:
+    """A unix datagram socket standing in for systemd's $NOTIFY_SOCKET: every message, in order."""
+
+    def __init__(self, tmp_path):
+        self.path = str(tmp_path / "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setblocking(False)
+        self.got: list[str] = []
+
+    def poll(self) -> list[str]:
+        while self.sock.fileno() >= 0:
+            try:
+                self.got.append(self.sock.recv(4096).decode())
+            except BlockingIOError:
+                break
+        return self.got
+
+    def count(self, word: str) -> int:
+        return sum(1 for m in self.poll() if word in m.split("\n"))
+
+    def close(self):
+        self.sock.close()
+
+
+# ------------------------------------------------------------------------------------ configuration
+
+NUMERIC = sorted(config._FLAG_KINDS)
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1", "1e30"])
+def test_every_number_is_finite_and_in_range_flag_and_file(name, bad, tmp_path):
+    """One table checks them all: the flag and the TOML key give the same error naming the key."""
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(["--backends", "http://127.0.0.1:9", f"{flag}={bad}"])
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(flag + ":"), e.value.problems
+    section, key = next((s, k) for s, t in config._SECTIONS.items() for k, (n, _) in t.items() if n == name)
+    f = tmp_path / "edge.toml"
+    value = {"nan": "nan", "inf": "inf", "-1": "-1", "1e30": "1e30"}[bad]
+    f.write_text(f'[[backends]]\nurl = "http://127.0.0.1:9"\n[{section}]\n{key} = {value}\n')
+    with pytest.raises(config.ConfigError) as e:
+        config.load(["--config", str(f)])
+    assert e.value.problems[0].startswith(f"{section}.{key}:"), e.value.problems
+
+
+def test_a_negative_value_parses_as_a_value_and_gets_a_range_error():
+    p = run_edge("--backends", "http://127.0.0.1:9", "--limit", "-5/s")
+    assert p.returncode == 2 and "expected one argument" not in p.stderr
+    assert "-5/s" in p.stderr and "must be a whole number >= 1" in p.stderr
+    p = run_edge("--backends", "http://127.0.0.1:9", "--read-timeout", "-3")
+    assert p.returncode == 2 and "--read-timeout: must be a finite number > 0" in p.stderr
+
+
+def test_check_reports_every_problem_one_line_each_and_starts_nothing(tmp_path):
+    port = free_port()
+    f = tmp_path / "edge.toml"
+    f.write_text(f'listen = "999.1.1.1:{port}"\naccess_log = "{tmp_path}/no/such/dir/access.log"\n'
+                 '[[backends]]\nurl = "http://127.0.0.1:9"\n'
+                 '[health]\ninterval = nan\n[upstream]\nread_timeout = inf\n'
+                 '[server]\nkeepalive_timeout = -2\n'
+                 '[limits]\ndefault = "5/s"\nstore = "redis://:hunter2@127.0.0.1:notaport/0"\n')
+    started = time.monotonic()
+    p = run_edge("--check", "--config", str(f))
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert all(LINE.match(x) and "configuration error: " in x for x in lines), lines
+    text = p.stderr
+    for needle in ("health.interval: must be a finite number > 0", "upstream.read_timeout: must be a finite",
+                   "server.keepalive_timeout: must be a finite", "limits.store"):
+        assert sum(needle in x for x in lines) == 1, (needle, lines)
+    assert "hunter2" not in text                       # the store URL's password is never printed
+    assert time.monotonic() - started < 15
+    # the parse-level problems come first; fix them and the environment checks speak
+    f.write_text(f'listen = "999.1.1.1:{port}"\naccess_log = "{tmp_path}/no/such/dir/access.log"\n'
+                 '[[backends]]\nurl = "http://127.0.0.1:9"\n')
+    p = run_edge("--check", "--config", str(f))
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert f"listen 999.1.1.1:{port}: " in lines[0]
+    assert f"access_log {tmp_path}/no/such/dir/access.log: No such file or directory" in lines[1]
+    with socket.socket() as s:                         # nothing was bound
+        s.bind(("127.0.0.1", port))
+    f.write_text('[[backends]]\nurl = "http://127.0.0.1:9"\n')
+    p = run_edge("--check", "--config", str(f))
+    assert p.returncode == 0 and "configuration OK" in p.stdout and not p.stderr
+
+
+def test_start_up_failures_name_what_failed(tmp_path):
+    p = run_edge("--backends", "http://127.0.0.1:9", "--access-log", "/nonexistent-dir/x.log")
+    assert p.returncode == 1
+    assert "cannot start: --access-log /nonexistent-dir/x.log: No such file or directory" in p.stderr
+    p = run_edge("--backends", "http://127.0.0.1:9", "--listen", "999.1.1.1:8080")
+    assert p.returncode == 1 and "cannot start: --listen 999.1.1.1:8080: " in p.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = run_edge("--backends", "http://127.0.0.1:9", "--admin", f"127.0.0.1:{port}")
+    assert p.returncode == 1 and f"cannot start: --admin 127.0.0.1:{port}: Address already in use" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+# ------------------------------------------------------------------------------------------- workers
+
+def test_a_worker_that_cannot_start_is_reported_and_the_supervisor_exits_1_without_ready(tmp_path):
+    notify = NotifySocket(tmp_path)
+    try:
+        p = run_edge("--backends", "http://127.0.0.1:9", "--workers", "2", "--listen", "127.0.0.1:0",
+                     "--access-log", str(tmp_path / "missing" / "a.log"), env={"NOTIFY_SOCKET": notify.path},
+                     timeout=60)
+        assert p.returncode == 1, p.stderr
+        assert f"worker 0: cannot start: --access-log {tmp_path}/missing/a.log: No such file or directory" \
+            in p.stderr
+        assert re.search(r"worker \d \(pid \d+\) failed to start \(status 1\): cannot start: --access-log", p.stderr)
+        assert "giving up" in p.stderr
+        assert notify.count("READY=1") == 0            # systemd never thought it healthy
+    finally:
+        notify.close()
+
+
+def test_workers_ready_once_all_listen_one_stopping_and_every_worker_line_is_labelled(backends, tmp_path):
+    notify = NotifySocket(tmp_path)
+    e = Edge("--backends", backends[0].url, "--workers", "2", env={"NOTIFY_SOCKET": notify.path,
+                                                                    "WATCHDOG_USEC": "400000"})
+    try:
+        e.signal(signal.SIGHUP)                        # during start-up: must not kill a worker
+        e.wait_log(r"all 2 workers ready")
+        wait_until(lambda: notify.count("READY=1") == 1, timeout=10, what="READY=1")
+        e.wait_log(r"SIGHUP: reloading 2 workers")     # the early HUP, passed on once all were ready
+        wait_until(lambda: e.log().count("reloaded: 1 backends") == 2, timeout=10, what="both reloaded")
+        wait_until(lambda: notify.count("WATCHDOG=1") >= 2, timeout=10, what="watchdog pings")
+        assert request(e.port, "GET", "/").status == 200
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: not e.alive(), timeout=20, what="supervisor exit")
+        assert e.popen.returncode == 0
+    finally:
+        e.stop()
+        notify.poll()
+        notify.close()
+    assert notify.count("READY=1") == 1 and notify.count("STOPPING=1") == 1, notify.got
+    assert "failed to start" not in e.log() and "exited" not in e.log()
+    for line in e.log().splitlines():
+        assert LINE.match(line), line
+        if "listening on 127.0.0.1" in line and "workers" not in line or "reloaded" in line:
+            assert re.search(r" edge: worker \d: ", line), line
+
+
+def test_the_watchdog_pings_while_the_accept_loop_runs(backends, tmp_path):
+    notify = NotifySocket(tmp_path)
+    e = Edge("--backends", backends[0].url, env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"})
+    try:
+        wait_until(lambda: notify.count("WATCHDOG=1") >= 3, timeout=10, what="three watchdog pings")
+        e.signal(signal.SIGSTOP)                       # a wedged process: no pings
+        try:
+            before = notify.count("WATCHDOG=1")
+            time.sleep(0.6)                            # measuring an absence: longer than the ping period
+            assert notify.count("WATCHDOG=1") == before
+        finally:
+            e.signal(signal.SIGCONT)
+    finally:
+        e.stop()
+        notify.close()
+
+
+# ---------------------------------------------------------------------------------------------- logs
+
+def test_json_access_log_fields_request_ids_and_no_api_key(backends, tmp_path):
+    path = tmp_path / "access.log"
+    e = Edge("--backends", backends[0].url, "--access-log", str(path), "--access-log-format", "json",
+             "--limit", "2/m", "--key-limit", "vip=5/m")
+    forged = "secret 999 GET /forged 200 http://evil 0.01ms"
+    try:
+        a = request(e.port, "GET", "/echo/a", {"X-Api-Key": forged, "X-Request-Id": "client-id-1"})
+        b = request(e.port, "GET", "/echo/b", {"X-Request-Id": "bad id\twith tab"})
+        request(e.port, "GET", "/c", {"X-Api-Key": forged})
+        c = request(e.port, "GET", "/d", {"X-Api-Key": forged})          # 429: the third of 2/m
+        bad = raw(e.port, b"GET /x HTTP/1.1\r\nHost: h\r\nBad Header\r\n\r\n")
+        wait_until(lambda: path.exists() and len(path.read_text().splitlines()) == 5, timeout=10,
+                   what="five access-log lines")
+    finally:
+        e.stop()
+    assert a.header("X-Request-Id") == "client-id-1"                       # kept: well formed
+    assert json.loads(a.body)["headers"].count(["X-Request-Id", "client-id-1"]) == 1   # the backend got it
+    rid_b = b.header("X-Request-Id")
+    assert re.fullmatch(r"[0-9a-f]{32}", rid_b)                           # replaced: malformed
+    assert ["X-Request-Id", rid_b] in json.loads(b.body)["headers"]
+    assert not any(k.lower() == "x-request-id" and v != rid_b for k, v in json.loads(b.body)["headers"])
+    assert c.status == 429 and c.header("X-Request-Id")
+    assert bad.startswith(b"HTTP/1.1 400") and b"X-Request-Id: " in bad
+    text = path.read_text()
+    assert "secret" not in text and "evil" not in text
+    rows = [json.loads(x) for x in text.splitlines()]
+    fields = ["time", "request_id", "client_ip", "key", "method", "path", "status", "bytes_sent", "upstream",
+              "upstream_seconds", "seconds", "tries", "limited_by"]
+    assert all(list(r) == fields for r in rows), rows[0]
+    one, two, three, four, refused = rows
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", one["time"])
+    assert one["request_id"] == "client-id-1" and two["request_id"] == rid_b
+    assert all(r["client_ip"] == "127.0.0.1" for r in rows)             # always, key or not
+    assert one["key"] == three["key"] == four["key"] and one["key"].startswith("k-") and two["key"] is None
+    assert (one["status"], one["upstream"], one["tries"], one["limited_by"]) == (200, backends[0].url, 1, None)
+    assert len(a.body) < one["bytes_sent"] < len(a.body) + 1024      # head and body
+    assert four["bytes_sent"] > 0
+    assert 0 < one["upstream_seconds"] <= one["seconds"]
+    assert (four["status"], four["upstream"], four["upstream_seconds"], four["limited_by"]) == (429, None, None,
+                                                                                               "default")
+    assert refused["status"] == 400 and refused["client_ip"] == "127.0.0.1" and refused["method"] == "-"
+
+
+def test_text_access_log_escapes_what_the_client_controls(backends, tmp_path):
+    path = tmp_path / "access.log"
+    e = Edge("--backends", backends[0].url, "--access-log", str(path))
+    try:
+        raw(e.port, b'GET /a"b\\c%20d HTTP/1.1\r\nHost: h\r\nX-Api-Key: k 200 GET /forged\r\nConnection: close\r\n\r\n')
+        wait_until(lambda: path.exists() and path.read_text().count("\n") == 1, timeout=10, what="a line")
+    finally:
+        e.stop()
+    line = path.read_text().splitlines()[0]
+    assert '"GET /a\\x22b\\x5cc%20d"' in line and "/forged" not in line
+    assert line.count('"') == 2                        # only the quotes around the request line
+    assert re.fullmatch(r"\S+Z 127\.0\.0\.1 \"GET \S+\" 200 \d+ http://\S+ \d\.\d{6} \d\.\d{6} rid=[0-9a-f]{32} "
+                        r"key=k-[0-9a-f]{8} tries=1 limited_by=-", line), line
+
+
+def test_usr1_and_hup_reopen_the_access_log_and_stderr_after_a_move(backends, tmp_path):
+    path = tmp_path / "access.log"
+    e = Edge("--backends", backends[0].url, "--access-log", str(path))
+    try:
+        request(e.port, "GET", "/one")
+        wait_until(lambda: path.exists() and "/one" in path.read_text(), timeout=5, what="first line")
+        os.rename(path, tmp_path / "access.log.1")
+        moved_err = e.log_path + ".1"
+        os.rename(e.log_path, moved_err)
+        e.signal(signal.SIGUSR1)
+        wait_until(lambda: Path(e.log_path).exists() and "logs reopened" in e.log(), timeout=5,
+                   what="stderr reopened at its old name")
+        request(e.port, "GET", "/two")
+        wait_until(lambda: path.exists() and "/two" in path.read_text(), timeout=5, what="a new access.log")
+        assert "/two" not in (tmp_path / "access.log.1").read_text()
+        os.rename(path, tmp_path / "access.log.2")
+        e.signal(signal.SIGHUP)
+        e.wait_log("reloaded")
+        request(e.port, "GET", "/three")
+        wait_until(lambda: path.exists() and "/three" in path.read_text(), timeout=5, what="HUP reopened it")
+        assert e.alive()
+    finally:
+        e.stop()
+
+
+# ------------------------------------------------------------------------------------------- secrets
+
+def test_the_redis_password_never_reaches_a_log_line_and_comes_from_env_or_file(backends, own_redis, tmp_path):
+    own_redis.client().config_set("requirepass", "s3cret-pw")
+    # 1. in the URL (discouraged), store down: the unreachable line shows the URL redacted
+    e = Edge("--backends", backends[0].url, "--limit", "5/s", "--store", "redis://:s3cret-pw@127.0.0.1:1/0",
+             "--redis-timeout", "0.2")
+    try:
+        e.wait_log(r"limiter store redis://:\*\*\*@127\.0\.0\.1:1/0: unreachable .*fail-open: starting anyway")
+        request(e.port, "GET", "/")
+        e.wait_log(r"limiter store .* unavailable")
+    finally:
+        e.stop()
+    assert "s3cret-pw" not in e.log()
+    # 2. wrong password from the environment: one clear line
+    e = Edge("--backends", backends[0].url, "--limit", "5/s", "--store", own_redis.url,
+             env={"EDGE_REDIS_PASSWORD": "wrong"})
+    try:
+        e.wait_log(r"limiter store redis://127\.0\.0\.1:\d+/0: wrong password")
+    finally:
+        e.stop()
+    # 3. the right one from a file ([limits] redis_password_file): reachable, and the limit holds
+    pw = tmp_path / "redis-password"
+    pw.write_text("s3cret-pw\n")
+    f = tmp_path / "edge.toml"
+    f.write_text(f'[[backends]]\nurl = "{backends[0].url}"\n[limits]\ndefault = "2/m"\nstore = "{own_redis.url}"\n'
+                 f'redis_password_file = "{pw}"\nredis_timeout = 1\n')
+    e = Edge("--config", str(f), "--admin", "127.0.0.1:0")
+    try:
+        e.wait_log(r"limiter store redis://127\.0\.0\.1:\d+/0: reachable")
+        assert [request(e.port, "GET", "/", {"X-Api-Key": "k"}).status for _ in range(3)] == [200, 200, 429]
+        assert request(e.admin_port, "GET", "/readyz").status == 200
+        assert "s3cret" not in request(e.admin_port, "GET", "/status").body.decode()
+    finally:
+        e.stop()
+    assert "s3cret" not in e.log()
+
+
+def test_fail_closed_is_not_ready_until_the_store_answers(backends, tmp_path):
+    from tests.redis_server import RedisServer
+    notify = NotifySocket(tmp_path)
+    port = free_port()
+    e = Edge("--backends", backends[0].url, "--limit", "5/s", "--store", f"redis://127.0.0.1:{port}/0",
+             "--on-store-error", "fail-closed", "--redis-timeout", "0.2", "--admin", "127.0.0.1:0",
+             env={"NOTIFY_SOCKET": notify.path})
+    server = None
+    try:
+        e.wait_log(r"unreachable .*fail-closed: not reporting ready until it answers")
+        r = request(e.admin_port, "GET", "/readyz")
+        assert r.status == 503 and b"limiter store" in r.body
+        assert notify.count("READY=1") == 0
+        server = RedisServer(port).start()
+        wait_until(lambda: notify.count("READY=1") == 1, timeout=15, what="READY=1 once the store answers")
+        assert request(e.admin_port, "GET", "/readyz").status == 200
+        assert request(e.admin_port, "GET", "/healthz").status == 200
+    finally:
+        e.stop()
+        notify.close()
+        if server:
+            server.stop()
+
+
+# ------------------------------------------------------------------------------- metrics and health
+
+def test_metrics_parse_and_carry_what_an_sre_scrapes(backends):
+    from prometheus_client.parser import text_string_to_metric_families
+    e = Edge("--backends", ",".join(b.url for b in backends[:2]), "--admin", "127.0.0.1:0", "--limit", "3/m",
+             "--max-connections", "1")
+    try:
+        held = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)   # the one allowed connection
+        assert [request(e.port, "GET", "/", {"X-Api-Key": "k"}, conn=held).status for _ in range(4)] == \
+            [200, 200, 200, 429]
+        wait_until(lambda: raw(e.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n").startswith(b"HTTP/1.1 503"),
+                   timeout=5, what="a refused connection")
+        text = request(e.admin_port, "GET", "/metrics").body.decode()
+        held.close()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+    finally:
+        e.stop()
+
+    def val(fam, **lab):
+        return sum(s.value for s in fams[fam].samples if all(s.labels.get(k) == v for k, v in lab.items()))
+
+    up = [s for s in fams["lb_upstream_duration_seconds"].samples if s.name.endswith("_count")]
+    assert {s.labels["backend"] for s in up} <= {b.url for b in backends} and sum(s.value for s in up) == 3
+    assert fams["lb_upstream_duration_seconds"].type == "histogram"
+    assert val("lb_backend_responses", code="2xx") == 3
+    assert val("lb_limiter_decisions", rule="default", outcome="allowed") == 3
+    assert val("lb_limiter_decisions", rule="default", outcome="limited") == 1
+    assert val("lb_refused_connections") >= 1 and val("lb_client_connections") >= 1
+    assert val("process_resident_memory_bytes") > 1e6 and val("process_open_fds") > 3
+    assert val("process_threads") >= 2 and val("process_cpu_seconds") > 0
+    assert math.isclose(val("process_start_time_seconds"), time.time(), abs_tol=300)
+    info = fams["edge_build_info"].samples[0]
+    assert info.value == 1 and info.labels["python"].startswith("3.")
+    for fam in ("lb_retries", "lb_ejections", "lb_tunnels", "lb_tunnels_active", "lb_limiter_store_up"):
+        assert fam in fams                              # declared, for the failover/tunnel/store work
+
+
+def test_readyz_fails_as_soon_as_a_drain_starts_while_requests_are_still_served(backends):
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--grace", "3")
+    try:
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
+        assert request(e.admin_port, "GET", "/healthz").body == b"ok\n"
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
+        assert request(e.port, "GET", "/").status == 200      # still accepting during the grace period
+        wait_until(lambda: not e.alive(), timeout=15, what="exit after the grace period")
+        assert e.popen.returncode == 0
+    finally:
+        e.stop()
+
+
+# ------------------------------------------------------------------------------------------- reload
+
+def test_reload_applies_pool_and_log_settings_and_names_what_needs_a_restart(backends, tmp_path):
+    cfg = tmp_path / "edge.toml"
+    log1, log2 = tmp_path / "one.log", tmp_path / "two.log"
+    base = f'access_log = "{{}}"\n[[backends]]\nurl = "{backends[0].url}"\n[health]\ninterval = 30\n'
+    cfg.write_text(base.format(log1) + "[upstream]\npool_maxsize = 4\n")
+    e = Edge("--config", str(cfg))
+    try:
+        request(e.port, "GET", "/a")
+        cfg.write_text(base.format(log2) + "[upstream]\npool_maxsize = 1\n[server]\ncpu_affinity = \"off\"\n")
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 1 backends .*new connection pools")
+        line = e.wait_log(r"reload: cpu_affinity changed; that needs a restart.*").group(0)
+        assert "auto" in line and "off" in line
+        request(e.port, "GET", "/b")
+        wait_until(lambda: log2.exists() and "/b" in log2.read_text(), timeout=5, what="the new access log")
+        assert "/b" not in log1.read_text()
+    finally:
+        e.stop()
+
+
+# ------------------------------------------------------------------------------------------- systemd
+
+def test_the_unit_runs_check_before_reload_and_its_low_port_lines_work():
+    unit = (ROOT / "conf" / "edge.service").read_text()
+    lines = [x.strip() for x in unit.splitlines()]
+    reload_lines = [x for x in lines if x.startswith("ExecReload=")]
+    assert "--check" in reload_lines[0] and "kill -HUP" in reload_lines[-1]
+    assert "WatchdogSec=" in unit and "UMask=0077" in unit and "LoadCredential=" in unit
+    # Uncommenting the low-port lines must leave CAP_NET_BIND_SERVICE in the bounding set: no later
+    # empty CapabilityBoundingSet= may reset it.
+    opened = [x.lstrip("# ") if "CAP_NET_BIND_SERVICE" in x else x for x in lines]
+    cbs = [x for x in opened if x.startswith("CapabilityBoundingSet=")]
+    assert cbs and cbs[-1] == "CapabilityBoundingSet=CAP_NET_BIND_SERVICE", cbs
+    assert any(x == "AmbientCapabilities=CAP_NET_BIND_SERVICE" for x in opened)
+    stop = int(next(x for x in lines if x.startswith("TimeoutStopSec=")).split("=")[1])
+    assert stop > 30                                   # above drain_timeout's default (and say so there)
+    assert not any(x.startswith("NotifyAccess=all") for x in lines)   # workers never notify: main is enough
