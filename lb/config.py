@@ -1,7 +1,7 @@
 """Configuration: command-line flags over an optional TOML file, validated into one frozen Config.
 
 Every bad value raises ConfigError with one line naming the key and the value; edge.py prints it and
-exits 2. The flag names and the file's keys are a contract (DESIGN.md, README "Configuration").
+exits 2. The flag names and the file's keys are a contract (README "Configuration").
 """
 
 from __future__ import annotations
