@@ -114,15 +114,14 @@ class App:
         if cfg.admin:
             addr = cfg.admin
             if worker and addr[1]:
-                addr = (addr[0], addr[1] + worker)   # worker i's own port (PORT + i): its /status and drain
+                addr = (addr[0], addr[1] + worker)   # worker i on PORT + i: its /status and drain; any /metrics sums
             try:
                 self.admin = start_admin(addr, self)
             except OSError as e:
                 self.server.server_close()
                 raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}") from None
             log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable)",
-                     hostport(*self.admin.server_address[:2]),
-                     " of every worker" if worker == 0 else " of this worker only" if worker else "")
+                     hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "")
         for b in backends:
             self.health.watch(b)
 
@@ -239,7 +238,7 @@ class App:
 
     def render_metrics(self) -> str:
         others = ()
-        if self.rundir is not None and self.worker == 0:
+        if self.rundir is not None:          # any worker's /metrics is the sum of all of them
             n = self.cfg.workers
             others = metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
                                         for i in range(n) if i != self.worker)

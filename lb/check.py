@@ -28,13 +28,15 @@ def problems(cfg) -> list[str]:
         out.append(f"admin {cfg.admin[0]}:{cfg.admin[1]}: the same address as listen")
     if cfg.access_log and cfg.access_log != "-":
         out += _writable(cfg.access_log, "access_log")
-    if cfg.store.startswith("redis://"):
-        from urllib.parse import urlsplit
-        host = urlsplit(cfg.store).hostname
-        try:
-            socket.getaddrinfo(host, None)
-        except (OSError, UnicodeError) as e:
-            out.append(f"limits.store {redact(cfg.store)}: {getattr(e, 'strerror', None) or e}")
+    if cfg.store != "memory":
+        from limiter import redis_url
+        from .config import redis_files
+        target = redis_url.parse(cfg.store, **redis_files(cfg))   # parsed already: it does not raise here
+        for host, _ in target.hosts:
+            try:
+                socket.getaddrinfo(host, None)
+            except (OSError, UnicodeError) as e:
+                out.append(f"limits.store {target.display}: {host}: {getattr(e, 'strerror', None) or e}")
     return out
 
 

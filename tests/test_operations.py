@@ -96,7 +96,7 @@ def test_check_reports_every_problem_one_line_each_and_starts_nothing(tmp_path):
     assert all(LINE.match(x) and "configuration error: " in x for x in lines), lines
     text = p.stderr
     for needle in ("health.interval: must be a finite number > 0", "upstream.read_timeout: must be a finite",
-                   "server.keepalive_timeout: must be a finite", "limits.store"):
+                   "server.keepalive_timeout: must be a finite", "store: redis://127.0.0.1:notaport/0"):
         assert sum(needle in x for x in lines) == 1, (needle, lines)
     assert "hunter2" not in text                       # the store URL's password is never printed
     assert time.monotonic() - started < 15
@@ -286,7 +286,7 @@ def test_the_redis_password_never_reaches_a_log_line_and_comes_from_env_or_file(
     e = Edge("--backends", backends[0].url, "--limit", "5/s", "--store", "redis://:s3cret-pw@127.0.0.1:1/0",
              "--redis-timeout", "0.2")
     try:
-        e.wait_log(r"limiter store redis://:\*\*\*@127\.0\.0\.1:1/0: unreachable .*fail-open: starting anyway")
+        e.wait_log(r"limiter store redis://127\.0\.0\.1:1/0: unreachable .*fail-open: starting anyway")
         request(e.port, "GET", "/")
         e.wait_log(r"limiter store .* unavailable")
     finally:
