@@ -13,6 +13,7 @@ Adding a metric: name it in FAMILIES (type, help), then `metrics.inc("lb_x_total
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -323,12 +324,14 @@ def publish(path: str, snapshot) -> socket.socket:
                     conn.sendall(json.dumps(snapshot()).encode())
                 except OSError:
                     pass
+                except Exception:       # a bug here must cost one scrape, not every later one
+                    logging.getLogger("edge").exception("metrics snapshot failed")
 
     threading.Thread(target=loop, name="metrics-publish", daemon=True).start()
     return srv
 
 
-def gather(paths, timeout: float = 1.0) -> list[dict]:
+def gather(paths, timeout: float = 3.0) -> list[dict]:
     """The other workers' snapshots; a worker that is restarting is left out of this scrape."""
     out = []
     for p in paths:

@@ -137,7 +137,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(backends):
 def test_workers_share_the_port_and_a_crashed_worker_is_restarted(backends):
     e = Edge("--backends", backends[0].url, "--workers", "2")
     try:
-        e.wait_log(r"worker 1: listening")
+        e.wait_log(r"all 2 workers ready", timeout=20)   # a worker that dies after that is restarted
         children = subprocess.run(["pgrep", "-P", str(e.popen.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 2
         assert all(request(e.port, "GET", "/").status == 200 for _ in range(20))
