@@ -32,6 +32,8 @@ def problems(cfg) -> list[str]:
         from limiter import redis_url
         from .config import redis_files
         target = redis_url.parse(cfg.store, **redis_files(cfg))   # parsed already: it does not raise here
+        if target.socket and not os.path.exists(target.socket):
+            out.append(f"limits.store {target.display}: No such file or directory")
         for host, _ in target.hosts:
             try:
                 socket.getaddrinfo(host, None)

@@ -29,9 +29,11 @@ def check(cfg, timeout: float = 1.0) -> tuple[bool, str]:
     if target.kind != "single":
         return True, ""           # the store refuses these at start-up itself, with its own line
     t = max(cfg.redis_timeout, timeout)
-    kw = target.connection_kwargs(*target.hosts[0])
+    kw = target.connection_kwargs(*(target.hosts[0] if target.hosts else ("", 0)))   # redis+unix: no hosts
     if target.tls:
         kw["ssl"] = True
+    if "path" in kw:
+        kw["unix_socket_path"] = kw.pop("path")
     client = redis.Redis(socket_timeout=t, socket_connect_timeout=t, **kw)
     try:
         start = monotonic()
