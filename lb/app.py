@@ -247,7 +247,7 @@ class App:
         for k in [k for k in live if k[0] == "lb_requests_total"]:
             if k in self.metrics.counters:
                 del live[k]
-        return self.metrics.render(live, others)
+        return self.metrics.render(live, others, self.worker)
 
     def not_ready(self) -> str | None:
         """None when ready; else why not (for /readyz)."""

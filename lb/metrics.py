@@ -217,9 +217,9 @@ class Metrics:
         served = sum(x[4] for x in h if x[0] == "lb_request_duration_seconds")
         return {"worker": worker, "c": c, "g": g, "h": h, "served": served}
 
-    def render(self, live: dict | None = None, others=()) -> str:
-        """Prometheus text exposition format 0.0.4: this process plus the other workers' snapshots."""
-        snaps = [self.snapshot(live, 0 if others else None), *others]
+    def render(self, live: dict | None = None, others=(), worker: int | None = None) -> str:
+        """Prometheus text exposition format 0.0.4: this process (worker N) plus the other workers' snapshots."""
+        snaps = [self.snapshot(live, worker), *others]
         return render(merge(snaps))
 
 

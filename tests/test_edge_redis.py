@@ -52,14 +52,14 @@ def admitted_per_second(samples, t0, t1):
 
 
 def test_two_edges_one_client_at_twice_the_limit_redis_holds_the_limit_memory_doubles_it(backend, redis_server):
-    """fixed-window 50/s on every edge; one client alternates between two edges at 100 req/s for 12 s.
+    """fixed-window 25/s on every edge; one client alternates between two edges at 50 req/s for 12 s.
 
     Measured in the steady state: the whole 1-s windows (the edges' windows are aligned to the epoch
     second) from the second full window on, 10 of them -- so no partial window at either end and no
     start-up effect.  Local counters: each edge sees 50/s and admits all of it (about 2x the limit).
-    Redis: the two edges share one counter per window: 50/s, within 2%.  Both configurations run at once.
+    Redis: the two edges share one counter per window: 25/s, within 2%.  Both configurations run at once.
     """
-    limit, demand = 50, 100
+    limit, demand = 25, 50   # (50/100 did not keep up here when the suite shared 2 cores with others)
     common = ["--backends", backend.url, "--limit", f"{limit}/s", "--algorithm", "fixed-window"]
     # A generous Redis timeout: this test is about accuracy, not faults (a loaded CI box must not fail open).
     mem = [Edge(*common, name=f"edge-mem-{i}") for i in "ab"]

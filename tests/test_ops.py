@@ -209,8 +209,15 @@ def test_two_workers_on_the_redis_store_hold_one_limit_per_key(backends, redis_s
         for _ in range(60):   # a new connection each time, so both workers take turns
             statuses[request(e.port, "GET", "/", {"X-Api-Key": "one-key"}).status] += 1
         assert statuses == {200: 20, 429: 40}
-        fams = {f.name: f for f in text_string_to_metric_families(
-            request(e.admin_port, "GET", "/metrics").body.decode())}
+        import re
+        ports = [int(p) for p in re.findall(r"worker \d: admin on 127\.0\.0\.1:(\d+)", e.log())]
+        assert len(ports) == 2                          # each worker has its own (drain, /status) ...
+        texts = [request(p, "GET", "/metrics").body.decode() for p in ports]
+        fams = {f.name: f for f in text_string_to_metric_families(texts[0])}
+        other = {f.name: f for f in text_string_to_metric_families(texts[1])}
+        # ... and either one's /metrics is the sum of both: the same split, from each side
+        assert {s.labels["worker"]: s.value for s in other["lb_worker_requests"].samples} == \
+            {s.labels["worker"]: s.value for s in fams["lb_worker_requests"].samples}
         value = lambda fam, **lab: sum(s.value for s in fams[fam].samples
                                        if all(s.labels.get(k) == v for k, v in lab.items()))
         assert value("lb_requests") == 20 and value("lb_rate_limited") == 40
