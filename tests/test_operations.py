@@ -61,9 +61,10 @@ NUMERIC = sorted(config._FLAG_KINDS)
 def test_every_number_is_finite_and_in_range_flag_and_file(name, bad, tmp_path):
     """One table checks them all: the flag and the TOML key give the same error naming the key."""
     flag = "--" + name.replace("_", "-")
-    with pytest.raises(config.ConfigError) as e:
-        config.load(["--backends", "http://127.0.0.1:9", f"{flag}={bad}"])
-    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(flag + ":"), e.value.problems
+    if flag in config.build_argparser()._option_string_actions:    # a few keys are file-only (max_keys)
+        with pytest.raises(config.ConfigError) as e:
+            config.load(["--backends", "http://127.0.0.1:9", f"{flag}={bad}"])
+        assert len(e.value.problems) == 1 and e.value.problems[0].startswith(flag + ":"), e.value.problems
     section, key = next((s, k) for s, t in config._SECTIONS.items() for k, (n, _) in t.items() if n == name)
     f = tmp_path / "edge.toml"
     value = {"nan": "nan", "inf": "inf", "-1": "-1", "1e30": "1e30"}[bad]
@@ -228,7 +229,8 @@ def test_json_access_log_fields_request_ids_and_no_api_key(backends, tmp_path):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", one["time"])
     assert one["request_id"] == "client-id-1" and two["request_id"] == rid_b
     assert all(r["client_ip"] == "127.0.0.1" for r in rows)             # always, key or not
-    assert one["key"] == three["key"] == four["key"] and one["key"].startswith("k-") and two["key"] is None
+    assert one["key"] == three["key"] == four["key"] and re.fullmatch(r"#[0-9a-f]{12}", one["key"])
+    assert two["key"] is None
     assert (one["status"], one["upstream"], one["tries"], one["limited_by"]) == (200, backends[0].url, 1, None)
     assert len(a.body) < one["bytes_sent"] < len(a.body) + 1024      # head and body
     assert four["bytes_sent"] > 0
@@ -250,7 +252,7 @@ def test_text_access_log_escapes_what_the_client_controls(backends, tmp_path):
     assert '"GET /a\\x22b\\x5cc%20d"' in line and "/forged" not in line
     assert line.count('"') == 2                        # only the quotes around the request line
     assert re.fullmatch(r"\S+Z 127\.0\.0\.1 \"GET \S+\" 200 \d+ http://\S+ \d\.\d{6} \d\.\d{6} rid=[0-9a-f]{32} "
-                        r"key=k-[0-9a-f]{8} tries=1 limited_by=-", line), line
+                        r"key=#[0-9a-f]{12} tries=1 limited_by=-", line), line
 
 
 def test_usr1_and_hup_reopen_the_access_log_and_stderr_after_a_move(backends, tmp_path):
@@ -365,8 +367,7 @@ def test_metrics_parse_and_carry_what_an_sre_scrapes(backends):
     assert {s.labels["backend"] for s in up} <= {b.url for b in backends} and sum(s.value for s in up) == 3
     assert fams["lb_upstream_duration_seconds"].type == "histogram"
     assert val("lb_backend_responses", code="2xx") == 3
-    assert val("lb_limiter_decisions", rule="default", outcome="allowed") == 3
-    assert val("lb_limiter_decisions", rule="default", outcome="limited") == 1
+    assert val("lb_rate_limited", rule="default", dry_run="false") == 1
     assert val("lb_refused_connections") >= 1 and val("lb_client_connections") >= 1
     assert val("process_resident_memory_bytes") > 1e6 and val("process_open_fds") > 3
     assert val("process_threads") >= 2 and val("process_cpu_seconds") > 0
