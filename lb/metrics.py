@@ -119,7 +119,7 @@ class Metrics:
             self._inc(name, _labels(**labels), n)
 
     def add_gauge(self, name: str, delta: float, **labels) -> None:
-        """A gauge kept by events, e.g. add_gauge("lb_tunnels_active", +1) when a tunnel opens."""
+        """A gauge kept by events, e.g. add_gauge("lb_x_open", +1) when an x opens."""
         k = (name, _labels(**labels))
         with self.lock:
             self.gauges[k] = self.gauges.get(k, 0) + delta

@@ -374,7 +374,7 @@ def test_metrics_parse_and_carry_what_an_sre_scrapes(backends):
     assert math.isclose(val("process_start_time_seconds"), time.time(), abs_tol=300)
     info = fams["edge_build_info"].samples[0]
     assert info.value == 1 and info.labels["python"].startswith("3.")
-    for fam in ("lb_retries", "lb_ejections", "lb_tunnels", "lb_tunnels_active", "lb_limiter_store_up"):
+    for fam in ("lb_retries", "lb_ejections", "lb_tunnels", "lb_tunnels_open", "lb_limiter_store_up"):
         assert fam in fams                              # declared, for the failover/tunnel/store work
 
 
