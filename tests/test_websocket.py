@@ -238,3 +238,61 @@ def test_a_handshake_to_a_dead_backend_is_retried_on_another(wsb):
         assert "retrying on " + wsb.url in e.log()
     finally:
         e.stop()
+
+
+def _handshake(port, path="/echo", extra=b""):
+    return (b"GET " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nConnection: Upgrade\r\n"
+            b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"\r\n" % port) + extra
+
+
+def test_bytes_the_client_sends_with_its_handshake_reach_the_backend(wsb):
+    import socket
+    e = Edge("--backends", wsb.url, "--health-interval", "30")
+    try:
+        # A masked text frame "early" sent in the same write as the handshake, before any 101.
+        mask = b"\x01\x02\x03\x04"
+        frame = b"\x81\x85" + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(b"early"))
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+            s.sendall(_handshake(e.port, extra=frame))
+            got = b""
+            while b"early" not in got:
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+        head = got.split(b"\r\n\r\n", 1)[0]
+        assert head.startswith(b"HTTP/1.1 101 ") and b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in head
+        assert got.endswith(b"\x81\x05early")            # the server's unmasked echo, through the tunnel
+    finally:
+        e.stop()
+
+
+def test_a_101_without_upgrade_is_a_502_and_nothing_is_tunnelled():
+    """A backend that answers 101 but names no protocol: the client gets a 502, not a tunnel."""
+    import socket
+    import threading
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += c.recv(65536)
+                c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    e = Edge("--backends", f"http://127.0.0.1:{port}", "--health-interval", "30")
+    try:
+        from tests.support import raw
+        out = raw(e.port, _handshake(e.port), timeout=10)
+        assert out.startswith(b"HTTP/1.1 502 "), out
+        e.wait_log(r"101 without an Upgrade header")
+    finally:
+        e.stop()
+        srv.close()
