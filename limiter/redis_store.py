@@ -335,7 +335,7 @@ class RedisStore:
         # whichever store's call it was that found the server back (every store checks its own).
         self._locals: dict[RedisLink, MemoryStore] = {}
         self.deny_cache = deny_cache
-        self._denied = {}  # key -> (the state Redis holds while it can only deny, its server's outages then)
+        self._denied = {}  # key -> (the state Redis holds while it can only deny, its server, its outages then)
         self.answered_locally = 0  # denials answered from _denied, without a round trip
         self.degraded = 0  # decisions made by the failure policy
         self.drift = 0  # Lua and Python verdicts disagreed (must stay 0)
@@ -362,8 +362,10 @@ class RedisStore:
         # has not been down since (it may have come back empty); while down, the failure policy decides.
         state = self._denied.get(key)
         if state is not None:
-            state, outages = state
-            if node.up and outages == node.outages:
+            state, server, outages = state
+            # the same server (a cluster slot may have moved to another node, e.g. its promoted replica,
+            # which may lack the last writes) and no outage of it since
+            if server is node and node.up and outages == node.outages:
                 if type(state) is list:
                     state = state.copy()  # step() prunes a sliding log in place; the kept one stays whole
                 _, d = self._step(state, now)
@@ -391,7 +393,7 @@ class RedisStore:
                     denied = self._denied
                     if len(denied) >= self.deny_cache and key not in denied:
                         denied.clear()  # bounded; forgetting costs round trips, never a wrong answer
-                    denied[key] = (new, node.outages)
+                    denied[key] = (new, node, node.outages)
                 return d
         return self._fallback(key, now, node)
 
