@@ -33,12 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.check:
         from lb.check import problems
+        from lb.netaddr import hostport
         found = problems(cfg)
         for p in found:
             logs.say(f"configuration error: {p}")
         if not found:
             print(f"edge: configuration OK ({cfg.config_path or 'flags only'}: {len(cfg.backends)} backends, "
-                  f"listen {cfg.listen[0]}:{cfg.listen[1]}{', limit ' + cfg.limit if cfg.limit else ''})")
+                  f"listen {hostport(*cfg.listen)}{', tls' if cfg.tls_cert else ''}"
+                  f"{', limit ' + cfg.limit if cfg.limit else ''})")
         return 2 if found else 0
     from lb.server import StartError
     try:

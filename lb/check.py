@@ -12,6 +12,7 @@ import os
 import socket
 
 from .logs import redact
+from .netaddr import hostport
 
 
 def problems(cfg) -> list[str]:
@@ -23,9 +24,9 @@ def problems(cfg) -> list[str]:
         try:
             socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except (OSError, UnicodeError) as e:
-            out.append(f"{key} {host}:{port}: {getattr(e, 'strerror', None) or e}")
+            out.append(f"{key} {hostport(host, port)}: {getattr(e, 'strerror', None) or e}")
     if cfg.admin and cfg.admin == cfg.listen and cfg.listen[1]:
-        out.append(f"admin {cfg.admin[0]}:{cfg.admin[1]}: the same address as listen")
+        out.append(f"admin {hostport(*cfg.admin)}: the same address as listen")
     if cfg.access_log and cfg.access_log != "-":
         out += _writable(cfg.access_log, "access_log")
     if cfg.store != "memory":

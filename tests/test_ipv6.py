@@ -110,3 +110,13 @@ def test_identity_by_ipv6_address_and_trusted_ipv6_proxies(backend6):
 ])
 def test_bad_ipv6_configuration_exits_2_with_one_line(args, needle):
     assert needle in config_error("--backends", "http://[::1]:1", *args)
+
+
+def test_check_writes_ipv6_addresses_in_brackets():
+    import subprocess
+    from tests.support import PY, ROOT
+    ok = subprocess.run([PY, "edge.py", "--check", "--backends", "http://[::1]:9", "--listen", "[::]:8443"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=20)
+    assert ok.returncode == 0 and "listen [::]:8443" in ok.stdout, ok
+    assert "admin [::1]:8443: the same address as listen" in config_error(
+        "--check", "--backends", "http://[::1]:9", "--listen", "[::1]:8443", "--admin", "[::1]:8443")
