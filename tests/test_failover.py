@@ -260,12 +260,14 @@ def test_a_backend_refusing_connections_costs_clients_nothing(backends):
     assert retries >= 1 and "; retrying on" in log
 
 
-def test_every_connect_failure_is_retried_elsewhere_any_method(backends):
+def test_every_connect_failure_is_retried_elsewhere_any_method(backends, tmp_path):
     """Without ejection the dead backend keeps its turns; each is retried (GET and POST alike), the
     access log and the metrics count the tries, and the log line names both backends."""
     a, b, _ = backends
     dead = dead_url()
-    e = Edge("--backends", f"{a.url},{dead},{b.url}", "--eject-after", "0", "--admin", "127.0.0.1:0")
+    alog = tmp_path / "access.log"
+    e = Edge("--backends", f"{a.url},{dead},{b.url}", "--eject-after", "0", "--admin", "127.0.0.1:0",
+             "--access-log", str(alog))
     try:
         conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
         out = [request(e.port, m, f"/echo/{i}", body=b"x" if m == "POST" else None, conn=conn)
@@ -276,6 +278,12 @@ def test_every_connect_failure_is_retried_elsewhere_any_method(backends):
         assert metric(e, f'lb_upstream_errors_total{{backend="{dead}",kind="connect"}}') == 10
         assert metric(e, 'lb_edge_responses_total{code="502"}') == 0
         e.wait_log(rf"backend {dead} connect: POST /echo/\d+ \(.*\); retrying on http://127\.0\.0\.1:\d+ \(try 2\)")
+        lines = wait_until(lambda: [ln for ln in alog.read_text().splitlines() if " tries=" in ln]
+                           if alog.exists() and alog.read_text().count("\n") >= 30 else None,
+                           what="30 access-log lines")
+        tries = Counter(ln.split(" tries=")[1].split()[0] for ln in lines)
+        assert tries == {"1": 20, "2": 10}, tries          # the upstream named is the one that answered
+        assert not any(dead in ln for ln in lines)
     finally:
         e.stop()
     # with --retries 0 the floor of the spec: 502 on its turns, and the line says so
