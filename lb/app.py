@@ -154,15 +154,19 @@ class App:
     def _limit_stage(self, cfg: Config, old):
         if not (cfg.limit or cfg.rules or cfg.keys):
             return None
+        from limiter import shm
+
         from .ratelimit import LimitStage
         opts = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error,
                 **{k: v for k, v in redis_files(cfg).items() if v is not None}} if cfg.store != "memory" else {}
         opts["max_keys"] = cfg.max_keys
+        # A worker of --workers N with the memory store: the table the supervisor shared before forking
+        store = "shm" if cfg.store == "memory" and shm.ARENA is not None else cfg.store
         reuse = None
         if old is not None and (old.algorithm, old.store, old.options) == (
-                cfg.algorithm, cfg.store, tuple(sorted(opts.items()))):
+                cfg.algorithm, store, tuple(sorted(opts.items()))):
             reuse = old.limiters      # same algorithm, store and options: unchanged rates keep their counters
-        stage = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, cfg.store, reuse=reuse, rules=cfg.rules,
+        stage = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, store, reuse=reuse, rules=cfg.rules,
                            keys=cfg.keys, unknown_keys=cfg.unknown_keys, exempt=cfg.exempt,
                            ietf_headers=cfg.ietf_headers, **opts)
         self.metrics.declare_rules(stage.declared)

@@ -380,8 +380,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
     a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
     a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
-    a("--workers", help="processes sharing the listening port (default 1); needs a redis:// store "
-                        "when limiting")
+    a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
+                        "share their limits in shared memory")
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
     a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     a("--grace", help="seconds between SIGTERM (/readyz fails at once) and closing the listener (default 0)")
@@ -586,9 +586,7 @@ def validate(c: Config) -> list[str]:
         bad.append(f"limits.on_store_error: {c.on_store_error!r} is not one of {', '.join(STORE_ERROR_POLICIES)}")
     check(check_cidrs, c.trusted_proxies, "trusted_proxies")
     check(_validate_limits, c)
-    if c.workers > 1 and (c.limit is not None or c.rules or any(k.limit for k in c.keys)) and c.store == "memory":
-        bad.append(f"workers: {c.workers} workers with the memory store would each count apart, and a "
-                   f"key could get {c.workers}x its limit; use store = \"redis://...\" or 1 worker")
+    # workers > 1 with the memory store: the workers share one table in shared memory (limiter.shm)
     if c.cpu_affinity not in ("auto", "off"):
         try:
             cpus = [int(x) for x in c.cpu_affinity.split(",")]

@@ -65,6 +65,8 @@ def run(cfg, argv) -> int:
     host, port = reserve.getsockname()[:2]
     cfg = replace(cfg, listen=(host, port))
     argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
+    if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
+        _share_limits(cfg)                 # before any fork: the workers must inherit the same mapping
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
     workers = [Worker(i) for i in range(cfg.workers)]
     by_pid: dict[int, Worker] = {}
@@ -256,3 +258,22 @@ def _fail(wfd: int, line: str, logged: bool = False) -> None:
         os.write(wfd, ("fail " + logs.redact(line).replace("\n", " ") + "\n").encode()[:4000])
     except OSError:
         pass
+
+
+def _share_limits(cfg) -> None:
+    """The memory store with N workers: one shared table (limiter.shm), nginx's limit_req_zone.  Slots
+    for max_keys keys (at most 64 MiB), each sized for the largest state the configured limits need (the
+    default, per-key limits, key tiers and every [[rules]] table, each with its algorithm; a sliding log
+    holds its limit's worth of instants)."""
+    from limiter import ALGORITHMS, parse_rate, shm
+    limits = [(cfg.algorithm, r) for r in (cfg.limit, *(rate for _, rate in cfg.key_limits),
+                                           *(k.limit for k in cfg.keys)) if r]
+    limits += [(s.algorithm or cfg.algorithm, s.limit) for s in cfg.rules]
+    need = 24
+    for algorithm, rate in limits:
+        n, period = parse_rate(rate)
+        need = max(need, shm.state_size(ALGORITHMS[algorithm](n, period)))
+    slots = max(1024, min(cfg.max_keys, (64 << 20) // (need + 24)))
+    arena = shm.create(slots, need)
+    log.info("limits shared by %d workers in %d KiB of shared memory (%d keys, %d bytes of state each)",
+             cfg.workers, arena.bytes >> 10, arena.slots, need)

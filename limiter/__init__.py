@@ -27,7 +27,7 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     algorithm  one of ALGORITHMS: token-bucket, fixed-window, sliding-log, sliding-counter
     limit      N requests per window (token bucket: refill N per window, capacity N unless burst=)
     window     the period in seconds
-    store      "memory", or redis://, rediss://, redis-sentinel://, redis-cluster:// (limiter.redis_url;
+    store      "memory"; "shm" (limiter.shm: shared by forked workers); or redis://, rediss://, redis-sentinel://, redis-cluster:// (limiter.redis_url;
                limiter.redis_store: state shared by every edge)
     burst      token-bucket only: bucket capacity, apart from N
     max_keys   hard cap on keys holding state in memory (idle keys are evicted long before; when only
@@ -43,6 +43,10 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     if burst is not None and cls is not TokenBucket:
         raise ValueError(f"burst only applies to algorithm token-bucket, not {algorithm!r}")
     algo = cls(limit, window, burst) if cls is TokenBucket else cls(limit, window)
+    if store == "shm":  # limiter.shm: the table the supervisor shared with its workers before fork
+        from .shm import ShmStore
+        return ShmStore(algo, redis_options.pop("shm_arena", None), name=redis_options.pop("prefix", None),
+                        **({"clock": clock} if clock else {}), **redis_options)
     if store == "memory":
         if redis_options:
             raise ValueError(f"options {', '.join(sorted(redis_options))} only apply to store='redis://...'")

@@ -2,6 +2,7 @@
 
 import http.client
 import os
+import re
 import shutil
 import signal
 import socket
@@ -153,10 +154,31 @@ def test_workers_share_the_port_and_a_crashed_worker_is_restarted(backends):
         e.stop()
 
 
-def test_workers_with_the_memory_store_refuse_to_start():
-    p = subprocess.run([PY, "edge.py", "--backends", "http://127.0.0.1:9", "--workers", "2", "--limit", "5/s"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=20)
-    assert p.returncode == 2 and "memory store" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+@pytest.mark.parametrize("algorithm", ["sliding-log", "token-bucket"])
+def test_two_workers_on_the_memory_store_share_one_limit_per_key(backends, algorithm):
+    """--workers 2 with the memory store: the workers share one table in shared memory (limiter.shm),
+    so one key driven at 2x its limit, over connections the kernel spreads across both, gets exactly N."""
+    e = Edge("--backends", backends[0].url, "--workers", "2", "--limit", "20/m", "--algorithm", algorithm,
+             "--admin", "127.0.0.1:0")
+    try:
+        e.wait_log(r"worker 1: admin on")
+        e.wait_log(r"worker 0: admin on")
+        assert re.search(r"limits shared by 2 workers in \d+ KiB of shared memory", e.log())
+        statuses = Counter()
+        for _ in range(40):   # a new connection each time, so both workers take turns
+            statuses[request(e.port, "GET", "/", {"X-Api-Key": "one-key"}).status] += 1
+        assert statuses == {200: 20, 429: 20}
+        per_worker = []
+        for port in re.findall(r"worker \d: admin on 127\.0\.0\.1:(\d+)", e.log()):
+            text = request(int(port), "GET", "/metrics").body.decode()
+            served = sum(int(float(line.split()[-1])) for line in text.splitlines()
+                         if line.startswith("lb_requests_total{"))
+            limited = int(re.search(r"^lb_rate_limited_total (\d+)", text, re.M).group(1))
+            per_worker.append((served, limited))
+        assert len(per_worker) == 2 and all(s + l > 0 for s, l in per_worker), per_worker
+        assert sum(s for s, _ in per_worker) == 20 and sum(l for _, l in per_worker) == 20
+    finally:
+        e.stop()
 
 
 def test_sd_notify_ready_reloading_stopping(backends, tmp_path):

@@ -1,0 +1,195 @@
+"""The shared-memory store: one limit per key across the worker processes of one edge, no Redis.
+
+nginx's limit_req_zone model.  The supervisor creates an Arena BEFORE it forks the workers: an anonymous
+shared mmap (MAP_SHARED, so every forked worker sees the same bytes) holding a fixed table of fixed-size
+slots, and an unlinked temporary file whose byte ranges are the stripe locks.  Every worker's
+ShmStore decides on that table with the algorithm's own step() -- the same functions as the memory and
+Redis stores, no second copy of any rule; only the state's packing into bytes is new (CODECS).
+
+Table: `stripes` independent open-addressing tables of `slots // stripes` slots; a key (a 16-byte BLAKE2b
+digest of limiter id + client key, so several limiters share one arena) lives in the stripe its digest
+names, at the first of PROBE slots from its home slot.  A slot: digest (16 bytes; zero: never used),
+expires_at (double), the state's bytes.
+
+Locks, across processes and threads: a decision holds its stripe's threading.Lock (the threads of one
+process) and then an exclusive fcntl record lock on byte <stripe> of the lock file (the processes).
+The kernel drops a process's record locks when it dies, so **a worker killed while holding a lock
+does not wedge the others**: the next taker gets the lock at once.  The clock is read under both locks,
+as in the memory store.  What a kill can leave behind is at most one half-written slot (the state is
+written with one struct.pack_into, a memcpy of a few dozen bytes): one key decided on a torn state
+until its state expires -- never a wedged table.
+
+Bounded: the table never grows.  The eviction rule is the memory store's: a slot whose state has
+expired (expires_at <= now: it behaves exactly like a fresh key) is reused first; when every slot a
+new key may use holds live state, the key is refused with a TableFullDecision (the edge answers 503),
+and no live state is ever overwritten, so a flood cannot reset a limited key's quota.  Slots are never
+emptied (a reused slot keeps probe chains whole), so a lookup stops at a never-used slot or after PROBE.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+import struct
+import tempfile
+import threading
+from time import time as _time
+
+from .algorithms import FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from .memory import TableFullDecision
+
+PROBE = 16  # slots examined for a key, from its home slot (linear probing inside its stripe)
+_HEAD = struct.Struct("=16sd")  # digest, expires_at
+_EMPTY = bytes(16)
+_new = tuple.__new__
+
+
+class _Codec:
+    """A state <-> bytes, in a fixed size per algorithm (the sliding log: its limit's worth of doubles)."""
+
+    def __init__(self, fmt: str, decode, encode):
+        self.struct = struct.Struct(fmt)
+        self.size = self.struct.size
+        self.decode = decode
+        self.encode = encode
+
+
+def _codec(algorithm) -> _Codec:
+    if isinstance(algorithm, TokenBucket):
+        return _Codec("=dd", lambda v: v, lambda s: s)
+    if isinstance(algorithm, FixedWindow):
+        return _Codec("=qq", lambda v: v, lambda s: s)
+    if isinstance(algorithm, SlidingCounter):
+        return _Codec("=qqq", lambda v: v, lambda s: s)
+    if isinstance(algorithm, SlidingLog):
+        n = algorithm.limit
+        pad = (0.0,) * n
+        return _Codec(f"=q{n}d", lambda v: list(v[1:1 + v[0]]), lambda s: (len(s), *s, *pad[len(s):]))
+    raise ValueError(f"no shared-memory layout for {algorithm!r}")
+
+
+def state_size(algorithm) -> int:
+    """Bytes of state one slot needs for this algorithm (and limit)."""
+    return _codec(algorithm).size
+
+
+class Arena:
+    """The shared table: create it in the parent, before fork; every child's ShmStore uses it."""
+
+    def __init__(self, slots: int = 100_000, state_bytes: int = 24, stripes: int = 64):
+        if slots < stripes:
+            stripes = max(1, slots)
+        self.stripes = stripes
+        self.per_stripe = slots // stripes
+        self.slots = self.per_stripe * stripes
+        self.state_bytes = state_bytes
+        self.slot_size = _HEAD.size + state_bytes
+        self.mem = mmap.mmap(-1, self.slots * self.slot_size)  # anonymous, MAP_SHARED: survives fork shared
+        fd, path = tempfile.mkstemp(prefix="edge-shm-locks-")
+        os.unlink(path)  # only the inherited descriptor keeps it: nothing to clean up
+        os.ftruncate(fd, stripes)
+        self.lock_fd = fd
+        self.pid = os.getpid()
+        self._tlocks = tuple(threading.Lock() for _ in range(stripes))
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self):
+        self._tlocks = tuple(threading.Lock() for _ in range(self.stripes))  # a parent's held lock stays behind
+
+    @property
+    def bytes(self) -> int:
+        return len(self.mem)
+
+    def close(self):
+        self.mem.close()
+        os.close(self.lock_fd)
+
+
+ARENA: Arena | None = None  # set by the supervisor before it forks the workers (lb/supervisor.py)
+
+
+def create(slots: int, state_bytes: int, stripes: int = 64) -> Arena:
+    global ARENA
+    ARENA = Arena(slots, state_bytes, stripes)
+    return ARENA
+
+
+class ShmStore:
+    """allow(key, now=None) for one algorithm, with state in an Arena shared by forked processes."""
+
+    def __init__(self, algorithm, arena: Arena | None = None, *, name: str | None = None, clock=_time):
+        arena = arena or ARENA
+        if arena is None:
+            raise ValueError("the shared-memory store needs an Arena created before fork (limiter.shm.create)")
+        codec = _codec(algorithm)
+        if codec.size > arena.state_bytes:
+            raise ValueError(f"{algorithm!r} needs {codec.size} bytes of state per key; the shared table "
+                             f"holds {arena.state_bytes} (created at start-up; restart to resize)")
+        self.algorithm = algorithm
+        self.limit = algorithm.limit
+        self.arena = arena
+        self.max_keys = arena.slots
+        self.full = 0
+        self._id = (name or f"{algorithm.name}:{algorithm.limit}/{algorithm.window!r}").encode() + b"\0"
+        self._codec = codec
+        self._step = algorithm.step
+        self._expires = algorithm.expires_at
+        self._clock = clock
+
+    def allow(self, key, now: float | None = None):
+        a = self.arena
+        digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=16).digest()
+        h = int.from_bytes(digest[:8], "little")
+        stripe = h % a.stripes
+        per = a.per_stripe
+        base = stripe * per
+        home = (h >> 16) % per
+        mem, size = a.mem, a.slot_size
+        codec = self._codec
+        with a._tlocks[stripe]:
+            fcntl.lockf(a.lock_fd, fcntl.LOCK_EX, 1, stripe)
+            try:
+                if now is None:
+                    now = self._clock()  # under the key's locks, as in the memory store
+                found = free = None
+                for i in range(PROBE if PROBE < per else per):
+                    off = (base + (home + i) % per) * size
+                    tag, expires = _HEAD.unpack_from(mem, off)
+                    if tag == digest:
+                        found = off
+                        break
+                    if tag == _EMPTY:
+                        if free is None:
+                            free = off
+                        break  # a never-used slot ends every chain
+                    if free is None and expires <= now:
+                        free = off  # idle: reusable, but the key may still be further on
+                if found is not None:
+                    state = codec.decode(codec.struct.unpack_from(mem, found + _HEAD.size))
+                    off = found
+                elif free is not None:
+                    state = None
+                    off = free
+                else:
+                    self.full += 1
+                    w = self.algorithm.window
+                    return _new(TableFullDecision, (False, self.limit, 0, w, w))
+                new, decision = self._step(state, now)
+                _HEAD.pack_into(mem, off, digest, self._expires(new))
+                codec.struct.pack_into(mem, off + _HEAD.size, *codec.encode(new))
+                return decision
+            finally:
+                fcntl.lockf(a.lock_fd, fcntl.LOCK_UN, 1, stripe)
+
+    def __len__(self):
+        """Slots holding a live state of any limiter on this arena (a scan; for tests and /status)."""
+        a, now, n = self.arena, self._clock(), 0
+        for i in range(a.slots):
+            tag, expires = _HEAD.unpack_from(a.mem, i * a.slot_size)
+            n += tag != _EMPTY and expires > now
+        return n
+
+    def __repr__(self):
+        return f"ShmStore({self.algorithm!r}, slots={self.arena.slots})"

@@ -1,0 +1,159 @@
+"""The shared-memory store (--workers N with the memory store): one limit per key across forked
+processes, the same step() functions, bounded, and a worker killed while holding a lock wedges nobody."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from limiter import ALGORITHMS, build
+from limiter import shm
+from limiter.algorithms import SlidingLog, TokenBucket
+from limiter.memory import TableFullDecision
+from tests.support import wait_until
+
+ALL = sorted(ALGORITHMS)
+
+
+def _arena(slots=4096, state_bytes=8 * 64 + 8, stripes=16):
+    return shm.Arena(slots, state_bytes, stripes)
+
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_the_shared_store_decides_exactly_like_the_memory_store(algorithm):
+    """The same step() on the same instants: identical Decisions, every float (the state's trip
+    through bytes is exact: doubles and int64 as they are)."""
+    import random
+    rng = random.Random(algorithm)
+    kw = {"burst": 5} if algorithm == "token-bucket" else {}
+    arena = _arena()
+    try:
+        shared = build(algorithm, 4, 1.0, store="shm", shm_arena=arena, **kw)
+        memory = build(algorithm, 4, 1.0, **kw)
+        t = 500.0
+        for _ in range(3000):
+            t += rng.choice([0.0, 0.001, 0.01, 0.1, 0.4])
+            key = f"k{rng.randrange(5)}"
+            assert shared.allow(key, t) == memory.allow(key, t)
+    finally:
+        arena.close()
+
+
+def _fork_hammer(lims, threads, attempts, start):
+    """A forked child: `threads` threads x `attempts` on key "hot" for each limiter; writes the counts."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            counts = {}
+            for name, lim in lims.items():
+                got = []
+                go = threading.Barrier(threads)
+
+                def run():
+                    go.wait()
+                    n = 0
+                    for _ in range(attempts):
+                        n += lim.allow("hot", 7000.0).allowed
+                    got.append(n)
+
+                while time.time() < start:
+                    time.sleep(0.001)
+                ts = [threading.Thread(target=run) for _ in range(threads)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                counts[name] = sum(got)
+            os.write(w, json.dumps(counts).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+def test_three_processes_times_sixteen_threads_on_one_key_admit_exactly_n():
+    """3 forked processes x 16 threads x 25 attempts = 1200 per algorithm at one instant: exactly 500."""
+    arena = _arena(state_bytes=8 * 500 + 8)
+    try:
+        lims = {a: build(a, 500, 60.0, store="shm", shm_arena=arena) for a in ALL}
+        start = time.time() + 0.5
+        kids = [_fork_hammer(lims, 16, 25, start) for _ in range(3)]
+        totals = {a: 0 for a in ALL}
+        for pid, r in kids:
+            data = b""
+            while chunk := os.read(r, 65536):
+                data += chunk
+            os.close(r)
+            os.waitpid(pid, 0)
+            for a, n in json.loads(data).items():
+                totals[a] += n
+        assert totals == {a: 500 for a in ALL}
+        for a in ALL:
+            assert not lims[a].allow("hot", 7000.0).allowed
+    finally:
+        arena.close()
+
+
+def test_a_process_killed_while_holding_a_stripe_lock_does_not_wedge_the_others():
+    """A child takes the key's locks mid-decision (its clock never returns) and is SIGKILLed: the
+    kernel drops its fcntl record lock, and the parent's decision on the same key goes through."""
+    arena = _arena()
+    try:
+        lim = build("fixed-window", 5, 60.0, store="shm", shm_arena=arena)
+        assert lim.allow("k", 100.0).allowed
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                def stuck():
+                    os.write(w, b"in")  # we hold the key's locks now
+                    time.sleep(600)
+                    return 100.0
+                stuck_lim = build("fixed-window", 5, 60.0, store="shm", shm_arena=arena, clock=stuck)
+                stuck_lim.allow("k")
+            finally:
+                os._exit(0)
+        os.close(w)
+        assert os.read(r, 2) == b"in"
+        done = []
+        t = threading.Thread(target=lambda: done.append(lim.allow("k", 100.0)))
+        t.start()
+        time.sleep(0.2)
+        assert not done, "the lock held by the child did not exclude the parent"
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        wait_until(lambda: done, timeout=5, what="the parent's decision after the holder died")
+        t.join()
+        assert done[0].allowed and done[0].remaining == 3  # the dead child's decision never counted
+        os.close(r)
+    finally:
+        arena.close()
+
+
+def test_the_table_is_bounded_idle_slots_are_reused_and_live_ones_never_overwritten():
+    arena = shm.Arena(256, 24, 4)
+    try:
+        lim = build("fixed-window", 2, 10.0, store="shm", shm_arena=arena)
+        while lim.allow("victim", 1000.0).allowed:
+            pass
+        refused = sum(type(lim.allow(f"junk{i}", 1000.0)) is TableFullDecision for i in range(2000))
+        assert refused > 1000 and lim.full == refused
+        assert not lim.allow("victim", 1001.0).allowed  # still limited: its slot was never taken
+        # the next window: every junk state is idle, so new keys get slots again
+        assert lim.allow("newcomer", 1010.0).allowed and lim.allow("victim", 1010.0).allowed
+    finally:
+        arena.close()
+
+
+def test_a_state_bigger_than_the_slots_is_refused_with_a_clear_error():
+    arena = shm.Arena(64, shm.state_size(TokenBucket(5, 1.0)), 4)
+    try:
+        with pytest.raises(ValueError, match="bytes of state per key"):
+            shm.ShmStore(SlidingLog(100, 1.0), arena)
+    finally:
+        arena.close()
