@@ -265,6 +265,101 @@ def abuse(url: str, factor: float = 10.0, limit: int = 100, window: float = 1.0,
     return rows
 
 
+def concurrency(url: str, callers=(1, 8, 32, 128), flights=(0, 1, 2, 4), seconds: float = 2.0, rounds: int = 2):
+    """Decisions/s and per-call p99 with N threads calling allow() at once (distinct keys, all admitted,
+    no denial cache), batching off (flights 0: every call its own round trip on a pooled connection,
+    as before) vs on; configurations interleaved, `rounds` times, the best round counts."""
+    from limiter.redis_batch import Batcher
+    lim = build("token-bucket", 10**9, 1.0, store=url, prefix=f"conc:{uuid.uuid4().hex[:6]}:", timeout=1.0,
+                deny_cache=0)
+    link = lim.link
+    best: dict = {}
+    for _ in range(rounds):
+        for n in callers:
+            for f in flights:
+                link.batcher = Batcher(link._flight, f) if f else None
+                stop = time.perf_counter() + seconds
+                lat: list[list[float]] = [[] for _ in range(n)]
+                go = threading.Barrier(n)
+
+                def run(mine, i):
+                    key = f"c{i}"
+                    go.wait()
+                    pc = time.perf_counter
+                    while True:
+                        t = pc()
+                        if t >= stop:
+                            return
+                        lim.allow(key, time.time())
+                        mine.append(pc() - t)
+
+                ts = [threading.Thread(target=run, args=(lat[i], i)) for i in range(n)]
+                t0 = time.perf_counter()
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                took = time.perf_counter() - t0
+                xs = sorted(x for m in lat for x in m)
+                b = link.batcher
+                row = (len(xs) / took, pct(xs, 50) * 1e3, pct(xs, 99) * 1e3, b.calls / b.trips if b and b.trips else 1.0)
+                if (n, f) not in best or row[0] > best[(n, f)][0]:
+                    best[(n, f)] = row
+    link.batcher = Batcher(link._flight, 2)
+    return [(n, f, *best[(n, f)]) for n in callers for f in flights]
+
+
+def saturation(url: str, seconds: float = 5.0, rounds: int = 3, flights=(0, 2)):
+    """The edge's own saturation throughput (closed loop, bench.edge_bench.closed_loop: wrk -t1 -c32 when
+    installed, else wrk.loadgen -R0) with the memory store vs the Redis store with and without batching,
+    one edge each, rounds interleaved; nginx as the backend; every request admitted (limit 10M/s)."""
+    import contextlib
+    import os
+    from bench.edge_bench import closed_loop
+    from wrk.nginx_target import nginx_target
+    rows: dict = {}
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(nginx_target())
+        backend = f"http://127.0.0.1:{port}"
+        common = ["--backends", backend, "--health-interval", "30", "--limit", "10000000/s"]
+        edges = {"memory store": Edge(*common, name="sat-mem")}
+        for f in flights:
+            edges[f"Redis store, batching {f'on ({f} flights)' if f else 'off'}"] = Edge(
+                *common, "--store", url, "--redis-timeout", "1", name=f"sat-{f}",
+                env={**os.environ, "EDGE_REDIS_FLIGHTS": str(f)})
+        for e in edges.values():
+            stack.callback(e.stop)
+        for _ in range(rounds):
+            for name, e in edges.items():
+                rows.setdefault(name, []).append(closed_loop(f"http://127.0.0.1:{e.port}/", e.popen.pid, seconds, 32)[0])
+    return rows
+
+
+def skew(url: str, skews=(0.0, 0.001, 0.01, 0.1, 0.5), limit: int = 100, window: float = 1.0,
+         seconds: float = 20.0):
+    """What clock skew between two edges on one Redis costs: one client alternating between edge A and
+    edge B (B's clock `skew` ahead) at 2x the limit, instants injected (true time t; A passes t, B t+skew).
+    Reported per algorithm: the most requests admitted in any window of true time (the limit is the
+    promise) and the admitted rate over the run."""
+    import bisect
+    rows = []
+    rate = 2 * limit / window
+    n = int(seconds * rate)
+    for a in ALGORITHMS:
+        for d in skews:
+            prefix = f"skew:{uuid.uuid4().hex[:6]}:"
+            edges = [build(a, limit, window, store=url, prefix=prefix, timeout=1.0) for _ in range(2)]
+            t0 = 2_000_000.0
+            admitted = []
+            for i in range(n):
+                t = t0 + i / rate
+                if edges[i % 2].allow("client", t + (d if i % 2 else 0.0)).allowed:
+                    admitted.append(t)
+            worst = max(bisect.bisect_left(admitted, x + window) - j for j, x in enumerate(admitted))
+            rows.append((a, d, worst, len(admitted) / seconds))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
@@ -274,6 +369,10 @@ def main():
     ap.add_argument("--commandstats", action="store_true", help="only the server-side µs per call")
     ap.add_argument("--abuse", action="store_true", help="only: script calls per admitted request at 10x")
     ap.add_argument("--topologies", action="store_true", help="only: one Redis vs Sentinel vs Cluster")
+    ap.add_argument("--saturation", action="store_true", help="only: the edge at saturation, memory vs Redis")
+    ap.add_argument("--skew", action="store_true", help="only: what clock skew between two edges costs")
+    ap.add_argument("--concurrency", action="store_true", help="only: decisions/s and p99 at 1-128 callers, "
+                    "batching off vs on (TCP and unix socket)")
     args = ap.parse_args()
     if args.topologies:
         import redis
@@ -288,6 +387,33 @@ def main():
     server = RedisServer().start()
     try:
         import redis
+        if args.skew:
+            print("## Clock skew between two edges on one Redis: one client alternating at 2x the limit "
+                  "(100 per 1 s), 20 s, instants injected\n")
+            print("| algorithm | edge B's clock ahead by | most admitted in any 1 s of true time | admitted/s |"
+                  "\n|---|---:|---:|---:|")
+            for a, d, worst, per in skew(server.url):
+                print(f"| {a} | {d * 1000:g} ms | {worst} | {per:.1f} |")
+            return
+        if args.saturation:
+            rows = saturation(server.url)
+            mem = sum(rows["memory store"]) / len(rows["memory store"])
+            print("## The edge at saturation (closed loop, 32 connections, one key, every request admitted)\n")
+            print("| store | req/s, each round | mean | vs memory |\n|---|---|---:|---:|")
+            for name, xs in rows.items():
+                m = sum(xs) / len(xs)
+                print(f"| {name} | {' / '.join(f'{x:,.0f}' for x in xs)} | {m:,.0f} | {m / mem:.2f}x |")
+            return
+        if args.concurrency:
+            for label, url in (("TCP", server.url), ("unix socket", server.unix_url)):
+                print(f"\n## {label}: N threads calling allow() at once, 2 s per row, best of 2 interleaved rounds"
+                      f"\n")
+                print("| callers | batching (flights) | decisions/s | p50 ms | p99 ms | calls per round trip |"
+                      "\n|---:|---|---:|---:|---:|---:|")
+                for n, f, rate, p50, p99, per in concurrency(url):
+                    print(f"| {n} | {'off' if not f else f'on ({f})'} | {rate:,.0f} | {p50:.3f} | {p99:.3f} | "
+                          f"{per:.1f} |")
+            return
         if args.abuse:
             print("## One client at 10x its limit (100/s), 20 s of injected instants: script calls that "
                   "reached Redis (INFO commandstats)\n")

@@ -36,13 +36,18 @@ from time import monotonic
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from .redis_batch import Batcher, Call
 from .redis_url import Target
 
 log = logging.getLogger("edge")
+
+# Round trips in the air at once per Redis; 0: no batching.  EDGE_REDIS_FLIGHTS exists for the side-by-side
+# benchmark (bench/redis_bench.py --saturation), not as a tuning knob.
+FLIGHTS = int(os.environ.get("EDGE_REDIS_FLIGHTS", "2"))
 
 
 def _kernel_timeout(sock, seconds: float) -> None:
@@ -199,6 +204,8 @@ class RedisLink:
             protocol=2,  # RESP2: no HELLO handshake, no push messages that could sit unread on a connection
         )
         self.pool = self._new_pool()
+        # Batching: at most FLIGHTS round trips at once, later callers share the next one (redis_batch).
+        self.batcher = Batcher(self._flight, min(FLIGHTS, pool_size)) if FLIGHTS else None
         self.up = True
         self.down_since = 0.0
         self.retry_at = 0.0  # while down: the next instant (monotonic) one request may probe Redis
@@ -231,18 +238,37 @@ class RedisLink:
         # The parent's sockets (and possibly a held lock) came along: start with nothing shared.
         self.pool = self._new_pool()
         self._lock = threading.Lock()
+        self.batcher = Batcher(self._flight, self.batcher.flights) if self.batcher is not None else None
 
     def evalsha(self, script, key: bytes, now: float, asking: bool = False) -> bytes:
         """Run one of our scripts on key at now; returns its reply (bytes).  Raises RedisError.
+        Concurrent calls share round trips (limiter.redis_batch) when batching is on.
 
-        asking: precede it with ASKING (a cluster node importing the key's slot serves it only then)."""
+        asking: precede it with ASKING (a cluster node importing the key's slot serves it only then);
+        such a call (rare: a slot in migration) travels alone."""
         n = repr(float(now)).encode()
         # EVALSHA <sha> 1 <key> <now>, packed by hand (redis-py's generic packer costs ~3x more)
         cmd = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (script.head, len(key), key, len(n), n)
-        if asking:
-            cmd = _ASKING + cmd
+        if self.batcher is not None and not asking:
+            return self.batcher.call(script, cmd)
+        c = Call(script, _ASKING + cmd if asking else cmd)
+        c.asking = asking
+        self._flight((c,))
+        if c.error is not None:
+            raise c.error
+        return c.reply
+
+    def _flight(self, calls) -> None:
+        """One round trip on one pooled connection for every call: one write, the replies in order.
+        Sets each call's reply or error (a MOVED/ASK/READONLY reply too: the caller's link handles it);
+        never raises for a Redis error."""
         pool = self.pool  # the pool the connection goes back to, even if a failover replaced self.pool
-        slot = pool.get()
+        try:
+            slot = pool.get()
+        except RedisError as e:
+            for c in calls:
+                c.error = e
+            return
         try:
             conn = slot.conn
             sock = conn._sock
@@ -257,23 +283,37 @@ class RedisLink:
                 slot.poll = select.poll()
                 slot.poll.register(sock, select.POLLIN)
                 _kernel_timeout(sock, self.timeout)
-            try:
-                conn.send_packed_command((cmd,), check_health=False)
+            conn.send_packed_command([c.cmd for c in calls], check_health=False)
+            again = []
+            for c in calls:
                 try:
-                    if asking:
+                    if c.asking:
                         conn.read_response()  # +OK
-                    return conn.read_response()
+                    c.reply = conn.read_response()
                 except NoScriptError:  # a restarted or flushed server: load the script, run it again
+                    again.append(c)
+                except ResponseError as e:  # this call's reply is an error; the others are unaffected
+                    c.error = e
+            if again:
+                scripts = {c.script.text: c.script for c in again}
+                for script in scripts.values():
                     conn.send_command("SCRIPT", "LOAD", script.text, check_health=False)
+                for _ in scripts:
                     conn.read_response()
-                    conn.send_packed_command((cmd,), check_health=False)
-                    if asking:
-                        conn.read_response()
-                    return conn.read_response()
-            except RedisConnectionError as e:
-                if isinstance(e.__context__, BlockingIOError):   # the kernel timeout expired: say so
-                    raise RedisTimeoutError(f"Timeout ({self.timeout:g} s) talking to Redis") from None
-                raise
+                conn.send_packed_command([c.cmd for c in again], check_health=False)
+                for c in again:
+                    try:
+                        if c.asking:
+                            conn.read_response()
+                        c.reply = conn.read_response()
+                    except ResponseError as e:
+                        c.error = e
+        except RedisError as e:  # the connection failed (redis-py has closed it): every call left fails
+            if isinstance(e, RedisConnectionError) and isinstance(e.__context__, BlockingIOError):
+                e = RedisTimeoutError(f"Timeout ({self.timeout:g} s) talking to Redis")  # the kernel timeout
+            for c in calls:
+                if c.reply is None and c.error is None:
+                    c.error = e
         finally:
             pool.put(slot)
 

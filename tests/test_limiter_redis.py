@@ -431,3 +431,90 @@ def test_bad_unix_socket_urls_fail_with_one_line(url, words):
         parse(url, environ={})
     assert "\n" not in str(e.value) and "sekrit" not in str(e.value)
     assert all(w in str(e.value) for w in words)
+
+
+# ------------------------------------------------------------------------------ batched round trips
+
+def _hammer(lim, threads, attempts, keyer, start=None):
+    go = threading.Barrier(threads)
+    results = [[] for _ in range(threads)]
+
+    def run(i):
+        go.wait()
+        for j in range(attempts):
+            results[i].append(lim.allow(keyer(i, j), 100.0))
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return results
+
+
+def test_concurrent_decisions_share_round_trips_and_each_gets_its_own_exact_answer(redis_server):
+    """32 threads, each on its own key (limit 5): batches form (more calls than round trips), and every
+    key still gets exactly its 5 admissions with remaining counting down 4..0 -- a batch shares the
+    socket, never a decision."""
+    lim = build("fixed-window", 5, 60.0, store=redis_server.url, prefix=fresh(), timeout=2.0, deny_cache=0)
+    b = lim.link.batcher
+    assert b is not None and b.flights >= 1
+    trips0, calls0 = b.trips, b.calls
+    results = _hammer(lim, 32, 8, lambda i, j: f"k{i}")
+    for ds in results:
+        assert [d.allowed for d in ds] == [True] * 5 + [False] * 3
+        assert [d.remaining for d in ds[:5]] == [4, 3, 2, 1, 0]
+    calls, trips = b.calls - calls0, b.trips - trips0
+    print(f"\n[batch] 256 decisions from 32 threads in {trips} round trips")
+    assert calls == 256 and trips < calls
+    assert lim.failures == 0 and lim.degraded == 0
+
+
+def test_an_idle_caller_never_waits_for_company(redis_server):
+    """One caller at a time: every round trip carries exactly one call (nothing is held back)."""
+    lim = build("token-bucket", 1000, 1.0, store=redis_server.url, prefix=fresh(), timeout=2.0)
+    b = lim.link.batcher
+    trips0, calls0 = b.trips, b.calls
+    for i in range(50):
+        assert lim.allow(f"k{i}", 100.0).allowed
+    assert (b.trips - trips0, b.calls - calls0) == (50, 50)
+
+
+def test_noscript_inside_a_batch_is_reloaded_for_every_call_in_it(redis_server):
+    lim = build("sliding-counter", 3, 60.0, store=redis_server.url, prefix=fresh(), timeout=2.0, deny_cache=0)
+    other = build("sliding-log", 3, 60.0, store=redis_server.url, prefix=fresh(), timeout=2.0, deny_cache=0)
+    lim.allow("warm", 100.0)
+    redis_server.client().script_flush()
+    results = _hammer(lim, 16, 2, lambda i, j: f"k{i}")
+    results += _hammer(other, 16, 2, lambda i, j: f"k{i}")
+    assert all(d.allowed and type(d).__name__ == "Decision" for ds in results for d in ds)
+    assert lim.failures == 0 and lim.degraded == 0
+
+
+def test_a_redis_killed_under_batched_load_fails_the_calls_in_flight_and_nobody_hangs(own_redis):
+    """16 threads hammering, Redis SIGKILLed: every call returns (the policy's answer), promptly."""
+    lim = build("fixed-window", 10**6, 60.0, store=own_redis.url, prefix=fresh(), timeout=0.2,
+                retry_interval=0.05, on_error="fail-closed")
+    stop = threading.Event()
+    slowest = []
+
+    def run(i):
+        worst = 0.0
+        while not stop.is_set():
+            t = time.monotonic()
+            lim.allow(f"k{i}", 100.0)
+            worst = max(worst, time.monotonic() - t)
+        slowest.append(worst)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in ts:
+        t.start()
+    time.sleep(0.3)
+    own_redis.kill()
+    time.sleep(0.5)
+    stop.set()
+    for t in ts:
+        t.join(10)
+    assert not any(t.is_alive() for t in ts)
+    assert len(slowest) == 16 and max(slowest) < 2.0, slowest  # timeout 0.2 s, plus a loaded machine
+    assert lim.failures >= 1 and lim.degraded > 0
