@@ -138,47 +138,58 @@ class ShmStore:
         self._expires = algorithm.expires_at
         self._clock = clock
 
-    def allow(self, key, now: float | None = None):
+    def _where(self, key):
+        """(digest, stripe, first slot index of the stripe, home offset in the stripe) for key."""
         a = self.arena
         digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=16).digest()
         h = int.from_bytes(digest[:8], "little")
         stripe = h % a.stripes
-        per = a.per_stripe
-        base = stripe * per
-        home = (h >> 16) % per
-        mem, size = a.mem, a.slot_size
-        codec = self._codec
+        return digest, stripe, stripe * a.per_stripe, (h >> 16) % a.per_stripe
+
+    def _find(self, digest, base, home, now, taken=()):
+        """Under the stripe's locks: (offset, state) of the key's slot -- its own, else the first
+        reusable one (never used, or idle and not in `taken`) -- or (None, None) when only live slots
+        are left in its probe range."""
+        a = self.arena
+        mem, size, per = a.mem, a.slot_size, a.per_stripe
+        free = None
+        for i in range(PROBE if PROBE < per else per):
+            off = (base + (home + i) % per) * size
+            tag, expires = _HEAD.unpack_from(mem, off)
+            if tag == digest:
+                codec = self._codec
+                return off, codec.decode(codec.struct.unpack_from(mem, off + _HEAD.size))
+            if tag == _EMPTY:
+                if free is None and off not in taken:
+                    free = off
+                break  # a never-used slot ends every chain
+            if free is None and expires <= now and off not in taken:
+                free = off  # idle: reusable, but the key may still be further on
+        return free, None
+
+    def _full(self):
+        self.full += 1
+        w = self.algorithm.window
+        return _new(TableFullDecision, (False, self.limit, 0, w, w))
+
+    def _write(self, off, digest, new):
+        mem = self.arena.mem
+        _HEAD.pack_into(mem, off, digest, self._expires(new))
+        self._codec.struct.pack_into(mem, off + _HEAD.size, *self._codec.encode(new))
+
+    def allow(self, key, now: float | None = None):
+        a = self.arena
+        digest, stripe, base, home = self._where(key)
         with a._tlocks[stripe]:
             fcntl.lockf(a.lock_fd, fcntl.LOCK_EX, 1, stripe)
             try:
                 if now is None:
                     now = self._clock()  # under the key's locks, as in the memory store
-                found = free = None
-                for i in range(PROBE if PROBE < per else per):
-                    off = (base + (home + i) % per) * size
-                    tag, expires = _HEAD.unpack_from(mem, off)
-                    if tag == digest:
-                        found = off
-                        break
-                    if tag == _EMPTY:
-                        if free is None:
-                            free = off
-                        break  # a never-used slot ends every chain
-                    if free is None and expires <= now:
-                        free = off  # idle: reusable, but the key may still be further on
-                if found is not None:
-                    state = codec.decode(codec.struct.unpack_from(mem, found + _HEAD.size))
-                    off = found
-                elif free is not None:
-                    state = None
-                    off = free
-                else:
-                    self.full += 1
-                    w = self.algorithm.window
-                    return _new(TableFullDecision, (False, self.limit, 0, w, w))
+                off, state = self._find(digest, base, home, now)
+                if off is None:
+                    return self._full()
                 new, decision = self._step(state, now)
-                _HEAD.pack_into(mem, off, digest, self._expires(new))
-                codec.struct.pack_into(mem, off + _HEAD.size, *codec.encode(new))
+                self._write(off, digest, new)
                 return decision
             finally:
                 fcntl.lockf(a.lock_fd, fcntl.LOCK_UN, 1, stripe)
@@ -193,3 +204,44 @@ class ShmStore:
 
     def __repr__(self):
         return f"ShmStore({self.algorithm!r}, slots={self.arena.slots})"
+
+
+def allow_all_shm(checks, now: float | None = None):
+    """limiter.compose.allow_all for ShmStores on one arena: every involved stripe's locks (threads,
+    then processes), each set in stripe order so two requests never deadlock, held from the first look
+    to the commit; the same all-or-nothing rule as the memory store (compose's docstring)."""
+    arena = checks[0][0].arena
+    if any(lim.arena is not arena for lim, _, _ in checks):
+        raise ValueError("allow_all: shared-memory stores on different arenas")
+    where = [lim._where(key) for lim, key, _ in checks]
+    stripes = sorted({w[1] for w in where})
+    for st in stripes:
+        arena._tlocks[st].acquire()
+    locked = []
+    try:
+        for st in stripes:
+            fcntl.lockf(arena.lock_fd, fcntl.LOCK_EX, 1, st)
+            locked.append(st)
+        if now is None:
+            now = checks[0][0]._clock()  # under the locks
+        admitted, trials, taken = True, [], set()
+        for (lim, key, enforce), (digest, _, base, home) in zip(checks, where):
+            off, state = lim._find(digest, base, home, now, taken)
+            if off is None:
+                new, d = None, lim._full()
+            else:
+                taken.add(off)
+                new, d = lim._step(state, now)  # decoded afresh: nothing is written before the commit
+            trials.append((off, digest, new, d))
+            if enforce and not d[0]:
+                admitted = False
+        if admitted:
+            for (lim, _, _), (off, digest, new, d) in zip(checks, trials):
+                if d[0] and off is not None:
+                    lim._write(off, digest, new)
+        return admitted, [t[3] for t in trials]
+    finally:
+        for st in reversed(locked):
+            fcntl.lockf(arena.lock_fd, fcntl.LOCK_UN, 1, st)
+        for st in reversed(stripes):
+            arena._tlocks[st].release()

@@ -157,3 +157,28 @@ def test_a_state_bigger_than_the_slots_is_refused_with_a_clear_error():
             shm.ShmStore(SlidingLog(100, 1.0), arena)
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_several_rules_on_the_shared_store_are_all_or_nothing(algorithm):
+    """limiter.compose.allow_all on shared-memory stores (several [[rules]] with --workers N): a request
+    one limit rejects spends nothing in the others; two new keys in one stripe get two slots."""
+    from limiter.compose import allow_all
+    arena = shm.Arena(64, 8 * 8 + 8, 1)  # one stripe: every key competes for the same slots
+    try:
+        a = build(algorithm, 1, 60.0, store="shm", shm_arena=arena, prefix="a")
+        b = build(algorithm, 5, 60.0, store="shm", shm_arena=arena, prefix="b")
+        t = 60.0 * 40000
+        assert allow_all([(a, "k", True), (b, "k", True)], t)[0] is True
+        for _ in range(3):
+            ok, (da, db) = allow_all([(a, "k", True), (b, "k", True)], t)
+            assert (ok, da.allowed, db.allowed) == (False, False, True)
+        assert [b.allow("k", t).allowed for _ in range(5)] == [True] * 4 + [False]
+        assert not a.allow("k", t).allowed  # a's state survived b's writes in the same stripe
+        # dry run: a shadow limit that would reject never vetoes, and spends only when admitted
+        ok, (dg, ds) = allow_all([(b, "new", True), (a, "new", False)], t)
+        assert ok and dg.allowed and ds.allowed
+        ok, (dg, ds) = allow_all([(b, "new", True), (a, "new", False)], t)
+        assert ok and dg.allowed and not ds.allowed
+    finally:
+        arena.close()
