@@ -173,7 +173,8 @@ def test_two_workers_on_the_memory_store_share_one_limit_per_key(backends, algor
             text = request(int(port), "GET", "/metrics").body.decode()
             served = sum(int(float(line.split()[-1])) for line in text.splitlines()
                          if line.startswith("lb_requests_total{"))
-            limited = int(re.search(r"^lb_rate_limited_total (\d+)", text, re.M).group(1))
+            m = re.search(r'^lb_edge_responses_total\{code="429"\} (\d+)', text, re.M)
+            limited = int(m.group(1)) if m else 0
             per_worker.append((served, limited))
         assert len(per_worker) == 2 and all(s + l > 0 for s, l in per_worker), per_worker
         assert sum(s for s, _ in per_worker) == 20 and sum(l for _, l in per_worker) == 20
