@@ -26,6 +26,7 @@ import threading
 
 from redis.exceptions import RedisError
 
+from .algorithms import Decision
 from .redis_link import _Script
 
 _PROXY = """
@@ -72,6 +73,12 @@ def script_for(stores, enforce) -> _Script:
     return script
 
 
+class NotAsked(Decision):
+    """A limit of a request rejected from another limit's denial cache: not decided (and nothing spent)."""
+
+    __slots__ = ()
+
+
 class _Call:
     """A script plus this call's keys but the last, in the shape RedisLink.evalsha packs (a _Script:
     head, text, sha -- what a NOSCRIPT reload needs)."""
@@ -107,6 +114,14 @@ def allow_all_redis(checks, now: float):
 def _one_call(link, checks, keys, now):
     stores = [lim for lim, _, _ in checks]
     node = link.route(keys[-1])        # one server owns them all (see split_keys above)
+    if node.up:
+        # The stores' denial caches (RedisStore, "denials answered locally"): when one enforcing limit is
+        # known to deny, the script would reject and write nothing -- answer without the round trip.
+        # Only the limits the cache knows are reported (the others were not asked: NotAsked).
+        known = [lim._cached_denial(key, node, now) if lim._denied else None for lim, key, _ in checks]
+        if any(d is not None and e for d, (_, _, e) in zip(known, checks)):
+            return False, [d if d is not None else tuple.__new__(NotAsked, (True, lim.limit, 0, 0.0, 0.0))
+                           for d, (lim, _, _) in zip(known, checks)]
     if node.up or node.may_try():
         script = script_for(stores, [e for _, _, e in checks])
         try:
@@ -116,16 +131,22 @@ def _one_call(link, checks, keys, now):
         else:
             if not node.up:
                 node.succeeded()
-            admitted, decisions = True, []
+            admitted, decisions, states = True, [], []
             for (lim, key, enforce), raw in zip(checks, reply.split(b"\n")):
                 if lim._locals:            # this server answers again: its local counts are stale
                     lim._locals.pop(node, None)
-                _, d = lim._step(lim._state(raw[2:] or None), now)
+                new, d = lim._step(lim._state(raw[2:] or None), now)
                 if d.allowed != (raw[0] == 49):
                     lim._drifted(key, now, raw, d)
                 if enforce and not d.allowed:
                     admitted = False
                 decisions.append(d)
+                states.append(new)
+            for (lim, key, _), new, d in zip(checks, states, decisions):
+                # What Redis holds now: the new state if this limit spent (admitted request) or denied
+                # (a denial writes nothing that matters); the pre-state, unknown here, if it admitted a
+                # request another limit rejected.
+                lim._remember(key, new if admitted or not d.allowed else None, d, node)
             return admitted, decisions
     return _fallback(checks, now, node)
 

@@ -397,6 +397,32 @@ class RedisStore:
                 return d
         return self._fallback(key, now, node)
 
+    # The denial cache for several limits decided together (limiter.redis_multi); allow() inlines the
+    # same two steps on its hot path.
+    def _cached_denial(self, key, node, now):
+        """The Decision Redis would give when the cache knows it is a denial (no round trip), else None."""
+        entry = self._denied.get(key)
+        if entry is not None:
+            state, outages = entry
+            if node.up and outages == node.outages:
+                _, d = self._step(state.copy() if type(state) is list else state, now)
+                if not d.allowed:
+                    self.answered_locally += 1
+                    return d
+        return None
+
+    def _remember(self, key, state_held, d, node) -> None:
+        """After a round trip: keep state_held (what Redis now holds for key) when it cannot admit (d, its
+        decision, left nothing remaining); forget the key's entry otherwise.  state_held None: unknown."""
+        if d.remaining or state_held is None:
+            if self._denied:
+                self._denied.pop(key, None)
+        elif self.deny_cache:
+            denied = self._denied
+            if len(denied) >= self.deny_cache and key not in denied:
+                denied.clear()  # bounded; forgetting costs round trips, never a wrong answer
+            denied[key] = (state_held, node.outages)
+
     def _fallback(self, key, now, node):
         self.degraded += 1
         policy = self.on_error

@@ -342,7 +342,10 @@ def test_several_rules_on_a_dead_redis_follow_the_failure_policy(own_redis, poli
     st = stage(None, rules, store=own_redis.url, timeout=0.2, on_error=policy)
     assert st.check(req(), "192.0.2.1", now=T0).status == 0
     own_redis.kill()
-    vs = [st.check(req(), ip, now=T0) for ip in ("192.0.2.1", "192.0.2.1", "192.0.2.2", "192.0.2.3",
+    # .1's denial was known before the kill (per-ip has nothing left): answered from the denial cache
+    v = st.check(req(), "192.0.2.1", now=T0)
+    assert (v.status, v.rejected, v.degraded) == (429, ("per-ip",), False)
+    vs = [st.check(req(), ip, now=T0) for ip in ("192.0.2.2", "192.0.2.1", "192.0.2.1", "192.0.2.3",
                                                  "192.0.2.4", "192.0.2.5")]
     assert all(v.degraded for v in vs)
     statuses = [v.status for v in vs]
@@ -350,9 +353,9 @@ def test_several_rules_on_a_dead_redis_follow_the_failure_policy(own_redis, poli
         assert statuses == [0] * 6
     elif policy == "fail-closed":
         assert statuses == [503] * 6
-    else:  # fresh in-process counts, still all or nothing: .1's rejections spend no ceiling
-        assert statuses == [0, 429, 0, 0, 429, 429]
-        assert vs[1].rejected == ("per-ip",) and vs[4].rejected == ("ceiling",)
+    else:  # fresh in-process counts, still all or nothing: .1's rejection spends no ceiling
+        assert statuses == [0, 0, 429, 0, 429, 429]
+        assert vs[2].rejected == ("per-ip",) and vs[4].rejected == ("ceiling",)
 
 
 def test_allow_all_under_threads_is_exact_and_never_deadlocks():
@@ -413,3 +416,47 @@ def test_the_one_script_survives_a_script_flush(own_redis):
     own_redis.client().script_flush()
     assert [st.check(req(), "192.0.2.1", now=T0).status for _ in range(2)] == [0, 429]
     assert not st.check(req(), "192.0.2.1", now=T0).degraded
+
+
+def test_an_abuser_costs_no_round_trip_once_a_rule_is_known_to_deny(own_redis):
+    """The denial cache on the one-script path: after per-ip ran out, the next 45 requests are
+    answered locally -- 5 EVALSHA for 50 requests -- with what Redis would have said."""
+    rules = [{"name": "per-ip", "key": "ip", "limit": "5/m"}, {"name": "ceiling", "key": "global", "limit": "900/m"},
+             {"name": "shadow", "key": "global", "limit": "2/m", "dry_run": True}]
+    red = stage(None, rules, store=own_redis.url, timeout=2.0)
+    mem = stage(None, rules)
+    rc = own_redis.client()
+    rc.config_resetstat()
+    got = [red.check(req(), "192.0.2.1", now=T0 + i * 0.01) for i in range(50)]
+    want = [mem.check(req(), "192.0.2.1", now=T0 + i * 0.01) for i in range(50)]
+    assert [v.status for v in got] == [v.status for v in want] == [0] * 5 + [429] * 45
+    assert [v.headers for v in got] == [v.headers for v in want]      # one rejecting rule: exact headers
+    assert [v.limited_by for v in got] == [v.limited_by for v in want]   # (the shadow's denial is cached too)
+    assert got[-1].limited_by == "per-ip,shadow:dry_run"
+    ev = rc.info("commandstats")["cmdstat_evalsha"]
+    assert ev["calls"] - ev["failed_calls"] == 5                  # (the first call's NOSCRIPT aside)
+
+
+def test_one_script_with_the_denial_cache_decides_as_the_memory_store_does(own_redis):
+    """A seeded random history over 3 rules and 4 algorithms: the same verdicts as the memory store,
+    the same headers on every admitted request, and a Retry-After never later than the memory store's
+    (a cached rejection reports the rejecting limits the cache knows)."""
+    import random
+    rnd = random.Random(16)
+    rules = [{"name": "per-ip", "key": "ip", "limit": "4/2s", "algorithm": "sliding-log"},
+             {"name": "per-key", "key": "api-key", "limit": "6/3s", "algorithm": "sliding-counter"},
+             {"name": "all", "key": "global", "limit": "9/s", "algorithm": "fixed-window"}]
+    red = stage("5/s", rules, store=own_redis.url, timeout=2.0)
+    mem = stage("5/s", rules)
+    t = 5000.0
+    for _ in range(600):
+        t += rnd.choice((0.0, 0.001, 0.01, 0.05, 0.2))
+        r = req(X_Api_Key=rnd.choice("abc"))
+        ip = rnd.choice(("192.0.2.1", "192.0.2.2", "192.0.2.3"))
+        a, b = red.check(r, ip, now=t), mem.check(r, ip, now=t)
+        assert a.status == b.status, (t, a.limited_by, b.limited_by)
+        if a.status == 0:
+            assert a.headers == b.headers
+        else:
+            assert set(a.rejected) <= set(b.rejected)
+            assert int(hdr(a, "Retry-After")) <= int(hdr(b, "Retry-After"))
