@@ -100,18 +100,6 @@ def allow_all_redis(checks, now: float):
     link = checks[0][0].link
     split = getattr(link, "split_keys", None)
     keys = [lim.key(key).encode() for lim, key, _ in checks]
-    # The stores' denial caches (RedisStore, "denials answered locally"): when one enforcing limit is
-    # known to deny, the request is rejected and no script would write anything -- answer without a
-    # round trip (and, on a cluster, before any slot's call). Only the limits the cache knows are
-    # reported; the others were not asked (NotAsked).
-    known = [lim._cached_denial(key, link.route(k), now) if lim._denied else None
-             for (lim, key, _), k in zip(checks, keys)]
-    if any(d is not None and e for d, (_, _, e) in zip(known, checks)):
-        for d, (lim, _, _) in zip(known, checks):
-            if d is not None:
-                lim.answered_locally += 1
-        return False, [d if d is not None else tuple.__new__(NotAsked, (True, lim.limit, 0, 0.0, 0.0))
-                       for d, (lim, _, _) in zip(known, checks)]
     groups = split(keys) if split is not None else [range(len(checks))]
     admitted, decisions = True, [None] * len(checks)
     for group in groups:
@@ -126,6 +114,17 @@ def allow_all_redis(checks, now: float):
 def _one_call(link, checks, keys, now):
     stores = [lim for lim, _, _ in checks]
     node = link.route(keys[-1])        # one server owns them all (see split_keys above)
+    # The stores' denial caches (RedisStore, "denials answered locally"): when one enforcing limit is
+    # known to deny, the script would reject and write nothing -- answer without the round trip. Only
+    # the limits the cache knows are reported; the others were not asked (NotAsked). (Per group: on a
+    # cluster, the other slots' groups are called as before -- docs/rules.md.)
+    known = [lim._cached_denial(key, node, now) if lim._denied else None for lim, key, _ in checks]
+    if any(d is not None and e for d, (_, _, e) in zip(known, checks)):
+        for d, lim in zip(known, stores):
+            if d is not None:
+                lim.answered_locally += 1
+        return False, [d if d is not None else tuple.__new__(NotAsked, (True, lim.limit, 0, 0.0, 0.0))
+                       for d, lim in zip(known, stores)]
     if node.up or node.may_try():
         script = script_for(stores, [e for _, _, e in checks])
         try:
