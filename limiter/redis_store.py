@@ -403,8 +403,8 @@ class RedisStore:
         """The Decision Redis would give when the cache knows it is a denial (no round trip), else None."""
         entry = self._denied.get(key)
         if entry is not None:
-            state, outages = entry
-            if node.up and outages == node.outages:
+            state, server, outages = entry
+            if server is node and node.up and outages == node.outages:
                 _, d = self._step(state.copy() if type(state) is list else state, now)
                 if not d.allowed:
                     return d
@@ -420,7 +420,7 @@ class RedisStore:
             denied = self._denied
             if len(denied) >= self.deny_cache and key not in denied:
                 denied.clear()  # bounded; forgetting costs round trips, never a wrong answer
-            denied[key] = (state_held, node.outages)
+            denied[key] = (state_held, node, node.outages)
 
     def _fallback(self, key, now, node):
         self.degraded += 1
