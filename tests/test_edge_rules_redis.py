@@ -94,7 +94,7 @@ def test_three_rules_on_two_edges_each_within_2_percent_one_script_call_per_requ
         for p in ports:                              # each edge loads its script once (NOSCRIPT, SCRIPT LOAD)
             assert request(p, "GET", "/", {"X-Api-Key": "warm-up"}).status == 200
         rc.config_resetstat()
-        seconds, whole = 8.0, range(2, 8)            # measure windows 2..7 of each phase: 6 whole seconds
+        seconds = 8.0
         fresh = lambda: {"X-Api-Key": uuid.uuid4().hex}    # noqa: E731
         runs = {
             # per-key binds: one key, 2x 20/s (per-ip sees only the 20/s admitted: it never rejects)
@@ -111,13 +111,23 @@ def test_three_rules_on_two_edges_each_within_2_percent_one_script_call_per_requ
             admitted_total += sum(1 for _, st in samples if st == 200)
             statuses = {s for _, s in samples}
             assert statuses <= {200, 429}, statuses
-            admitted = sum(1 for t, s in samples if s == 200
-                           and start - 0.05 + whole[0] <= t < start - 0.05 + whole[-1] + 1)
-            rate = admitted / len(whole)
-            demand = sum(1 for t, _ in samples if start - 0.05 + whole[0] <= t < start - 0.05 + whole[-1] + 1)
-            print(f"{rule}: {rate:.2f}/s admitted of {demand / len(whole):.1f}/s sent, limit {limit}/s")
-            assert abs(rate - limit) <= 0.02 * limit, (rule, rate, limit)
-            assert demand / len(whole) >= 1.8 * limit, "the client could not keep up 2x demand"
+            # The edges' fixed windows are the epoch seconds. In a window where the client sent n requests
+            # the rule must admit min(limit, n): the expected total is that sum over the phase's windows.
+            # (Summed, so a request sent just before a boundary and decided just after it moves between
+            # two saturated windows without changing anything; a window a stalled client under-fed on a
+            # loaded machine lowers the expectation instead of failing the limiter.)
+            base = start - 0.05
+            sent_in, admitted = {}, 0
+            for t, st in samples:
+                w = math.floor(t - base)
+                sent_in[w] = sent_in.get(w, 0) + 1
+                admitted += st == 200
+            expected = sum(min(limit, n) for n in sent_in.values())
+            demand = len(samples) / seconds
+            print(f"{rule}: {admitted} admitted, {expected} expected (limit {limit}/s), {demand:.1f}/s sent; "
+                  f"per window sent: {[sent_in[w] for w in sorted(sent_in)]}")
+            assert abs(admitted - expected) <= 0.02 * expected, (rule, admitted, expected)
+            assert demand >= 1.8 * limit, "the client could not keep up 2x demand"
         stats = commandstats(rc)
         print({k: v for k, v in stats.items()})
         # At most one script call per request (never one per rule), at least one per admitted request:
