@@ -77,6 +77,8 @@ class Config:
     max_connections: int = 1024
     header_timeout: float = 10.0             # whole request head, slowloris or not
     body_timeout: float = 30.0               # between body reads
+    body_min_rate: float = 8192.0            # bytes/s a request body must average after body_timeout; 0 off
+    send_timeout: float = 60.0               # between two writes to a client (nginx's send_timeout)
     keepalive_timeout: float = 75.0          # idle client connection (nginx's default)
     max_body_size: int = 10 * 1024 * 1024
     tunnel_idle_timeout: float = 300.0       # an upgraded connection (WebSocket) silent both ways is closed
@@ -254,6 +256,7 @@ _SECTIONS = {
                "max_connections": ("max_connections", Num(True, 1, 1_000_000)),
                "header_timeout": ("header_timeout", SECONDS), "body_timeout": ("body_timeout", SECONDS),
                "keepalive_timeout": ("keepalive_timeout", SECONDS),
+               "body_min_rate": ("body_min_rate", Num(False, 0.0, 1e12)), "send_timeout": ("send_timeout", SECONDS),
                "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
                "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
@@ -388,6 +391,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--max-connections", help="concurrent client connections (default 1024)")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
+    a("--body-min-rate", help="bytes/s a request body must average beyond --body-timeout (default 8192; "
+                              "0 off) -> 408")
+    a("--send-timeout", help="seconds a client may take to accept each write of a response (default 60)")
     a("--keepalive-timeout", help="seconds an idle client connection is kept (default 75)")
     a("--max-body-size", help="bytes (default 10485760) -> 413")
     a("--tls-cert", help="PEM certificate (chain) file: the listener speaks HTTPS (with --tls-key)")

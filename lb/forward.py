@@ -20,34 +20,38 @@ import socket
 import ssl
 from time import monotonic
 
-from urllib3.exceptions import HTTPError as Urllib3Error
+from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
 from . import tunnel
 from .backends import Backend, PoolExhausted
 from .netaddr import hostport
-from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, own_response,
-                     parse_response, send)
+from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
+                     own_response, parse_response, send)
 
 log = logging.getLogger("edge")
 
 SMALL_BODY = 65536           # bodies up to this are read whole and sent with their head, both ways
+PIECE = 262144               # the most of a body held at once while relaying
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
 _NO_BODY_STATUS = frozenset({204, 304})
 
+# Never copied from a message: hop-by-hop, and the framing the edge writes itself from what it parsed.
+_NOT_COPIED = HOP_BY_HOP | {b"content-length"}
 # Forwarding headers we write ourselves (after the client's), and Expect, which the edge answered.
-_REPLACED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"expect"})
-_REPLACED_TRUSTED = frozenset({b"x-forwarded-for", b"expect"})
+_REPLACED = _NOT_COPIED | {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"expect"}
+_REPLACED_TRUSTED = _NOT_COPIED | {b"x-forwarded-for", b"expect"}
 _REQUEST_ID_HEADER = frozenset({b"x-request-id"})
 
 _REASONS = {"connect": "backend unreachable", "reset": "backend closed the connection",
             "timeout": "backend timed out", "protocol": "backend sent an invalid response",
-            "pool": "backend connection limit reached"}
+            "pool": "backend connection limit reached", "gone": "backend removed"}
 
 
 class UpstreamFailed(Exception):
     """One try on one backend failed before any response byte reached the client.
 
-    kind: connect | reset | timeout | protocol | pool; status: what the client gets (502/503/504);
+    kind: connect | reset | timeout | protocol | pool | gone (its pool closed by a reload);
+    status: what the client gets (502/503/504);
     sent: whether any byte of the request had been written to the backend (if not, it may be retried).
     """
 
@@ -58,22 +62,24 @@ class UpstreamFailed(Exception):
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
                   close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
-                  request_id: bytes | None = None) -> bytearray:
-    """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended.
+                  request_id: bytes | None = None, length: int | None = None) -> bytearray:
+    """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
+    exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
     are; from anyone else they are replaced with what the edge saw. request_id: the id the edge made
     up (the client sent none, or a malformed one), which replaces the client's X-Request-Id.
     """
     out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
-    tokens = req.conn_tokens
+    tokens = req.conn_tokens   # never names Host or the framing (httpio.NOT_NOMINABLE)
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
     for name, lname, value in req.headers:
-        if lname in HOP_BY_HOP or (tokens and lname in tokens):
-            continue
-        if lname in replaced:
+        if lname in replaced or (tokens and lname in tokens):
+            if lname == b"content-length" and length is not None:
+                out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
+                length = None
             continue
         out += name + b": " + value + b"\r\n"
     if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
@@ -85,7 +91,9 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
         out += b"X-Forwarded-Host: " + req.host + b"\r\n"
     if request_id is not None:
         out += b"X-Request-Id: " + request_id + b"\r\n"
-    if req.chunked:
+    if length is not None:
+        out += b"Content-Length: %d\r\n" % length
+    elif req.chunked:
         out += b"Transfer-Encoding: chunked\r\n"
     if upgrade:   # an allowed upgrade (lb/tunnel.py): the one exception to hop-by-hop stripping
         out += b"Upgrade: " + upgrade + b"\r\nConnection: Upgrade\r\n"
@@ -114,18 +122,36 @@ def classify(e: BaseException, reused: bool) -> tuple[str, int, str]:
 
 
 def _send_streamed(up: socket.socket, head: bytes, body, chunked: bool) -> None:
+    """Head, then the body as it arrives from the client (re-chunked when chunked). What fails while
+    reading the client is the client's: HttpError (bad framing, 413; a silence is 408) or ClientGone;
+    what fails while writing to the backend raises OSError as it is."""
     up.sendall(head)
-    try:
-        for piece in body:
-            if chunked:
-                if piece:
-                    up.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
-            else:
-                up.sendall(piece)
-    except (EOFError, socket.timeout):
-        raise ClientGone() from None
+    it = iter(body)
+    while True:
+        try:
+            piece = next(it)
+        except StopIteration:
+            break
+        except socket.timeout:
+            raise HttpError(408, "request body not received in time") from None
+        except (EOFError, OSError):
+            raise ClientGone() from None
+        if chunked:
+            if piece:
+                up.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        else:
+            up.sendall(piece)
     if chunked:
         up.sendall(b"0\r\n\r\n")
+
+
+def _acquire(pool, fresh: bool = False, replayable: bool = False):
+    try:
+        return pool.acquire_fresh() if fresh else pool.acquire(replayable)
+    except PoolExhausted as e:
+        raise UpstreamFailed("pool", 503, str(e)) from None
+    except ClosedPoolError:
+        raise UpstreamFailed("gone", 502, "removed by a reload") from None
 
 
 class Forwarder:
@@ -150,11 +176,17 @@ class Forwarder:
         """
         edge = self.edge
         req = x.req
-        keep_if_failed = req.keep_alive and isinstance(body, bytes)   # a streamed body may be half read
+        streamed = not isinstance(body, bytes)
+        if streamed:
+            length = None if req.chunked else req.content_length
+        else:
+            length = len(body) if (req.chunked or req.content_length is not None) else None
+        keep_if_failed = req.keep_alive and not streamed   # a streamed body may be half read
         budget = edge.retry_budget
         budget.start()
         held = False          # this request holds a retry slot of the budget
         tried = None          # the backends tried so far, once there was a failure
+        regone = None         # the backend picked again after a reload closed the first one's pool
         if not backend.in_rotation:
             # Ejected (or taken out) since it was picked -- in a burst, by the failures of requests
             # picked just before this one: choose again rather than try it. Nothing was tried yet.
@@ -162,17 +194,25 @@ class Forwarder:
         x.upstream_start = monotonic()   # upstream_seconds: every try, up to the last response byte
         try:
             while True:
-                head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent)
+                head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
+                                     length)
                 with backend.lock:
                     backend.inflight += 1
                 try:
                     try:
                         conn, rh, ur = self.attempt(x, backend, head, body)
                     except UpstreamFailed as f:
-                        if f.kind != "pool":      # a full pool is our limit, not the backend's failure
+                        tried = (tried or []) + [backend]
+                        if f.kind == "gone" and not regone:
+                            # A reload removed this backend between the pick and now: another, once
+                            # (not a failure of anyone's, so no retry or budget is spent on it).
+                            regone = edge.balancer.pick(exclude=tried)
+                            if regone is not None:
+                                backend = x.backend = regone
+                                continue
+                        if f.kind not in ("pool", "gone"):   # a full pool is our limit, not the backend's
                             self.observe(backend, False, f.detail)
                         nxt = None
-                        tried = (tried or []) + [backend]
                         if f.kind == "connect" and not f.sent:
                             if len(tried) <= edge.cfg.retries:
                                 nxt = edge.balancer.pick(exclude=tried)
@@ -181,22 +221,29 @@ class Forwarder:
                                                  f"flight for {budget.active} requests")
                                     nxt = None
                         if nxt is None:
-                            return self.failed(sock, x, f.kind, f.status, f.detail, keep_if_failed, tried)
+                            keep = self.failed(sock, x, f.kind, f.status, f.detail, keep_if_failed, tried)
+                            if streamed:
+                                linger(sock)     # the rest of the body may still be arriving
+                            return keep
                         held = True
                         self.retrying(x, backend, f, nxt, len(tried))
                         backend = nxt
                         continue
                     except HttpError as e:
-                        # a request body we were streaming turned out malformed
-                        log.warning("client %s: %d %s", peer.decode(), e.status, e.reason)
-                        return edge._answer(sock, x, e.status, e.reason, False)
+                        return self.client_failed(sock, x, e.status, e.reason)
                     if rh.status == 101 and x.upgrade:
                         self.observe(backend, True, "101 Switching Protocols")
                         return tunnel.take(edge, x, conn, rh, ur, sock, reader)
-                    return self.relay(x, rh, ur, conn, sock)    # it tells passive health the outcome
+                    # relay() tells passive health the outcome. An early answer to a body not sent
+                    # whole leaves the client's body half read.
+                    return self.relay(x, rh, ur, conn, sock, in_sync=not (rh.early and streamed))
                 finally:
                     with backend.lock:
                         backend.inflight -= 1
+        except ClientGone:
+            if x.status is None:
+                edge.client_closed(x, reached=True)
+            raise
         finally:
             budget.end(held)
 
@@ -247,14 +294,11 @@ class Forwarder:
         req = x.req
         pool = backend.pool
         replayable = isinstance(body, bytes)
-        try:
-            conn = pool.acquire(replayable and req.method in IDEMPOTENT)
-        except PoolExhausted as e:
-            raise UpstreamFailed("pool", 503, str(e)) from None
+        conn = _acquire(pool, replayable=replayable and req.method in IDEMPOTENT)
         retried = False
-        sent = False              # a byte of this request was written to this backend
         while True:
             reused = conn.sock is not None
+            send_err = None     # why sending failed, if it did
             try:
                 if not reused:
                     conn.connect()
@@ -264,36 +308,52 @@ class Forwarder:
                 if ur is None or ur.sock is not up:
                     ur = conn.reader = Reader(up)
                 ur.apply(cfg.read_timeout)
-                sent = True
+            except (OSError, Urllib3Error) as e:
+                pool.release(conn, False)
+                raise UpstreamFailed(*classify(e, reused)) from None   # nothing was sent: retryable
+            try:
                 if replayable:
                     up.sendall(head + body if body else head)
                 else:
                     _send_streamed(up, head, body, req.chunked)
-                ur.timeout = cfg.read_timeout
-                ur.deadline = x.start + cfg.response_timeout
+            except (HttpError, ClientGone):
+                pool.release(conn, False)
+                raise
+            except OSError as e:
+                send_err = e    # the backend stopped reading: it may have answered early (its 413)
+            # After a failed send only an answer already there counts: read it without waiting long.
+            ur.timeout = cfg.read_timeout if send_err is None else 0.5
+            ur.deadline = x.start + cfg.response_timeout
+            try:
                 rhead = ur.read_head(max_first_line=8192)
                 while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
                     rhead = ur.read_head(max_first_line=8192)   # interim 1xx: not relayed
                 if rhead is None:
                     raise UpstreamError("reset", "closed the connection without a response")
-                return conn, parse_response(rhead), ur
+                rh = parse_response(rhead)
             except HttpError as e:
+                # Our reader's limits and its "closed inside the head", hit by a *response* head.
                 pool.release(conn, False)
-                if e.status in (414, 431):   # our reader's limit hit by the *response* head
-                    raise UpstreamFailed("protocol", 502, "response head too large") from None
-                raise
-            except ClientGone:
+                if e.status in (414, 431):
+                    raise UpstreamFailed("protocol", 502, "response head too large", True) from None
+                raise UpstreamFailed("reset", 502, "closed the connection inside the response head", True) from None
+            except (OSError, UpstreamError) as e:
                 pool.release(conn, False)
-                raise
-            except (socket.timeout, UpstreamError, OSError, Urllib3Error) as e:
-                pool.release(conn, False)
+                if send_err is not None:
+                    e = send_err
+                    if isinstance(e, (socket.timeout, BlockingIOError)):   # BlockingIOError: SO_SNDTIMEO
+                        raise UpstreamFailed("timeout", 504, "stopped reading the request body", True) from None
                 kind, status, detail = classify(e, reused)
                 if kind == "reset" and reused and not retried and replayable and req.method in IDEMPOTENT:
                     # A kept-alive connection the backend had already closed: nothing was processed.
                     retried = True
-                    conn = pool.acquire_fresh()
+                    conn = _acquire(pool, fresh=True)
                     continue
-                raise UpstreamFailed(kind, status, detail, sent) from None
+                raise UpstreamFailed(kind, status, detail, True) from None
+            if send_err is not None:
+                rh.early = True
+                rh.close = True          # the request was not sent whole: this connection is done
+            return conn, rh, ur
 
     def failed(self, sock, x, kind: str, status: int, detail: str, keep: bool, tried=None) -> bool:
         """The backend failed before the client saw a byte: log, count, answer with status.
@@ -311,11 +371,27 @@ class Forwarder:
         send(sock, data)
         return keep
 
+    def client_failed(self, sock, x, status: int, reason: str) -> bool:
+        """The client's streamed body failed (bad framing, too large, too slow) after its head reached
+        the backend (that connection is closed): answer, count it against the backend's requests."""
+        edge = self.edge
+        log.warning("client: %d %s (request body to backend %s)", status, reason, x.backend.url)
+        edge.metrics.client_failed(x.backend.url, status, monotonic() - x.start)
+        data = own_response(status, reason, close=True, extra=x.extra_headers(), head_only=x.req.method == b"HEAD")
+        x.bytes_sent = len(data)
+        edge._done(x, status)
+        send(sock, data)
+        linger(sock)
+        return False
+
     # -- relaying the response ------------------------------------------------------------------------
 
-    def relay(self, x, rh, ur: Reader, conn, sock: socket.socket) -> bool:
+    def relay(self, x, rh, ur: Reader, conn, sock: socket.socket, in_sync: bool = True) -> bool:
+        """The response to the client as it arrives. The edge writes the framing: the client never
+        sees a Content-Length and a Transfer-Encoding together, nor a length the edge did not parse."""
         edge = self.edge
         req, backend, start = x.req, x.backend, x.start
+        status = rh.status
         out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
         tokens = None
         for name, lname, value in rh.headers:
@@ -323,8 +399,12 @@ class Forwarder:
                 tokens = {t.strip() for t in value.lower().split(b",")}
         limiting = bool(x.rl)
         ietf = limiting and b"\nRateLimit: " in x.rl      # [limits] ietf_headers: ours replace those too
+        cl = rh.content_length
         for name, lname, value in rh.headers:
-            if lname in HOP_BY_HOP or (tokens and lname in tokens):
+            if lname in _NOT_COPIED or (tokens and lname in tokens):
+                if lname == b"content-length" and cl is not None:
+                    out += b"Content-Length: %d\r\n" % cl     # in its place, once, as the edge parsed it
+                    cl = None
                 continue
             if limiting and (lname[:12] == b"x-ratelimit-" or ietf and lname in _IETF_FIELDS) \
                     or lname == b"x-request-id":
@@ -336,9 +416,13 @@ class Forwarder:
         if x.set_cookie:
             out += x.set_cookie
 
-        client_keep = req.keep_alive and not edge.draining
+        client_keep = req.keep_alive and in_sync and not edge.draining
         http10 = req.version == b"HTTP/1.0"
-        if req.method == b"HEAD" or rh.status in _NO_BODY_STATUS or rh.status < 200:
+        if status == 101:
+            # No tunnel here (the upgrade path is its own): this connection speaks something else now.
+            client_keep = False
+            rh.close = True
+        if req.method == b"HEAD" or status in _NO_BODY_STATUS or status < 200:
             mode = "none"
         elif rh.content_length is not None:
             mode = "length"
@@ -346,11 +430,17 @@ class Forwarder:
             mode = "chunked"
         else:
             mode = "eof"      # delimited by the backend closing
-        if mode in ("chunked", "eof"):
+        if mode == "eof" and rh.codings:
+            # A transfer coding we do not decode: relayed as it is, delimited by the close, as it came.
+            mode = "raw"
+            client_keep = False
+            if not http10:
+                out += b"Transfer-Encoding: " + rh.codings + b"\r\n"
+        elif mode in ("chunked", "eof"):
             if http10:
                 client_keep = False   # an HTTP/1.0 client reads to EOF
             else:
-                out += b"Transfer-Encoding: chunked\r\n"
+                out += b"Transfer-Encoding: " + (rh.codings + b", chunked\r\n" if rh.codings else b"chunked\r\n")
         if not client_keep:
             out += b"Connection: close\r\n"
         elif http10:
@@ -367,97 +457,135 @@ class Forwarder:
                 kind = "timeout" if isinstance(e, socket.timeout) else "reset"
                 self.observe(backend, False, f"{kind} inside a response body")
                 return self.failed(sock, x, kind, 504 if kind == "timeout" else 502,
-                                   "failed inside a response body", req.keep_alive)
+                                   "failed inside a response body", req.keep_alive and in_sync)
             mode = "sent-with-head"
 
         upstream_ok = False
         x.bytes_sent = len(out)
+        c = None
         try:
             if mode in ("none", "sent-with-head"):
                 send(sock, out)
                 upstream_ok = True
-            elif mode == "length":
-                x.bytes_sent += rh.content_length
-                upstream_ok = _relay_length(rh.content_length, out, ur, sock)
             else:
-                upstream_ok, x.bytes_sent = _relay_chunks(mode, http10, out, ur, sock)
+                c = _Client(sock)
+                if mode == "length":
+                    upstream_ok = _relay_length(rh.content_length, out, ur, c)
+                elif mode == "chunked":
+                    upstream_ok = _relay_chunked(http10, out, ur, c)
+                else:
+                    _relay_eof(http10 or mode == "raw", out, ur, c)
         except (socket.timeout, UpstreamError, OSError, EOFError, HttpError) as e:
+            kind = ("timeout" if isinstance(e, socket.timeout) else
+                    "protocol" if isinstance(e, (UpstreamError, HttpError)) else "reset")
+            backend.pool.release(conn, False)
+            if c is not None and not c.n:      # nothing reached the client yet: a clean answer
+                self.observe(backend, False, f"{kind} before the response body")
+                return self.failed(sock, x, kind, 504 if kind == "timeout" else 502,
+                                   "failed before the response body", req.keep_alive and in_sync)
             # The head is gone to the client: all we can do is close, so the truncation shows.
-            kind = "timeout" if isinstance(e, socket.timeout) else "reset"
             self.observe(backend, False, f"{kind} mid-response")
             log.warning("backend %s %s mid-response: %s %s (closing the client connection)",
                         backend.url, kind, req.method.decode(), req.target[:200].decode("latin-1"))
-            edge.metrics.upstream_error(backend.url, kind, rh.status, monotonic() - start)
-            edge._done(x, rh.status)
-            backend.pool.release(conn, False)
+            edge.metrics.upstream_error(backend.url, kind, status, monotonic() - start)
+            edge._done(x, status)
             return False
         except ClientGone:
             backend.pool.release(conn, False)
             raise
-        reusable = upstream_ok and not rh.close and mode != "eof" and not ur.buf
+        reusable = upstream_ok and not rh.close and not ur.buf
         backend.pool.release(conn, reusable)
         self.observe(backend, rh.status < 500, rh.status_line)
         now = monotonic()
         x.upstream_seconds = now - x.upstream_start
-        edge.metrics.backend_done(backend.url, rh.status, now - start, x.upstream_seconds)
-        edge._done(x, rh.status)
+        if c is not None:
+            x.bytes_sent = c.n
+        edge.metrics.backend_done(backend.url, status, now - start, x.upstream_seconds)
+        edge._done(x, status)
+        if not in_sync:
+            linger(sock)    # the client may still be sending the body the backend refused
         return client_keep
 
 
-def _relay_length(n: int, out: bytearray, ur: Reader, sock) -> bool:
+class _Client:
+    """The client socket while a body streams: counts what went out (before the first byte a failed
+    backend still gets a clean 502; after it, only a close can show the truncation)."""
+
+    __slots__ = ("sock", "n")
+
+    def __init__(self, sock):
+        self.sock, self.n = sock, 0
+
+    def send(self, data) -> None:
+        send(self.sock, data)
+        self.n += len(data)
+
+
+def _relay_length(n: int, out: bytearray, ur: Reader, c: _Client) -> bool:
     """A large body: the head and what has arrived, then the rest as it comes."""
     buf = ur.buf
-    n -= len(buf)
-    out += buf
-    buf.clear()
-    send(sock, out)
+    take = min(n, len(buf))
+    out += buf[:take]
+    del buf[:take]
+    n -= take
+    c.send(out)
     while n > 0:
-        data = ur.read_some(min(n, 262144))
+        data = ur.read_some(min(n, PIECE))
         n -= len(data)
-        send(sock, data)
+        c.send(data)
     return True
 
 
-def _relay_chunks(mode: str, http10: bool, out: bytearray, ur: Reader, sock) -> tuple[bool, int]:
-    """Chunked or EOF-delimited from the backend -> chunked to an HTTP/1.1 client, raw to 1.0.
-    (the backend ended the body cleanly, bytes sent to the client)"""
+def _relay_eof(raw: bool, out: bytearray, ur: Reader, c: _Client) -> None:
+    """A body delimited by the backend's close -> chunked to an HTTP/1.1 client, else as it is."""
     pending = out
-    sent = 0
-    if mode == "eof":
-        while True:
-            if not ur.buf and not ur.fill():
-                break
-            data = bytes(ur.buf)
-            ur.buf.clear()
-            pending += data if http10 else b"%x\r\n%s\r\n" % (len(data), data)
-            send(sock, pending)
-            sent += len(pending)
-            pending = bytearray()
-        if not http10:
-            pending += b"0\r\n\r\n"
-        send(sock, pending)
-        return False, sent + len(pending)
     while True:
-        line = ur.read_line(1024)
-        size_s = line.split(b";", 1)[0].strip()
-        try:
-            size = int(size_s, 16)
-        except ValueError:
-            raise UpstreamError("protocol", "invalid chunk size") from None
+        if not ur.buf and not ur.fill():
+            break
+        data = bytes(ur.buf)
+        ur.buf.clear()
+        pending += data if raw else b"%x\r\n%s\r\n" % (len(data), data)
+        c.send(pending)
+        pending = bytearray()
+    if not raw:
+        pending += b"0\r\n\r\n"
+    c.send(pending)
+
+
+def _relay_chunked(http10: bool, out: bytearray, ur: Reader, c: _Client) -> bool:
+    """A chunked body, relayed as it arrives: a chunk goes out in pieces (never read whole first), and
+    what was read is sent whenever the next read would wait. Sizes are strict hex; the client gets
+    clean chunks of the sizes the edge counted, without extensions (or the bare data, to HTTP/1.0)."""
+    pending = out
+    while True:
+        size = chunk_size(ur.read_line(1024))
+        if size < 0:
+            raise UpstreamError("protocol", "invalid chunk size")
         if size == 0:
             while ur.read_line(8192):   # trailers: dropped (not announced to the client)
                 pass
             if not http10:
                 pending += b"0\r\n\r\n"
-            send(sock, pending)
-            return True, sent + len(pending)
-        data = ur.read_exact(size + 2)
-        if data[-2:] != b"\r\n":
+            c.send(pending)
+            return True
+        if not http10:
+            pending += b"%x\r\n" % size
+        while size > 0:
+            if not ur.buf and pending:
+                c.send(pending)         # about to wait for the backend: flush what we have
+                pending = bytearray()
+            data = ur.read_some(min(size, PIECE))
+            size -= len(data)
+            pending += data
+            if len(pending) >= PIECE:
+                c.send(pending)
+                pending = bytearray()
+        if ur.read_exact(2) != b"\r\n":
             raise UpstreamError("protocol", "chunk longer than declared")
-        pending += data[:-2] if http10 else line + b"\r\n" + data
-        if not ur.buf:             # about to block on the backend: flush what we have
-            send(sock, pending)
-            sent += len(pending)
+        if not http10:
+            pending += b"\r\n"
+        if not ur.buf:
+            c.send(pending)
             pending = bytearray()
 
 

@@ -8,35 +8,53 @@ The first probe runs at once -- at start and when a reload adds a backend -- not
 
 from __future__ import annotations
 
-import http.client
 import logging
+import socket
 import ssl
 import threading
+from time import monotonic
 
 from .backends import Backend
+from .netaddr import hostport
+from .httpio import HttpError, Reader, UpstreamError, parse_response
 
 log = logging.getLogger("edge")
 
 
 def probe(b: Backend, path: str, timeout: float) -> tuple[bool, str]:
-    """One GET on a fresh connection (not from the request pool): (passed, why)."""
-    if b.spec.scheme == "https":    # verified as the request pool verifies it
-        ctx = ssl.create_default_context(cafile=getattr(b.pool, "ca_certs", None))
-        conn = http.client.HTTPSConnection(b.spec.host, b.spec.port, timeout=timeout, context=ctx)
-    else:
-        conn = http.client.HTTPConnection(b.spec.host, b.spec.port, timeout=timeout)
+    """One GET on a fresh connection (not from the request pool): (passed, why).
+
+    `timeout` bounds the whole probe (connect, send, the response head), not each read, and nothing of
+    the body is waited for (at most one 64 KiB read past the head is buffered, then the connection is
+    closed): a backend that trickles or streams cannot hold the probe.
+    """
+    deadline = monotonic() + timeout
+    s = None
     try:
-        conn.request("GET", path, headers={"Connection": "close", "User-Agent": "edge-health"})
-        resp = conn.getresponse()
-        resp.read()
-        ok = 200 <= resp.status < 300
-        return ok, f"HTTP {resp.status}"
-    except TimeoutError:
+        s = socket.create_connection((b.spec.host, b.spec.port), timeout=timeout)
+        if b.spec.scheme == "https":    # verified as the request pool verifies it
+            ctx = ssl.create_default_context(cafile=getattr(b.pool, "ca_certs", None))
+            s.settimeout(max(deadline - monotonic(), 0.001))     # the handshake is inside the deadline
+            s = ctx.wrap_socket(s, server_hostname=b.spec.host)
+        s.settimeout(max(deadline - monotonic(), 0.001))
+        s.sendall(b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\nUser-Agent: edge-health\r\n\r\n"
+                  % (path.encode(), hostport(b.spec.host, b.spec.port).encode()))
+        r = Reader(s)
+        r.deadline = deadline
+        head = r.read_head(max_first_line=8192)
+        if head is None:
+            return False, "closed without a response"
+        rh = parse_response(head)   # the body is not waited for: what came with the head is dropped
+    except socket.timeout:
         return False, f"timeout after {timeout:g}s"
-    except (OSError, http.client.HTTPException) as e:
-        return False, (e.strerror or str(e) or type(e).__name__) if isinstance(e, OSError) else type(e).__name__
+    except (HttpError, UpstreamError) as e:
+        return False, f"invalid response: {e}"
+    except OSError as e:
+        return False, e.strerror or str(e) or type(e).__name__
     finally:
-        conn.close()
+        if s is not None:
+            s.close()
+    return 200 <= rh.status < 300, f"HTTP {rh.status}"
 
 
 def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:

@@ -29,12 +29,19 @@ MAX_CHUNK_LINE = 1024
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
                         b"trailer", b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
 
+# What a Connection token may never remove (RFC 9112 6.1, 7.6.1 of 9110 notwithstanding): the message's
+# own framing, which the edge writes itself from what it parsed, and Host.
+NOT_NOMINABLE = frozenset({b"content-length", b"transfer-encoding", b"host"})
+_HEX = b"0123456789abcdefABCDEF"
+
 # tchar (RFC 9110 5.6.2): the bytes a method or header name may contain.
 _TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 # Control bytes other than HTAB may not appear in a head at all; CR and LF only as CRLF (checked apart).
 _CTL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _TARGET_BAD = re.compile(rb"[\x00-\x20\x7f]")
 _VERSION = re.compile(rb"HTTP/(\d)\.(\d)\Z")
+# A Host is an authority (RFC 9110 7.2): no blanks, no path, no userinfo (nginx refuses '/' and '\\').
+_HOST_BAD = re.compile(rb"[\x00-\x20\x7f/\\@?#,]")
 
 
 class HttpError(Exception):
@@ -61,25 +68,38 @@ _TIMEVAL = struct.Struct("@ll")
 _UNSET = -1.0                             # Reader.applied before any timeout was set
 
 
-def kernel_timeout(sock: socket.socket, seconds: float | None) -> None:
+def _timeval(seconds: float | None) -> bytes:
+    if seconds is None:
+        return _TIMEVAL.pack(0, 0)        # 0 = wait forever
+    usec = int(seconds % 1 * 1e6)
+    return _TIMEVAL.pack(int(seconds), usec if seconds >= 1 else max(1, usec))
+
+
+def kernel_timeout(sock: socket.socket, seconds: float | None, send: bool = True) -> None:
     """Bound sock's recv and send by `seconds` (None: no bound) in the kernel (SO_RCVTIMEO/SO_SNDTIMEO)
     and leave the socket blocking, so each recv or send is one system call. With Python's settimeout()
     each one is a poll() and then the call (and settimeout() itself an ioctl): three points per read
     where the thread gives up the GIL and must win it back, which is where a thread-per-connection
     server's tail comes from (bench/tail_bench.py). An expiry raises BlockingIOError (EAGAIN), which
-    Reader.fill turns into socket.timeout. TLS sockets keep settimeout(): their reads are OpenSSL's."""
+    Reader.fill turns into socket.timeout. TLS sockets keep settimeout(): their reads are OpenSSL's.
+    send=False leaves the send bound alone (a client connection's is send_timeout, set once)."""
     if type(sock) is not socket.socket:
         sock.settimeout(seconds)
         return
     if sock.gettimeout() is not None:
         sock.settimeout(None)             # blocking (one ioctl), e.g. after urllib3's connect timeout
-    if seconds is None:
-        tv = _TIMEVAL.pack(0, 0)          # 0 = wait forever
-    else:
-        usec = int(seconds % 1 * 1e6)
-        tv = _TIMEVAL.pack(int(seconds), usec if seconds >= 1 else max(1, usec))
+    tv = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    if send:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def send_timeout(sock: socket.socket, seconds: float) -> None:
+    """A client connection's bound on each send of a response (nginx's send_timeout), set once: reads
+    change only the receive bound (Reader.fill), so a send never inherits what the last read left.
+    Over TLS the socket has one timeout for both, the last read's (always a bounded one)."""
+    if type(sock) is socket.socket:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
 
 
 class Reader:
@@ -112,7 +132,7 @@ class Reader:
                 raise socket.timeout("deadline")
             t = left if t is None or left < t else t
         if t != self.applied:
-            kernel_timeout(self.sock, t)
+            kernel_timeout(self.sock, t, send=False)   # the send bound is apply()'s or send_timeout()'s
             self.applied = t
         try:
             data = self.sock.recv(65536)
@@ -252,6 +272,8 @@ def parse_request(head: bytes) -> Request:
         if lname == b"host":
             if r.host is not None:
                 raise HttpError(400, "duplicate Host header")
+            if not value or _HOST_BAD.search(value):
+                raise HttpError(400, "invalid Host header")
             r.host = value
         elif lname == b"content-length":
             # Several equal values (or "5, 5") are one length (RFC 9110 8.6); differing ones are smuggling.
@@ -278,7 +300,7 @@ def parse_request(head: bytes) -> Request:
                     keep_alive = False
                 elif t == b"keep-alive":
                     keep_alive = True
-                elif t:
+                elif t and t not in NOT_NOMINABLE:
                     tokens.add(t)
         elif lname == b"expect":
             if value.lower() != b"100-continue":
@@ -321,46 +343,73 @@ def parse_request(head: bytes) -> Request:
     return r
 
 
-def iter_chunked(reader: Reader, max_body: int):
-    """Decode a chunked request body, yielding the data of each chunk; trailers are read and dropped."""
+def chunk_size(line: bytes) -> int:
+    """The size on a chunk-size line, or -1 when it is not strict hex (int(x, 16) alone would also take
+    '0x5', '+5', '-5', '5_0' and surrounding blanks: each a way for two parsers to disagree)."""
+    size_s = line.split(b";", 1)[0]
+    if not size_s or size_s.translate(None, _HEX) or len(size_s) > 15:
+        return -1
+    return int(size_s, 16)
+
+
+def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: int = 65536):
+    """Decode a chunked request body, yielding its data as it arrives (a chunk in pieces of at most
+    `piece` bytes, never a whole declared chunk at once); trailers are read and dropped.
+
+    Raises HttpError for bad framing (400) or too much (413); EOFError and socket errors pass through
+    (the caller knows whether that is a client gone or a timeout). min_rate: see body_deadline().
+    """
     total = 0
+    t0 = monotonic()
     while True:
-        try:
-            line = reader.read_line(MAX_CHUNK_LINE)
-        except EOFError:
-            raise HttpError(400, "connection closed inside a chunked body") from None
-        size_s = line.split(b";", 1)[0]
-        if not size_s or size_s.translate(None, b"0123456789abcdefABCDEF") or len(size_s) > 15:
+        size = chunk_size(reader.read_line(MAX_CHUNK_LINE))
+        if size < 0:
             raise HttpError(400, "invalid chunk size")
-        size = int(size_s, 16)
         if size == 0:
-            while True:  # trailer section, ends with an empty line
-                try:
-                    t = reader.read_line(MAX_HEADER_LINE)
-                except EOFError:
-                    raise HttpError(400, "connection closed inside chunked trailers") from None
-                if not t:
-                    return
+            while reader.read_line(MAX_HEADER_LINE):  # trailer section, ends with an empty line
+                pass
+            return
         total += size
         if total > max_body:
             raise HttpError(413, "request body too large")
-        try:
-            data = reader.read_exact(size + 2)
-        except EOFError:
-            raise HttpError(400, "connection closed inside a chunk") from None
-        if data[-2:] != CRLF:
+        while size > 0:
+            data = reader.read_some(min(size, piece))
+            size -= len(data)
+            yield data
+        if reader.read_exact(2) != CRLF:
             raise HttpError(400, "chunk longer than its declared size")
-        yield data[:-2]
+        if min_rate:
+            body_deadline(reader, t0, total, min_rate)
+
+
+def iter_fixed(reader: Reader, n: int, min_rate: float = 0.0, piece: int = 65536):
+    """A Content-Length body as it arrives."""
+    t0 = monotonic()
+    got = 0
+    while got < n:
+        data = reader.read_some(min(n - got, piece))
+        got += len(data)
+        yield data
+        if min_rate:
+            body_deadline(reader, t0, got, min_rate)
+
+
+def body_deadline(reader: Reader, t0: float, received: int, min_rate: float) -> None:
+    """A body must keep up a minimum average rate (Apache's mod_reqtimeout MinRate): the deadline is
+    the silence allowance (reader.timeout) plus one second per min_rate bytes received so far."""
+    reader.deadline = t0 + (reader.timeout or 0.0) + received / min_rate
 
 
 # ----------------------------------------------------------------------------------------- responses
 
 class ResponseHead:
-    __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "close")
+    __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "codings", "close", "early")
 
 
 def parse_response(head: bytes) -> ResponseHead:
-    """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x."""
+    """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x, and for
+    framing a client could read differently from us: Content-Length with Transfer-Encoding (nginx's
+    answer too), differing Content-Lengths, chunked applied twice or not last but present."""
     lines = head.split(CRLF)
     status_line = lines[0]
     if status_line[:7] not in (b"HTTP/1.", b"http/1.") or len(status_line) < 12 or status_line[8:9] != b" ":
@@ -378,27 +427,39 @@ def parse_response(head: bytes) -> ResponseHead:
     r.headers = headers
     r.content_length = None
     r.chunked = False
+    r.codings = b""           # transfer codings other than a final chunked, relayed as they are
+    r.early = False           # answered before the request was sent whole (set by the forwarder)
     close = status_line[5:8] == b"1.0"
+    te = None
     for name, lname, value in headers:
         if lname == b"content-length":
-            v = value.split(b",")[0].strip()
-            if not v.isdigit():
-                raise UpstreamError("protocol", "invalid Content-Length")
-            r.content_length = int(v)
+            for v in value.split(b","):
+                v = v.strip()
+                if not v.isdigit() or len(v) > 18:
+                    raise UpstreamError("protocol", "invalid Content-Length")
+                if r.content_length is not None and int(v) != r.content_length:
+                    raise UpstreamError("protocol", "conflicting Content-Length headers")
+                r.content_length = int(v)
         elif lname == b"transfer-encoding":
-            r.chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
-            if not r.chunked:
-                close = True  # a coding other than chunked last: the body runs to EOF
+            te = value.lower() if te is None else te + b", " + value.lower()
         elif lname == b"connection":
             v = value.lower()
             if b"close" in v:
                 close = True
             elif b"keep-alive" in v:
                 close = False
-    if r.chunked and r.content_length is not None:
-        # RFC 9112 6.3: Transfer-Encoding wins, and the connection may not be reused after.
-        r.content_length = None
-        close = True
+    if te is not None:
+        if r.content_length is not None:
+            raise UpstreamError("protocol", "both Content-Length and Transfer-Encoding")
+        codings = [c.strip() for c in te.split(b",")]
+        if codings[-1] == b"chunked":
+            if b"chunked" in codings[:-1]:
+                raise UpstreamError("protocol", "chunked applied twice")
+            r.chunked = True
+            codings.pop()
+        else:
+            close = True  # a coding other than chunked last: the body runs to the close (RFC 9112 6.3)
+        r.codings = b", ".join(c for c in codings if c)
     r.close = close
     return r
 
@@ -431,3 +492,24 @@ def send(sock: socket.socket, data) -> None:
         sock.sendall(data)
     except OSError:
         raise ClientGone() from None
+
+
+def linger(sock: socket.socket, seconds: float = 5.0, max_bytes: int = 16 << 20) -> None:
+    """nginx's lingering close, after an answer sent while the request body may still be arriving:
+    half-close, then read and discard (bounded in time and bytes) so that closing does not reset the
+    connection before the client has read the answer."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_WR)   # an SSLSocket's own would drop its TLS state
+        end = monotonic() + seconds
+        n = 0
+        while n < max_bytes:
+            left = end - monotonic()
+            if left <= 0:
+                return
+            sock.settimeout(min(left, 1.0))
+            data = sock.recv(65536)
+            if not data:
+                return
+            n += len(data)
+    except OSError:
+        pass

@@ -29,7 +29,7 @@ FAMILIES = {
     "lb_requests_total": ("counter", "Requests sent to each backend (answered or failed)."),
     "lb_backend_responses_total": ("counter", "Backend responses relayed, by backend and status class."),
     "lb_upstream_errors_total": ("counter", "Backend failures: connect, reset, timeout, protocol, pool."),
-    "lb_edge_responses_total": ("counter", "Responses the edge produced itself, by status."),
+    "lb_edge_responses_total": ("counter", "Responses the edge produced itself, by status (499: the client left)."),
     "lb_rate_limited_total": ("counter", "Rejections by rule (dry_run=\"true\": would have rejected; a request "
                                          "refused by two rules counts under both -- requests answered 429: "
                                          "lb_edge_responses_total)."),
@@ -136,6 +136,15 @@ class Metrics:
         with self.lock:
             self._inc("lb_requests_total", (("backend", backend),))
             self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
+            self._inc("lb_edge_responses_total", (("code", str(status)),))
+            self._observe("lb_request_duration_seconds", (), seconds)
+
+    def client_failed(self, backend: str | None, status: int, seconds: float) -> None:
+        """The client failed a request (gone: 499, nginx's code; or its body was bad or too slow), counted
+        against the backend's requests when it had reached one."""
+        with self.lock:
+            if backend is not None:
+                self._inc("lb_requests_total", (("backend", backend),))
             self._inc("lb_edge_responses_total", (("code", str(status)),))
             self._observe("lb_request_duration_seconds", (), seconds)
 

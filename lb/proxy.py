@@ -12,12 +12,15 @@ the bytes on them are ours (lb/httpio.py), so nothing is added or reordered on t
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import socket
+import time
 import socketserver
 import threading
+from itertools import chain
 from time import monotonic
 
 from . import netaddr, tls, tunnel
@@ -25,9 +28,13 @@ from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
 from .outlier import Ejector
 from .retrybudget import RetryBudget
-from .httpio import ClientGone, HttpError, Reader, Request, iter_chunked, own_response, parse_request, send
+from .httpio import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
+                     own_response, parse_request, send, send_timeout)
 
 log = logging.getLogger("edge")
+
+ACCEPT_BACKOFF = 0.1      # seconds between accepts while out of descriptors or memory
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 # ------------------------------------------------------------------------------------------- server
@@ -49,11 +56,26 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.active = 0
         self._active_lock = threading.Lock()
         self.address_family = netaddr.family(addr[0])
+        self._fd_warned = 0.0
         super().__init__(addr, None)
 
     def server_bind(self):
         netaddr.bind_options(self.socket, self.server_address[0])
         super().server_bind()
+
+    def get_request(self):
+        try:
+            return self.socket.accept()
+        except OSError as e:
+            if e.errno in _OUT_OF_RESOURCES:
+                # The listener stays readable while the backlog holds connections we cannot take:
+                # without a pause serve_forever would spin on accept. Back off; they wait in the backlog.
+                now = monotonic()
+                if now - self._fd_warned > 10.0:
+                    self._fd_warned = now
+                    log.error("accept: %s; pausing accepts (%d connections open)", e.strerror, self.active)
+                time.sleep(ACCEPT_BACKOFF)
+            raise
 
     def process_request(self, request, client_address):
         with self._active_lock:
@@ -130,7 +152,7 @@ class Edge:
             if why == "plain-http":
                 # nginx's 497: plain HTTP on the HTTPS port gets a plain-text 400, then the close.
                 self._refuse(sock, 400, "plain HTTP request sent to the HTTPS port", peer_ip)
-                _linger(sock)
+                linger(sock, 1.0)
             else:
                 log.info("client %s: %s", peer_ip, why)
             return
@@ -140,33 +162,41 @@ class Edge:
             tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
 
     def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool) -> None:
-        cfg = self.cfg
+        send_timeout(sock, self.cfg.send_timeout)
         reader = Reader(sock)
         peer = peer_ip.encode()
-        peer_trusted = self.identifier.trusted(peer_ip)   # once per connection, not per request
+        identifier = None
         conns = self.conns
         conns[sock] = False
-        first = True
+        # A new connection has header_timeout for its whole first head, silence included; a kept-alive
+        # one may idle keepalive_timeout between requests.
+        first = monotonic() + self.cfg.header_timeout
+        check_tls = not over_tls
         try:
             while not self.draining:
-                reader.deadline = None
+                cfg = self.cfg                 # a reload applies from the next request on
+                reader.deadline = first or None
                 try:
                     if not reader.buf:
-                        reader.timeout = cfg.keepalive_timeout   # idle between requests
+                        reader.timeout = None if first else cfg.keepalive_timeout
                         if not reader.fill():
                             return
-                    if first:
-                        first = False
-                        if reader.buf[0] == tls.HANDSHAKE and not over_tls:
+                    if check_tls:
+                        check_tls = False
+                        if reader.buf[0] == tls.HANDSHAKE:
                             log.info("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
                     conns[sock] = True
                     reader.timeout = None
-                    reader.deadline = monotonic() + cfg.header_timeout
+                    reader.deadline = first or monotonic() + cfg.header_timeout
+                    first = 0.0
                     head = reader.read_head()
                     if head is None:
                         return
                     req = parse_request(head)
+                    if identifier is not self.identifier:   # trust: once per connection and per reload
+                        identifier = self.identifier
+                        peer_trusted = identifier.trusted(peer_ip)
                 except HttpError as e:
                     self._refuse(sock, e.status, e.reason, peer_ip)
                     return
@@ -295,35 +325,54 @@ class Edge:
             if x.upgrade is not None:
                 return self.forwarder.forward(x, backend, b"", sock, peer, peer_trusted, reader)
 
-        # 4. the body: only now is the client invited to send it
-        if req.expect_continue:
-            self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
-        reader.timeout = cfg.body_timeout
-        reader.deadline = None
-        body: bytes | object
-        try:
-            if req.chunked:
-                body = iter_chunked(reader, cfg.max_body_size)
-            elif req.content_length and req.content_length <= SMALL_BODY:
-                body = reader.read_exact(req.content_length)
-            elif req.content_length:
-                body = self._iter_fixed(reader, req.content_length)
-            else:
-                body = b""
-        except (EOFError, OSError):
-            raise ClientGone() from None   # socket.timeout is an OSError: a silent client is gone too
+        # 4. the body: only now is the client invited to send it. A small one is read (and a chunked
+        #    one validated) whole before any backend connection is taken; a larger one streams.
+        body: bytes | object = b""
+        if has_body:
+            try:
+                if req.expect_continue:
+                    self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
+                body = self._read_body(req, reader, cfg)
+            except HttpError as e:
+                log.warning("client %s: %d %s", peer_ip, e.status, e.reason)
+                return self._answer(sock, x, e.status, e.reason, False)
+            except ClientGone:
+                self.client_closed(x, reached=False)
+                raise
         # 5. forward and relay (lb/forward.py)
         return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
 
     @staticmethod
-    def _iter_fixed(reader: Reader, n: int):
-        while n > 0:
-            data = reader.read_some(min(n, 65536))
-            n -= len(data)
-            yield data
+    def _read_body(req: Request, reader: Reader, cfg):
+        """The body as bytes when it is small, else an iterator of its pieces (the first already read).
+        A silence is 408, an end is ClientGone; bad framing and 413 are HttpError."""
+        reader.timeout = cfg.body_timeout
+        reader.deadline = None
+        rate = cfg.body_min_rate
+        try:
+            if not req.chunked:
+                n = req.content_length
+                if n <= SMALL_BODY:
+                    if rate:
+                        body_deadline(reader, monotonic(), n, rate)   # the whole of it, at least at rate
+                    return reader.read_exact(n)
+                return iter_fixed(reader, n, rate)
+            it = iter_chunked(reader, cfg.max_body_size, rate)
+            parts, n = [], 0
+            for piece in it:
+                parts.append(piece)
+                n += len(piece)
+                if n > SMALL_BODY:
+                    return chain(parts, it)   # too large to hold: stream the rest as it arrives
+            return b"".join(parts)
+        except socket.timeout:
+            raise HttpError(408, "request body not received in time") from None
+        except (EOFError, OSError):
+            raise ClientGone() from None
 
     def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
-        """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers."""
+        """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers. Closing
+        while the request's body may still be arriving is a lingering close."""
         keep = keep and not self.draining
         self.metrics.edge_answered(status, monotonic() - x.start, **counters)
         data = own_response(status, reason, close=not keep, extra=x.extra_headers(),
@@ -331,6 +380,9 @@ class Edge:
         x.bytes_sent = len(data)
         self._done(x, status)
         self._send(sock, data)
+        req = x.req
+        if not keep and (req.chunked or req.content_length):
+            linger(sock)     # the body may still be arriving: a lingering close, not a reset
         return keep
 
     def _done(self, x: "Exchange", status: int) -> None:
@@ -338,6 +390,15 @@ class Edge:
         x.status = status
         if self.access_log is not None:
             self.access_log.record(x, status, monotonic() - x.start)
+
+    def client_closed(self, x: "Exchange", reached: bool) -> None:
+        """The client went away before its answer: not a backend failure. Logged and counted as 499
+        (nginx's code), against the backend's requests when the request had reached it."""
+        b = x.backend.url if (reached and x.backend is not None) else None
+        log.info("client closed the connection before the answer: %s %s -> 499%s", x.req.method.decode(),
+                 x.req.target[:200].decode("latin-1"), f" (backend {b})" if b else "")
+        self.metrics.client_failed(b, 499, monotonic() - x.start)
+        self._done(x, 499)
 
     _send = staticmethod(send)
 
@@ -384,18 +445,6 @@ _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
 def new_request_id() -> bytes:
     return os.urandom(16).hex().encode()
 
-
-def _linger(sock: socket.socket, seconds: float = 1.0) -> None:
-    """Half-close and read what the client still sends (briefly): closing with unread bytes sends a
-    RST that can overtake the answer we just wrote."""
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(seconds)
-        end = monotonic() + seconds
-        while sock.recv(65536) and monotonic() < end:
-            pass
-    except OSError:
-        pass
 
 
 def route_cookie(cookie: bytes) -> str | None:

@@ -88,6 +88,8 @@ def test_chunked_decoder_yields_data_or_raises_http_error(body):
             assert total <= 10_000
         except HttpError as e:
             assert e.status in (400, 413)
+        except EOFError:
+            pass               # the body ended early: the caller's to call a client gone (499)
     finally:
         a.close()
         b.close()
