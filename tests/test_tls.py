@@ -244,7 +244,8 @@ def test_https_backend_is_verified_against_the_ca_file(backends, pki):
     # The HTTPS backend: a TLS edge in front of an identity backend (real TLS, a real server).
     front = tls_edge(pki, backends)
     url = f"https://127.0.0.1:{front.port}"
-    e = Edge("--backends", url, "--ca-file", pki["ca"], "--health-interval", "0.2", "--admin", "127.0.0.1:0")
+    # interval 1 s: a probe's 0.8 s is its whole deadline (connect, TLS handshake, head) on a busy machine
+    e = Edge("--backends", url, "--ca-file", pki["ca"], "--health-interval", "1", "--admin", "127.0.0.1:0")
     unverified = Edge("--backends", url, "--health-interval", "30")     # system CAs: ours is unknown
     try:
         r = request(e.port, "GET", "/echo")
