@@ -169,12 +169,15 @@ class Reader:
                 raise HttpError(400, "connection closed inside the request head")
 
     def read_line(self, limit: int) -> bytes:
+        """A CRLF-terminated line (chunk sizes, trailers); a bare LF is refused, not read as a line end."""
         buf = self.buf
         while True:
-            i = buf.find(CRLF)
+            i = buf.find(b"\n")
             if i >= 0:
-                line = bytes(buf[:i])
-                del buf[:i + 2]
+                if i == 0 or buf[i - 1] != 13:
+                    raise HttpError(400, "bare LF in a chunked body")
+                line = bytes(buf[:i - 1])
+                del buf[:i + 1]
                 return line
             if len(buf) > limit:
                 raise HttpError(400, "chunk line too long")
@@ -249,8 +252,10 @@ def parse_request(head: bytes) -> Request:
     if len(parts) != 3:
         raise HttpError(400, "malformed request line")
     method, target, version = parts
-    if not method or method.translate(None, _TCHAR):
-        raise HttpError(400, "invalid method")
+    if not method or method.translate(None, _TCHAR) or method != method.upper():
+        raise HttpError(400, "invalid method")     # a token, and (as nginx requires) no lowercase
+    if method == b"TRACE":
+        raise HttpError(405, "TRACE is not allowed")   # it would echo credentials back (nginx: 405 too)
     m = _VERSION.match(version)
     if not m:
         raise HttpError(400, "invalid HTTP version")
@@ -327,9 +332,7 @@ def parse_request(head: bytes) -> Request:
             raise HttpError(400, "missing Host header")
         r.host = b""
     if target[:1] != b"/":
-        if target == b"*" and method == b"OPTIONS":
-            pass
-        elif target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
+        if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
             # absolute-form: served only for the Host it names; the edge is not an open forward proxy.
             rest = target.split(b"://", 1)[1]
             authority, slash, path = rest.partition(b"/")
@@ -337,6 +340,7 @@ def parse_request(head: bytes) -> Request:
                 raise HttpError(400, "absolute-form target for another host")
             r.target = b"/" + path
         else:
+            # asterisk-form (OPTIONS *) too: it asks the edge itself, and nginx refuses it as well
             raise HttpError(400, "invalid request target")
     r.conn_tokens = tokens
     r.keep_alive = keep_alive
