@@ -261,6 +261,8 @@ def parse_request(head: bytes) -> Request:
         raise HttpError(400, "invalid HTTP version")
     if m.group(1) != b"1":
         raise HttpError(505, "HTTP version not supported")
+    if m.group(2) > b"1":
+        version = b"HTTP/1.1"    # a later 1.x is served as the highest minor we speak (RFC 9110 2.5)
     if not target or _TARGET_BAD.search(target):
         raise HttpError(400, "invalid request target")
     r = Request()
