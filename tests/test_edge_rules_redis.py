@@ -123,10 +123,14 @@ def test_three_rules_on_two_edges_each_within_2_percent_one_script_call_per_requ
                 sent_in[w] = sent_in.get(w, 0) + 1
                 admitted += st == 200
             expected = sum(min(limit, n) for n in sent_in.values())
+            # The one inexactness of judging by send time: a request in flight at a boundary (at most one
+            # per client thread: each waits for its answer) is decided in the next window, which matters
+            # only when that window is under-fed (a stall, or the phase's last, partial window).
+            spill = len(clients) * sum(1 for w, n in sent_in.items() if n < limit and sent_in.get(w - 1))
             demand = len(samples) / seconds
-            print(f"{rule}: {admitted} admitted, {expected} expected (limit {limit}/s), {demand:.1f}/s sent; "
-                  f"per window sent: {[sent_in[w] for w in sorted(sent_in)]}")
-            assert abs(admitted - expected) <= 0.02 * expected, (rule, admitted, expected)
+            print(f"{rule}: {admitted} admitted, {expected} expected (limit {limit}/s, +-{spill} in flight), "
+                  f"{demand:.1f}/s sent; per window sent: {[sent_in[w] for w in sorted(sent_in)]}")
+            assert abs(admitted - expected) <= 0.02 * expected + spill, (rule, admitted, expected, spill)
             assert demand >= 1.8 * limit, "the client could not keep up 2x demand"
         stats = commandstats(rc)
         print({k: v for k, v in stats.items()})
