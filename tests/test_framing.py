@@ -235,7 +235,7 @@ def fresh(backend):
 
 
 def plain_requests(backend) -> list[tuple]:
-    return [r for r in backend.take() if not r[1].startswith("/victim-")]
+    return [r for r in backend.take() if not r[1].startswith("/victim-") and r[1] != "/health"]
 
 
 # -------------------------------------------------------------------- smuggling through Connection
@@ -675,3 +675,49 @@ def _probed(admin_port: int, url: str):
         if b["url"] == url and b["last_probe"]:
             return b
     return None
+
+
+# ------------------------------------------------------------------------------- slow uploads
+
+def test_a_slow_small_upload_holds_no_backend_connection(backend):
+    # One backend connection in all: if the trickling upload held it, the other request would wait
+    # pool_timeout and get a 503.
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--pool-maxsize", "1", "--pool-timeout", "0.5",
+             "--body-timeout", "5")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as slow:
+            slow.sendall(b"POST /slow-upload HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab")
+            for n in range(3):
+                status, _, body = exchange(e.port, b"GET /other-%d HTTP/1.1\r\nHost: h\r\n\r\n" % n)
+                assert (status, body) == (200, b"target=/other-%d len=0\n" % n)
+            assert [r[1] for r in plain_requests(backend)] == ["/other-0", "/other-1", "/other-2"]
+            slow.sendall(b"cde\r\n0\r\n\r\n")
+            assert read_response(slow)[2] == b"target=/slow-upload len=5\n"
+    finally:
+        e.stop()
+
+
+def test_a_large_upload_below_the_minimum_rate_is_cut_off_with_408(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--body-timeout", "1", "--body-min-rate", "100000")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+            s.sendall(b"POST /crawl HTTP/1.1\r\nHost: h\r\nContent-Length: 10000000\r\n\r\n" + b"c" * 70000)
+            start = time.monotonic()
+            got = b""
+            try:
+                while time.monotonic() - start < 8:   # 1 byte every 0.2 s: never silent for body_timeout
+                    s.sendall(b"c")
+                    s.settimeout(0.2)
+                    try:
+                        got += s.recv(65536)
+                        if b"\r\n\r\n" in got:
+                            break
+                    except socket.timeout:
+                        pass
+            except OSError:
+                pass
+            assert got.startswith(b"HTTP/1.1 408"), got[:100]
+            assert time.monotonic() - start < 5      # 1 s + 70 KB at 100 KB/s, plus margin
+        victim_gets_its_own(e.port)
+    finally:
+        e.stop()
