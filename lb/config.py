@@ -307,6 +307,12 @@ def read_file(path: str, problems: list[str]) -> dict:
     except tomllib.TOMLDecodeError as e:
         problems.append(f"--config {path}: not valid TOML: {e}")
         return {}
+    except UnicodeDecodeError as e:        # tomllib decodes the whole file first: a binary or Latin-1 file
+        problems.append(f"--config {path}: not valid TOML: not UTF-8 (byte {e.start})")
+        return {}
+    except RecursionError:                 # tomllib parses nested arrays/tables recursively
+        problems.append(f"--config {path}: not valid TOML: nested too deeply")
+        return {}
     out: dict = {}
     for key, value in doc.items():
         try:
