@@ -30,3 +30,34 @@ def test_check_of_an_unreadable_toml_file_is_one_line_not_a_traceback(tmp_path, 
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "Traceback" not in p.stderr and len(lines) == 1, p.stderr[-2000:]
     assert f"--config {path}: not valid TOML: {why}" in lines[0]
+
+
+def test_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend):
+    """The client socket's send timeout was whatever its last read had set: a head completed near the
+    header deadline left ~0.1 s to write a large response to a client that reads it a little late."""
+    e = Edge("--backends", backend.url, "--header-timeout", "10")
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)   # no autotuning: a fixed window
+        s.settimeout(30)
+        s.connect(("127.0.0.1", e.port))
+        size = 32 * 1024 * 1024          # far more than both sockets' buffers hold
+        # The client's timing is the subject here (sleeps are its behaviour, not synchronisation): the
+        # head's last piece is awaited with ~1.5 s of the 10 s left, then the client reads 8 s late
+        # (before the fix the send gave up after ~3 x 1.5 s: the kernel's zero-window probes).
+        s.sendall(b"GET /big?bytes=%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" % size)
+        time.sleep(8.5)
+        s.sendall(b"X-A: 1\r\n")
+        time.sleep(0.05)
+        s.sendall(b"\r\n")
+        time.sleep(8.0)
+        n = 0
+        while True:
+            d = s.recv(1 << 20)
+            if not d:
+                break
+            n += len(d)
+        s.close()
+        assert n > size, f"{n} of {size} body bytes"
+    finally:
+        e.stop()
