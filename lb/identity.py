@@ -17,6 +17,14 @@ import ipaddress
 MAX_KEY = 256
 
 
+def _address(text: str):
+    """The address X-Forwarded-For names, as one value: an IPv4-mapped IPv6 address (what a dual-stack
+    proxy writes for an IPv4 client, ::ffff:a.b.c.d) is that IPv4 address, as the socket peer is
+    (netaddr.client_ip); any IPv6 spelling is the compressed one. ValueError when it is no address."""
+    ip = ipaddress.ip_address(text)
+    return (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+
+
 class Identifier:
     def __init__(self, trusted_cidrs=()):
         self.nets = [ipaddress.ip_network(c, strict=False) for c in trusted_cidrs]
@@ -25,7 +33,7 @@ class Identifier:
         if not self.nets:
             return False
         try:
-            ip = ipaddress.ip_address(addr)
+            ip = _address(addr)
         except ValueError:
             return False
         return any(ip in n for n in self.nets)
@@ -37,12 +45,11 @@ class Identifier:
         client = peer
         for hop in reversed(hops):
             try:
-                ipaddress.ip_address(hop)
+                client = str(_address(hop))   # one spelling per client: its limits, exempt, log line
             except ValueError:
                 return client          # a malformed entry: believe no further to the left
-            client = hop
-            if not self.trusted(hop):
-                return hop
+            if not self.trusted(client):
+                return client
         return client                  # every hop trusted: the leftmost is the original client
 
     @staticmethod

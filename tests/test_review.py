@@ -61,3 +61,20 @@ def test_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend):
         assert n > size, f"{n} of {size} body bytes"
     finally:
         e.stop()
+
+
+def test_an_ipv4_mapped_address_from_a_trusted_proxy_is_that_ipv4_client(backend, tmp_path):
+    """A dual-stack proxy writes an IPv4 client as ::ffff:a.b.c.d: it is exempt by its IPv4 network,
+    and it is one client with its plain spelling (one budget, not one per spelling)."""
+    conf = tmp_path / "edge.toml"
+    conf.write_text('[limits]\nexempt = ["10.0.0.0/8"]\n')
+    e = Edge("--config", str(conf), "--backends", backend.url, "--limit", "1/m",
+             "--trusted-proxies", "127.0.0.1")
+    try:
+        got = [request(e.port, headers={"X-Forwarded-For": "::ffff:10.1.2.3"}).status for _ in range(3)]
+        assert got == [200, 200, 200]
+        first = request(e.port, headers={"X-Forwarded-For": "203.0.113.7"}).status
+        again = request(e.port, headers={"X-Forwarded-For": "::FFFF:203.0.113.7"}).status
+        assert (first, again) == (200, 429)
+    finally:
+        e.stop()
