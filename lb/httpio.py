@@ -97,7 +97,7 @@ def kernel_timeout(sock: socket.socket, seconds: float | None, send: bool = True
 def send_timeout(sock: socket.socket, seconds: float) -> None:
     """A client connection's bound on each send of a response (nginx's send_timeout), set once: reads
     change only the receive bound (Reader.fill), so a send never inherits what the last read left.
-    Over TLS the socket has one timeout for both, the last read's (always a bounded one)."""
+    Over TLS the socket has one timeout for both: Reader(sock, send_bound) puts it back after each read."""
     if type(sock) is socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
 
@@ -109,14 +109,18 @@ class Reader:
     value holds request after request, and setting it is a system call. Whoever else sets the socket's
     timeout (a send with another bound) goes through apply() so the two agree."""
 
-    __slots__ = ("sock", "buf", "timeout", "deadline", "applied")
+    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound")
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, send_bound: float | None = None):
         self.sock = sock
         self.buf = bytearray()
         self.timeout: float | None = None
         self.deadline: float | None = None
         self.applied: float | None = _UNSET     # the timeout last set on sock
+        # A TLS client's send_timeout: its socket has one timeout for both directions, so after each
+        # read fill() puts this back -- else a write inherits what the read left of a deadline (a head
+        # completed near header_timeout: ~0 s to write the response). Plain sockets: send_timeout().
+        self.send_bound = send_bound if type(sock) is not socket.socket else None
 
     def apply(self, t: float | None) -> None:
         if t != self.applied:
@@ -138,6 +142,10 @@ class Reader:
             data = self.sock.recv(65536)
         except BlockingIOError:
             raise socket.timeout("timed out") from None   # SO_RCVTIMEO expired
+        finally:
+            if self.send_bound is not None and self.applied != self.send_bound:
+                self.sock.settimeout(self.send_bound)       # TLS: the next write's bound
+                self.applied = self.send_bound
         if not data:
             return False
         self.buf += data

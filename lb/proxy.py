@@ -163,7 +163,7 @@ class Edge:
 
     def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool) -> None:
         send_timeout(sock, self.cfg.send_timeout)
-        reader = Reader(sock)
+        reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
         peer = peer_ip.encode()
         identifier = None
         conns = self.conns
