@@ -233,6 +233,10 @@ class Forwarder:
                         return self.client_failed(sock, x, e.status, e.reason)
                     if rh.status == 101 and x.upgrade:
                         self.observe(backend, True, "101 Switching Protocols")
+                        # The handshake is over: a tunnel (open for hours) neither keeps the retry slot
+                        # its handshake may hold nor counts as a request in the budget's percentage.
+                        budget.end(held)
+                        held = None
                         return tunnel.take(edge, x, conn, rh, ur, sock, reader)
                     # relay() tells passive health the outcome. An early answer to a body not sent
                     # whole leaves the client's body half read.
@@ -245,7 +249,8 @@ class Forwarder:
                 edge.client_closed(x, reached=True)
             raise
         finally:
-            budget.end(held)
+            if held is not None:
+                budget.end(held)
 
     def observe(self, backend: Backend, ok: bool, why) -> None:
         """Passive health: one request's outcome; an ejection it causes is one log line and one count.
