@@ -16,9 +16,11 @@ import stat
 import sys
 import time
 
-# scheme://[user[:password]@]host: the userinfo's password part (or a lone token, Redis's AUTH-only form)
-_URL_SECRET = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^:@/\s]*):([^@/\s]*)@", re.I)
-_URL_TOKEN = re.compile(r"(\bredis[a-z+-]*://)([^:@/\s]+)@", re.I)
+# scheme://[user[:password]@]host: the userinfo's password part (or a lone token, Redis's AUTH-only form).
+# The password runs to the LAST '@' before a space, as the store URL's parser (and urllib) read it: an
+# unescaped '/' or '@' in it is still the password, never shown.
+_URL_SECRET = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^:@/\s]*):(\S*)@", re.I)
+_URL_TOKEN = re.compile(r"(\bredis[a-z+-]*://)([^:\s]+)@", re.I)
 
 
 def redact(text: str) -> str:

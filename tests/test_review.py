@@ -146,3 +146,20 @@ def test_an_open_tunnel_does_not_keep_the_retry_slot_its_handshake_used(tmp_path
             t.close()
         e.stop()
         wsb.stop()
+
+
+@pytest.mark.parametrize("secret", ["Sup3r/s3cret", "pa@s3cret"], ids=["slash", "at"])
+def test_a_redis_password_with_a_slash_or_an_at_sign_is_redacted_everywhere(backend, secret):
+    """The store URL's parser takes userinfo up to the last '@' (as urllib does), but the redaction of
+    log lines, /status and the metrics label stopped at the first '/' or '@': the start-up line showed
+    `redis://:Sup3r/s3cret@127.0.0.1:1` whole, and `pa@s3cret` as `:***@s3cret@`."""
+    e = Edge("--backends", backend.url, "--limit", "5/s", "--store", f"redis://:{secret}@127.0.0.1:1",
+             "--on-store-error", "fail-open", "--admin", "127.0.0.1:0")
+    try:
+        assert request(e.port).status == 200          # fail-open: served, and a store error logged
+        seen = e.log() + request(e.admin_port, "GET", "/status").body.decode() + \
+            request(e.admin_port, "GET", "/metrics").body.decode()
+        assert "redis://:***@127.0.0.1:1" in seen
+        assert "s3cret" not in seen, [ln for ln in seen.splitlines() if "s3cret" in ln]
+    finally:
+        e.stop()
