@@ -351,6 +351,8 @@ class Forwarder:
                 kind, status, detail = classify(e, reused)
                 if kind == "reset" and reused and not retried and replayable and req.method in IDEMPOTENT:
                     # A kept-alive connection the backend had already closed: nothing was processed.
+                    # If the fresh connection cannot connect either, that is a connect failure like any
+                    # other, retried elsewhere (the spec's exception for this idempotent retry).
                     retried = True
                     conn = _acquire(pool, fresh=True)
                     continue

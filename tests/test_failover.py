@@ -391,3 +391,23 @@ def test_a_reset_inside_a_response_counts_toward_ejection_and_the_cap_holds(back
         assert request(e.port).status == 200
     finally:
         e.stop()
+
+
+def test_a_killed_backends_stale_keepalive_connection_is_retried_elsewhere_for_a_get():
+    """A backend dies with pooled keep-alive connections: the next GET to it is written to a dead
+    connection (the stale keep-alive retry, for idempotent methods) and then fails to connect afresh --
+    nothing reached a live process, so it goes to the other backend (the spec's exception for the stale
+    keep-alive retry; a POST never takes that path)."""
+    x, y = Backend("sx"), Backend("sy")
+    e = Edge("--backends", f"{x.url},{y.url}", "--eject-after", "0", "--health-interval", "60")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+        assert [request(e.port, "GET", "/", conn=conn).status for _ in range(6)] == [200] * 6  # pools warm
+        x.kill()
+        out = [request(e.port, "GET", "/", conn=conn) for _ in range(6)]
+        assert [r.status for r in out] == [200] * 6 and {r.body for r in out} == {b"sy\n"}
+        assert "retrying on" in e.log()
+    finally:
+        e.stop()
+        x.stop()
+        y.stop()
