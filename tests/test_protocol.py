@@ -10,6 +10,7 @@ import sys
 
 from tests.support import ROOT
 from wrk import protocol
+from wrk.protocol_report import target_line
 
 ALGS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 
@@ -57,6 +58,16 @@ def test_steady_state_skips_the_first_period_and_the_partial_last_one():
     # first busy interval is [0.5, 1.0): the run starts inside it; steady starts 2 intervals later, at 2.0
     assert s["periods"] == 2 and s["admitted"] == 200 and s["rate"] == 100
     assert [round(v) for _, v in s["series"]] == [160, 120, 100, 100, 86]
+
+
+def test_the_target_verdict_does_not_count_a_run_that_measured_a_busy_machine():
+    deltas = {(1000, 1): 0.3, (1000, 2): 0.4, (2000, 1): 9.0}
+    assert "**MET**" in target_line(deltas, 0.5, "memory store", {(1000, 1): 0.6, (1000, 2): 0.9})
+    assert "**MIXED" in target_line({(1000, 1): 0.3, (1000, 2): 0.7}, 0.5, "memory store", {})
+    # run 2's nginx-direct p99 was 800 ms: its -91 ms "delta" is the machine, not the edge
+    line = target_line({(1000, 1): 0.3, (1000, 2): -91.1}, 0.5, "memory store", {(1000, 1): 0.6, (1000, 2): 804.35})
+    assert "NOT MEASURED (the machine was busy: run 2's nginx-direct p99 was 804.35 ms); the other runs met it" in line
+    assert target_line({(500, 1): 0.1}, 0.5, "memory store", {}) is None
 
 
 def test_allowance_arithmetic():
