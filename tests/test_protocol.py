@@ -38,11 +38,11 @@ def test_quick_protocol_writes_a_report_of_the_right_shape(tmp_path):
     for alg in ALGS:
         row = re.search(rf"^\| {alg} / memory \|.*$", md, re.M)
         assert row, alg
-        # the whole run's verdict, and the steady state's -- "-" when the generator did not keep up on
-        # this (shared, noisy) machine, which the row says ("NO (lag ...)"): shape, not figures
+        # the whole run's verdict, and the steady state's -- "-" when the --quick run (3 s at a 1-s period)
+        # holds no whole period after the first two, which depends on where the run starts against the
+        # clock's seconds and on scrape lag on this shared machine: shape, not figures
         verdicts = re.findall(r"\*\*(PASS|FAIL|-)\*\*", row.group(0))
         assert len(verdicts) == 2 and verdicts[0] != "-", row.group(0)
-        assert verdicts[1] != "-" or "NO (lag" in row.group(0), row.group(0)
         assert re.search(rf"^- {alg}: .* = [\d,]+ -> [\d.]+/s = [-+][\d.]+%", md, re.M), alg   # the arithmetic
     assert re.search(r"^\| 1 \|( [-\d.]+ \|){4} \*\*[\d.]+x\*\* \|", md, re.M)   # pool vs no-pool, p50 ratio
     png = out.with_suffix(".png")
