@@ -213,10 +213,17 @@ class Forwarder:
                         if f.kind not in ("pool", "gone"):   # a full pool is our limit, not the backend's
                             self.observe(backend, False, f.detail)
                         nxt = None
+                        budgeted = False
                         if f.kind == "connect" and not f.sent:
                             if len(tried) <= edge.cfg.retries:
                                 nxt = edge.balancer.pick(exclude=tried)
-                                if nxt is not None and not budget.try_retry(held):
+                                # A backend already out of rotation (ejected by this failure or by those
+                                # of requests picked with this one, DOWN, drained) takes no new requests:
+                                # this one goes elsewhere as forward()'s repick would have sent it, free
+                                # of the budget. Only the requests in flight to it when it left can take
+                                # that path, once; a backend still in rotation pays for every retry.
+                                budgeted = nxt is not None and backend.in_rotation
+                                if budgeted and not budget.try_retry(held):
                                     f.detail += (f"; retry budget exhausted: {budget.retrying} retries in "
                                                  f"flight for {budget.active} requests")
                                     nxt = None
@@ -225,7 +232,7 @@ class Forwarder:
                             if streamed:
                                 linger(sock)     # the rest of the body may still be arriving
                             return keep
-                        held = True
+                        held = held or budgeted
                         self.retrying(x, backend, f, nxt, len(tried))
                         backend = nxt
                         continue

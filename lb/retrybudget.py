@@ -5,6 +5,12 @@ A request counts as active from its first try to its end; a retry holds a slot o
 moment it is granted until its request ends (the retried try is what loads the other backends), as
 Envoy holds its retry resource until the retried attempt is over.
 
+A retry away from a backend that is already out of rotation when its try fails (ejected, DOWN, drained)
+asks nothing of the budget (lb/forward.py): it is a request that picked the backend just before it left,
+re-picked as forward() re-picks one that left before its first try. Only the requests in flight to it
+at that moment can take that path, once per departure, so it cannot grow into a storm; in a burst on a
+busy machine they are many (20 of 90 seen in CI), far more than a steady-state floor.
+
 The floor is 10 by default (Envoy's is 3; Linkerd's budget has a floor of 10 retries a second): a
 burst of new connections reaches the forwarding stage a few at a time, and with a floor of 3 a dead
 backend met by the first dozen requests of a burst cost clients 502s before passive health (5

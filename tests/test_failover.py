@@ -372,6 +372,33 @@ def test_the_retry_budget_holds_with_two_of_three_backends_dead():
     assert "retry budget exhausted" in log
 
 
+def test_requests_in_flight_to_a_backend_that_left_the_rotation_go_elsewhere_free_of_the_budget(backends):
+    """The burst of [1] on a busy machine: many requests pick the dead backend before the failures that
+    eject it are counted, and a budget sized for steady state cannot retry them all. Once it is out of
+    rotation they are re-picked without the budget, as a request picked just before an ejection is; a
+    backend still in rotation pays for each retry. Made exact with a budget of zero and --eject-after 1:
+    the first failure ejects it, so its request goes on; without ejection the same request is a 502."""
+    a = backends[0]
+    dead = dead_url()
+    zero = ("--retry-budget-min", "0", "--retry-budget-percent", "0", "--admin", "127.0.0.1:0")
+    e = Edge("--backends", f"{dead},{a.url}", "--eject-after", "1", *zero)
+    try:
+        r = request(e.port, "POST", "/echo/once", body=b"x")
+        assert r.status == 200 and json.loads(r.body)["name"] == "a"
+        assert metric(e, f'lb_retries_total{{backend="{dead}"}}') == 1
+        assert metric(e, "lb_retries_in_flight_peak") == 0
+        assert metric(e, "lb_retry_budget_exhausted_total") == 0
+    finally:
+        e.stop()
+    e = Edge("--backends", f"{dead},{a.url}", "--eject-after", "0", *zero)
+    try:
+        assert request(e.port, "POST", "/echo/once", body=b"x").status == 502
+        assert metric(e, "lb_retry_budget_exhausted_total") == 1
+        e.wait_log(r"retry budget exhausted: 0 retries in flight for 1 requests")
+    finally:
+        e.stop()
+
+
 def test_a_reset_inside_a_response_counts_toward_ejection_and_the_cap_holds(backends):
     """Resets after the head (a small body: a clean 502; a large one: a cut connection) are failures too;
     all three backends fail, but at most 50% of three (one) is ejected."""

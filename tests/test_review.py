@@ -2,6 +2,7 @@
 configuration file that crashed --check, a response cut short by a send timeout left over from the
 request head's deadline, an exempt network missed when a trusted proxy writes IPv4-mapped addresses."""
 
+import contextlib
 import socket
 import ssl
 import subprocess
@@ -128,10 +129,11 @@ def test_an_open_tunnel_does_not_keep_the_retry_slot_its_handshake_used(tmp_path
              "--health-interval", "60", "--unhealthy-threshold", "100",
              "--retry-budget-min", "2", "--retry-budget-percent", "0")
     tunnels = []
+    stack = contextlib.ExitStack()     # each client a context manager, as websockets wants it used
     try:
         for _ in range(8):      # round robin: about one handshake in two meets the dead backend first
-            tunnels.append(connect(f"ws://127.0.0.1:{e.port}/echo", proxy=None, open_timeout=10,
-                                   compression=None))
+            tunnels.append(stack.enter_context(connect(f"ws://127.0.0.1:{e.port}/echo", proxy=None,
+                                                       open_timeout=10, compression=None)))
             if e.log().count("GET /echo (NewConnectionError); retrying on") >= 2:
                 break
         assert e.log().count("GET /echo (NewConnectionError); retrying on") >= 2, e.log()
@@ -142,8 +144,7 @@ def test_an_open_tunnel_does_not_keep_the_retry_slot_its_handshake_used(tmp_path
         assert got == [200] * 4, e.log()[-3000:]
         assert "retrying on" in e.log().split("GET /echo")[-1]      # ... and were retried
     finally:
-        for t in tunnels:
-            t.close()
+        stack.close()
         e.stop()
         wsb.stop()
 
