@@ -7,7 +7,6 @@ exits 2. The flag names and the file's keys are a contract (README "Configuratio
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 import os
 import sys
@@ -18,7 +17,7 @@ from urllib.parse import urlsplit
 
 from limiter import redis_url
 
-from .netaddr import hostport, split_hostport
+from .netaddr import hostport, network, split_hostport
 
 
 class ConfigError(ValueError):
@@ -224,7 +223,7 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
     out = []
     for v in values:
         try:
-            out.append(str(ipaddress.ip_network(str(v).strip(), strict=False)))
+            out.append(str(network(str(v).strip())))     # ::ffff:10.0.0.0/104 is shown as 10.0.0.0/8
         except ValueError:
             raise ConfigError(f"{key}: not an address or CIDR: {v!r}") from None
     return tuple(out)

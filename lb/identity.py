@@ -12,22 +12,20 @@ entries and known keys name their kind too (`kind_name`).
 
 from __future__ import annotations
 
-import ipaddress
+from . import netaddr
 
 MAX_KEY = 256
 
 
-def _address(text: str):
-    """The address X-Forwarded-For names, as one value: an IPv4-mapped IPv6 address (what a dual-stack
-    proxy writes for an IPv4 client, ::ffff:a.b.c.d) is that IPv4 address, as the socket peer is
-    (netaddr.client_ip); any IPv6 spelling is the compressed one. ValueError when it is no address."""
-    ip = ipaddress.ip_address(text)
-    return (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+# The address X-Forwarded-For names, as one value: an IPv4-mapped IPv6 address (what a dual-stack proxy
+# writes for an IPv4 client, ::ffff:a.b.c.d) is that IPv4 address, as the socket peer is
+# (netaddr.client_ip); any IPv6 spelling is the compressed one. ValueError when it is no address.
+_address = netaddr.ip
 
 
 class Identifier:
     def __init__(self, trusted_cidrs=()):
-        self.nets = [ipaddress.ip_network(c, strict=False) for c in trusted_cidrs]
+        self.nets = [netaddr.network(c) for c in trusted_cidrs]     # ::ffff:10.0.0.0/104 is 10.0.0.0/8
 
     def trusted(self, addr: str) -> bool:
         if not self.nets:
@@ -72,11 +70,11 @@ def kind_name(text: str) -> str:
     kind, sep, value = text.partition(":")
     if sep and kind in ("key", "ip"):
         if kind == "ip":
-            return "ip:" + str(ipaddress.ip_address(value.strip()))   # ValueError when not an address
+            return "ip:" + str(netaddr.ip(value.strip()))   # ValueError when not an address
         if not value:
             raise ValueError(f"{text!r}: key: needs a name")
         return text
     try:
-        return "ip:" + str(ipaddress.ip_address(text.strip()))
+        return "ip:" + str(netaddr.ip(text.strip()))
     except ValueError:
         return "key:" + text

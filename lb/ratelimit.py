@@ -20,12 +20,12 @@ The limiter package decides (it knows nothing of HTTP); this module only speaks 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import math
 
 from limiter import MemoryStore, build, parse_rate
 from limiter.compose import allow_all
 
+from . import netaddr
 from .identity import MAX_KEY, kind_name
 from .keys import KeyRegistry, key_label
 from .rules import BUILTIN, Matcher, normalize_path
@@ -101,7 +101,7 @@ class LimitStage:
             if e.startswith("key:"):
                 names.add(e)
             else:
-                nets.append(ipaddress.ip_network(e[3:] if e.startswith("ip:") else e, strict=False))
+                nets.append(netaddr.network(e[3:] if e.startswith("ip:") else e))   # mapped: its IPv4 net
         self.exempt_nets, self.exempt_names = tuple(nets), frozenset(names)
         self.rules = tuple(Rule(s, limiter_for(s.limit, s.algorithm or algorithm, s.name), s.algorithm or algorithm)
                            for s in rules)
@@ -187,7 +187,7 @@ class LimitStage:
 
     def _ip_exempt(self, ip: str) -> bool:
         try:
-            a = ipaddress.ip_address(ip)
+            a = netaddr.ip(ip)
         except ValueError:
             return False
         return any(a in n for n in self.exempt_nets)
