@@ -19,7 +19,9 @@ import threading
 import time
 from dataclasses import replace
 
-from . import logs, metrics as metrics_mod, sdnotify, store
+from limiter import redis_url
+
+from . import metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
@@ -103,7 +105,7 @@ class App:
             rules = "".join(f", rule {r.name} {r.limit} by {r.key}{' (dry run)' if r.dry_run else ''}"
                             for r in cfg.rules)
             log.info("limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s",
-                     cfg.limit or "off", cfg.algorithm, logs.redact(cfg.store), "" if cfg.store == "memory" else
+                     cfg.limit or "off", cfg.algorithm, redis_url.redact(cfg.store), "" if cfg.store == "memory" else
                      f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
                      len(cfg.keys), rules)
         self.admin = None
@@ -185,7 +187,7 @@ class App:
             "connections": self.server.active,
             "ready": self.not_ready() is None,
             "draining": self.stopping,
-            "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": logs.redact(self.cfg.store),
+            "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": redis_url.redact(self.cfg.store),
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
@@ -237,7 +239,7 @@ class App:
         for lim in (getattr(stage, "limiters", None) or {}).values():
             link = getattr(lim, "link", None)
             if link is not None:
-                out[("lb_limiter_store_up", (("store", logs.redact(self.cfg.store)),))] = 1 if link.up else 0
+                out[("lb_limiter_store_up", (("store", redis_url.redact(self.cfg.store)),))] = 1 if link.up else 0
         return out
 
     def render_metrics(self) -> str:

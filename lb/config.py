@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from limiter import redis_url
 
+from . import logs
 from .netaddr import hostport, network, split_hostport
 
 
@@ -588,7 +589,7 @@ def validate(c: Config) -> list[str]:
         bad.append("limits.keys: per-key limits need a default limit (--limit / limits.default)")
     if c.store != "memory":
         try:
-            redis_url.parse(c.store, **redis_files(c))  # one line, never the password
+            logs.hide(redis_url.parse(c.store, **redis_files(c)).password)  # one line, never the password
         except ValueError as e:
             bad.append(str(e) if str(e).startswith(("store", "redis_", "the Redis")) else f"store: {e}")
     elif any(redis_files(c).values()):

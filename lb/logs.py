@@ -23,8 +23,26 @@ _URL_SECRET = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^:@/\s]*):(\S*)@", re.I)
 _URL_TOKEN = re.compile(r"(\bredis[a-z+-]*://)([^:\s]+)@", re.I)
 
 
+# The URL pattern cannot tell where a password with a blank in it starts (`redis://:pa ss@host`); its
+# literal text can. Only such passwords are hidden by their text: starring out every occurrence of an
+# ordinary one ("wrong", "redis") would garble lines that never held it. lb.config registers each store
+# password it validates (URL, redis_password_file or EDGE_REDIS_PASSWORD).
+_SECRETS: set[str] = set()
+_BLANK = re.compile(r"\s")
+
+
+def hide(secret: str | None) -> None:
+    """Never show `secret` in a log line (from now on, in this process and the workers it forks)."""
+    if secret and _BLANK.search(secret):
+        _SECRETS.add(secret)
+
+
 def redact(text: str) -> str:
-    """Any URL's password replaced by ***; use it for every line that might hold a store URL."""
+    """Any URL's password (and a registered one with a blank) replaced by ***; use it for every line
+    that might hold a store URL."""
+    for s in _SECRETS:
+        if s in text:
+            text = text.replace(s, "***")
     text = _URL_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}:***@" if m.group(3) else m.group(0), text)
     return _URL_TOKEN.sub(r"\1***@", text)
 

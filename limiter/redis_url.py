@@ -77,7 +77,19 @@ def _hostport(text: str, url: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def redact(url: str) -> str:
+    """The store URL as the start-up line, /status and the store metric label show it: the password,
+    read as the parser reads it (up to the LAST '@', whatever it contains: '/', '@', a space), is ***."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}:***@{host}" if colon else f"{scheme}://***@{host}"   # a lone field is the password
+
+
 def _redact(url: str) -> str:
+    """The same URL in an error message: without its userinfo at all."""
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
 
