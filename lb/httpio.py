@@ -177,17 +177,19 @@ class Reader:
                 raise HttpError(400, "connection closed inside the request head")
 
     def read_line(self, limit: int) -> bytes:
-        """A CRLF-terminated line (chunk sizes, trailers); a bare LF is refused, not read as a line end."""
+        """A CRLF-terminated line (chunk sizes, trailers) of at most `limit` bytes before its CRLF; a bare
+        LF is refused, not read as a line end. The search stops at the limit, so a longer line is refused
+        however the bytes were split across reads (a 5 kB extension in one read too)."""
         buf = self.buf
         while True:
-            i = buf.find(b"\n")
+            i = buf.find(b"\n", 0, limit + 2)
             if i >= 0:
                 if i == 0 or buf[i - 1] != 13:
                     raise HttpError(400, "bare LF in a chunked body")
                 line = bytes(buf[:i - 1])
                 del buf[:i + 1]
                 return line
-            if len(buf) > limit:
+            if len(buf) > limit + 1:
                 raise HttpError(400, "chunk line too long")
             if not self.fill():
                 raise EOFError("closed inside a line")

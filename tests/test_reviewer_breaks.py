@@ -52,3 +52,49 @@ def test_ipv4_mapped_networks_in_the_configuration_match_ipv4_clients(backend, t
     finally:
         e.stop()
         x.stop()
+
+
+def _exchange(port: int, data: bytes) -> bytes:
+    """One request in one send (one read for the edge, on loopback), Connection: close; all of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while d := s.recv(65536):
+            out += d
+        return out
+
+
+def _chunk_line(n: int) -> bytes:
+    """A chunk-size line of n bytes (before its CRLF): size 5 and an extension padding it out."""
+    return b"5;ext=" + b"x" * (n - 6)
+
+
+def test_a_chunk_line_over_1_kib_is_refused_even_when_it_arrives_in_one_read(backend):
+    """The 1 KiB bound on a chunk-size line held only when the line was split across reads: a 5 kB
+    extension arriving in one read was accepted (request side: forwarded; response side: relayed)."""
+    from tests.rawserver import ConnReader, RawServer
+
+    def answer(s, _server):           # a backend whose response's first chunk line is `line`, one write
+        r = ConnReader(s)
+        while (head := r.head()) is not None:
+            n = int(head.split(b" ", 2)[1].rsplit(b"/", 1)[1])
+            s.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%s\r\nhello\r\n0\r\n\r\n"
+                      % _chunk_line(n))
+
+    raw_backend = RawServer(answer)
+    e = Edge("--backends", backend.url, "--health-interval", "30")
+    r = Edge("--backends", raw_backend.url, "--health-interval", "30", "--health-path", "/health/1024")
+    try:
+        for n, want in ((1024, b"HTTP/1.1 200 "), (1025, b"HTTP/1.1 400 "), (5000, b"HTTP/1.1 400 ")):
+            body = b"%s\r\nhello\r\n0\r\n\r\n" % _chunk_line(n)
+            got = _exchange(e.port, b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                    b"Connection: close\r\n\r\n" + body)
+            assert got.startswith(want), (n, got[:200])
+        for n, want in ((1024, b"HTTP/1.1 200 "), (1025, b"HTTP/1.1 502 "), (5000, b"HTTP/1.1 502 ")):
+            got = _exchange(r.port, b"GET /line/%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % n)
+            assert got.startswith(want), (n, got[:200])
+        assert request(e.port).status == 200          # and it still serves
+    finally:
+        e.stop()
+        r.stop()
+        raw_backend.close()
