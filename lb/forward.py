@@ -337,9 +337,9 @@ class Forwarder:
             ur.timeout = cfg.read_timeout if send_err is None else 0.5
             ur.deadline = x.start + cfg.response_timeout
             try:
-                rhead = ur.read_head(max_first_line=8192)
+                rhead = ur.read_head(max_first_line=8192, bare_eol=True)
                 while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
-                    rhead = ur.read_head(max_first_line=8192)   # interim 1xx: not relayed
+                    rhead = ur.read_head(max_first_line=8192, bare_eol=True)   # interim 1xx: not relayed
                 if rhead is None:
                     raise UpstreamError("reset", "closed the connection without a response")
                 rh = parse_response(rhead)

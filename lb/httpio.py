@@ -42,6 +42,8 @@ _TARGET_BAD = re.compile(rb"[\x00-\x20\x7f]")
 _VERSION = re.compile(rb"HTTP/(\d)\.(\d)\Z")
 # A Host is an authority (RFC 9110 7.2): no blanks, no path, no userinfo (nginx refuses '/' and '\\').
 _HOST_BAD = re.compile(rb"[\x00-\x20\x7f/\\@?#,]")
+# A CR not followed by LF, or an LF not preceded by CR: a line end two parsers may read differently.
+_BARE_EOL = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 
 
 class HttpError(Exception):
@@ -151,10 +153,18 @@ class Reader:
         self.buf += data
         return True
 
-    def read_head(self, max_head: int = MAX_HEAD, max_first_line: int = MAX_REQUEST_LINE) -> bytes | None:
-        """Bytes up to the blank line (excluded), or None on EOF before any byte."""
+    def read_head(self, max_head: int = MAX_HEAD, max_first_line: int = MAX_REQUEST_LINE,
+                  bare_eol: bool = False) -> bytes | None:
+        """Bytes up to the blank line (excluded), or None on EOF before any byte.
+
+        A request head (bare_eol=False) with a bare CR or LF is refused as soon as the byte arrives:
+        parse_request would refuse it anyway, and a head with LF line ends never shows the CRLFCRLF
+        waited for here (it sat until header_timeout). Checked only while a head is incomplete, on the
+        bytes not yet checked: a head that arrives whole costs nothing more. Responses (bare_eol=True)
+        are left as parse_response takes them."""
         buf = self.buf
         scan = 0
+        checked = 0
         while True:
             i = buf.find(b"\r\n\r\n", scan)
             if i >= 0:
@@ -170,6 +180,11 @@ class Reader:
                 raise HttpError(414, "request line too long")
             if len(buf) > max_head:
                 raise HttpError(431, "request header block too large")
+            if not bare_eol:
+                m = _BARE_EOL.search(buf, checked)
+                if m is not None and (m.end() < len(buf) or buf[-1] == 10):   # a final CR awaits its LF
+                    raise HttpError(400, "bare CR or LF in the request head")
+                checked = max(0, len(buf) - 1)
             scan = max(0, len(buf) - 3)
             if not self.fill():
                 if not buf:

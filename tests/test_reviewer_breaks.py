@@ -3,6 +3,7 @@ IPv4-mapped networks in the configuration, secrets with odd characters, chunk li
 arrive in one read, absurd timeouts, reflected admin input, and deadlines stretched by signals."""
 
 import socket
+import time
 
 import pytest
 
@@ -98,3 +99,26 @@ def test_a_chunk_line_over_1_kib_is_refused_even_when_it_arrives_in_one_read(bac
         e.stop()
         r.stop()
         raw_backend.close()
+
+
+@pytest.mark.parametrize("head", [b"GET /lf HTTP/1.1\nHost: x\n\n", b"GET /lf HTTP/1.1\r\nHost: x\n\n",
+                                  b"GET /cr HTTP/1.1\rHost: x\r\r"], ids=["lf", "lf-after-crlf", "cr"])
+def test_a_head_with_bare_line_ends_is_answered_at_once_not_after_header_timeout(backend, head):
+    """The edge refuses a bare LF (or CR) in a request head, as HAProxy does (SECURITY.md: a line end
+    a backend may split differently). But a head with LF line ends never showed the CRLFCRLF the
+    reader waited for: the 400 came after header_timeout (30 s here). Now it comes at once."""
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--header-timeout", "30")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:   # << 30 s
+            s.sendall(head)                  # and the connection stays open: no EOF to end the wait
+            got = s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 400 ") and b"bare CR or LF" in got, got
+        # A CRLF split across reads is no bare CR: the head still completes and is served.
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for piece in (b"GET /split HTTP/1.1\r", b"\nHost: x\r", b"\n\r", b"\n"):
+                s.sendall(piece)
+                time.sleep(0.05)             # the client's pace (separate reads), not synchronisation
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        e.stop()
