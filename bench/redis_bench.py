@@ -309,7 +309,7 @@ def concurrency(url: str, callers=(1, 8, 32, 128), flights=(0, 1, 2, 4), seconds
     return [(n, f, *best[(n, f)]) for n in callers for f in flights]
 
 
-def saturation(url: str, seconds: float = 5.0, rounds: int = 3, flights=(0, 2)):
+def saturation(url: str, seconds: float = 5.0, rounds: int = 3, flights=(0, 2), before: str | None = None):
     """The edge's own saturation throughput (closed loop, bench.edge_bench.closed_loop: wrk -t1 -c32 when
     installed, else wrk.loadgen -R0) with the memory store vs the Redis store with and without batching,
     one edge each, rounds interleaved; nginx as the backend; every request admitted (limit 10M/s)."""
@@ -327,11 +327,14 @@ def saturation(url: str, seconds: float = 5.0, rounds: int = 3, flights=(0, 2)):
             edges[f"Redis store, batching {f'on ({f} flights)' if f else 'off'}"] = Edge(
                 *common, "--store", url, "--redis-timeout", "1", name=f"sat-{f}",
                 env={**os.environ, "EDGE_REDIS_FLIGHTS": str(f)})
+        if before:   # the same Redis edge from another checkout (git archive REV | tar -x -C DIR)
+            edges[f"Redis store, batching on, {before}"] = Edge(
+                *common, "--store", url, "--redis-timeout", "1", name="sat-before", cwd=before)
         for e in edges.values():
             stack.callback(e.stop)
         for _ in range(rounds):
             for name, e in edges.items():
-                rows.setdefault(name, []).append(closed_loop(f"http://127.0.0.1:{e.port}/", e.popen.pid, seconds, 32)[0])
+                rows.setdefault(name, []).append(closed_loop(f"http://127.0.0.1:{e.port}/", e.popen.pid, seconds, 32))
     return rows
 
 
@@ -370,6 +373,8 @@ def main():
     ap.add_argument("--abuse", action="store_true", help="only: script calls per admitted request at 10x")
     ap.add_argument("--topologies", action="store_true", help="only: one Redis vs Sentinel vs Cluster")
     ap.add_argument("--saturation", action="store_true", help="only: the edge at saturation, memory vs Redis")
+    ap.add_argument("--rounds", type=int, default=3, help="--saturation: interleaved rounds")
+    ap.add_argument("--before", help="--saturation: also an edge from this checkout (the code before a change)")
     ap.add_argument("--skew", action="store_true", help="only: what clock skew between two edges costs")
     ap.add_argument("--concurrency", action="store_true", help="only: decisions/s and p99 at 1-128 callers, "
                     "batching off vs on (TCP and unix socket)")
@@ -396,13 +401,14 @@ def main():
                 print(f"| {a} | {d * 1000:g} ms | {worst} | {per:.1f} |")
             return
         if args.saturation:
-            rows = saturation(server.url)
-            mem = sum(rows["memory store"]) / len(rows["memory store"])
+            rows = saturation(server.url, seconds=args.seconds, rounds=args.rounds, before=args.before)
+            mem = sum(r for r, _ in rows["memory store"]) / len(rows["memory store"])
             print("## The edge at saturation (closed loop, 32 connections, one key, every request admitted)\n")
-            print("| store | req/s, each round | mean | vs memory |\n|---|---|---:|---:|")
+            print("| store | req/s, each round | mean | vs memory | edge CPU µs/request |\n|---|---|---:|---:|---:|")
             for name, xs in rows.items():
-                m = sum(xs) / len(xs)
-                print(f"| {name} | {' / '.join(f'{x:,.0f}' for x in xs)} | {m:,.0f} | {m / mem:.2f}x |")
+                m = sum(r for r, _ in xs) / len(xs)
+                cpu = sum(c for _, c in xs) / len(xs) * 1000
+                print(f"| {name} | {' / '.join(f'{r:,.0f}' for r, _ in xs)} | {m:,.0f} | {m / mem:.2f}x | {cpu:.0f} |")
             return
         if args.concurrency:
             for label, url in (("TCP", server.url), ("unix socket", server.unix_url)):

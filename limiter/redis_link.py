@@ -36,7 +36,8 @@ from time import monotonic
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis._parsers.base import BaseParser
+from redis.exceptions import InvalidResponse, NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -44,6 +45,8 @@ from .redis_batch import Batcher, Call
 from .redis_url import Target
 
 log = logging.getLogger("edge")
+
+_parse_error = BaseParser.parse_error  # redis-py's mapping of "-NOSCRIPT ..." etc. to its exception types
 
 # Round trips in the air at once per Redis; 0: no batching.  EDGE_REDIS_FLIGHTS exists for the side-by-side
 # benchmark (bench/redis_bench.py --saturation), not as a tuning knob.
@@ -65,14 +68,69 @@ def _kernel_timeout(sock, seconds: float) -> None:
 
 
 class _Slot:
-    """A pooled redis-py Connection, with a poller registered on its current socket."""
+    """A pooled redis-py Connection (which connects: TLS, AUTH, SELECT) and, once connected, our own
+    reader of its replies."""
 
-    __slots__ = ("conn", "sock", "poll")
+    __slots__ = ("conn", "sock", "poll", "buf")
 
     def __init__(self, conn):
         self.conn = conn
         self.sock = None
         self.poll = None
+        self.buf = b""
+
+    def fill(self) -> None:
+        try:
+            data = self.sock.recv(65536)
+        except BlockingIOError:  # SO_RCVTIMEO ran out (lb's kernel timeouts: EAGAIN, not socket.timeout)
+            raise RedisTimeoutError("Timeout reading from Redis") from None
+        except socket.timeout:
+            raise RedisTimeoutError("Timeout reading from Redis") from None
+        except OSError as e:
+            raise RedisConnectionError(f"Error reading from Redis: {e}") from None
+        if not data:
+            raise RedisConnectionError("Connection closed by server.")
+        self.buf += data
+
+    def reply(self, pos: int = 0):
+        """(value, end) of the RESP2 reply at buf[pos:]: bytes, int, None, a list, or for an error reply
+        the exception redis-py's parser would give (returned, not raised: the connection stays in step)."""
+        while True:
+            i = self.buf.find(b"\r\n", pos)
+            if i >= 0:
+                break
+            self.fill()
+        buf = self.buf
+        kind = buf[pos]
+        if kind == 36:  # $ bulk string
+            n = int(buf[pos + 1:i])
+            if n < 0:
+                return None, i + 2
+            end = i + 2 + n
+            while len(self.buf) < end + 2:
+                self.fill()
+            return self.buf[i + 2:end], end + 2
+        if kind == 58:  # : integer
+            return int(buf[pos + 1:i]), i + 2
+        if kind == 43:  # + simple string
+            return buf[pos + 1:i], i + 2
+        if kind == 45:  # - error
+            return _parse_error(buf[pos + 1:i].decode("utf-8", "replace")), i + 2
+        if kind == 42:  # * array
+            n = int(buf[pos + 1:i])
+            if n < 0:
+                return None, i + 2
+            out, pos = [], i + 2
+            for _ in range(n):
+                v, pos = self.reply(pos)
+                out.append(v)
+            return out, pos
+        raise InvalidResponse(f"Protocol error from Redis: {bytes(buf[pos:pos + 20])!r}")
+
+    def next_reply(self):
+        v, end = self.reply()
+        self.buf = self.buf[end:]
+        return v
 
 
 class _Waiter:
@@ -246,9 +304,7 @@ class RedisLink:
 
         asking: precede it with ASKING (a cluster node importing the key's slot serves it only then);
         such a call (rare: a slot in migration) travels alone."""
-        n = repr(float(now)).encode()
-        # EVALSHA <sha> 1 <key> <now>, packed by hand (redis-py's generic packer costs ~3x more)
-        cmd = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (script.head, len(key), key, len(n), n)
+        cmd = self.pack(script, key, now)
         if self.batcher is not None and not asking:
             return self.batcher.call(script, cmd)
         c = Call(script, _ASKING + cmd if asking else cmd)
@@ -258,10 +314,22 @@ class RedisLink:
             raise c.error
         return c.reply
 
+    @staticmethod
+    def pack(script, key: bytes, now: float) -> bytes:
+        """EVALSHA <sha> 1 <key> <now>, packed by hand (redis-py's generic packer costs ~3x more)."""
+        n = repr(float(now)).encode()
+        return b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (script.head, len(key), key, len(n), n)
+
     def _flight(self, calls) -> None:
         """One round trip on one pooled connection for every call: one write, the replies in order.
         Sets each call's reply or error (a MOVED/ASK/READONLY reply too: the caller's link handles it);
-        never raises for a Redis error."""
+        never raises for a Redis error.
+
+        redis-py connects (TLS, AUTH, SELECT); the round trip is ours: one sendall() of the packed
+        calls and our own RESP2 reader (_Slot.reply), about half the client CPU of redis-py's
+        send_packed_command/read_response (bench/redis_bench.py --saturation).  An error reply is that
+        call's alone and the reading goes on, so a connection always ends a flight in step with Redis;
+        any other failure closes it (nothing unread can ever be taken for a later call's reply)."""
         pool = self.pool  # the pool the connection goes back to, even if a failover replaced self.pool
         try:
             slot = pool.get()
@@ -269,53 +337,64 @@ class RedisLink:
             for c in calls:
                 c.error = e
             return
+        clean = False
         try:
             conn = slot.conn
             sock = conn._sock
-            # A connection back from the pool must have nothing to read: data would be a stale reply,
-            # EOF/HUP a server that closed it while idle.  One poll() syscall (redis-py's can_read() is
-            # three); on either, reconnect before sending anything, so nothing is ever sent twice.
+            # A connection back from the pool may have been closed by the server while idle (its
+            # `timeout`, CLIENT KILL, a middlebox): one poll() shows EOF, and we reconnect before
+            # sending anything, so nothing is ever sent twice.  (Skipping it for a connection used a
+            # moment ago measured within noise, and a kill in that moment would cost a breaker trip.)
             if sock is None or sock is not slot.sock or slot.poll.poll(0):
                 if sock is not None:
                     conn.disconnect()
                 conn.connect()
                 slot.sock = sock = conn._sock
+                slot.buf = b""
                 slot.poll = select.poll()
                 slot.poll.register(sock, select.POLLIN)
                 _kernel_timeout(sock, self.timeout)
-            conn.send_packed_command([c.cmd for c in calls], check_health=False)
-            again = []
-            for c in calls:
-                try:
-                    if c.asking:
-                        conn.read_response()  # +OK
-                    c.reply = conn.read_response()
-                except NoScriptError:  # a restarted or flushed server: load the script, run it again
-                    again.append(c)
-                except ResponseError as e:  # this call's reply is an error; the others are unaffected
-                    c.error = e
-            if again:
-                scripts = {c.script.text: c.script for c in again}
-                for script in scripts.values():
-                    conn.send_command("SCRIPT", "LOAD", script.text, check_health=False)
-                for _ in scripts:
-                    conn.read_response()
-                conn.send_packed_command([c.cmd for c in again], check_health=False)
+            self._trip(slot, calls)
+            again = [c for c in calls if isinstance(c.error, NoScriptError)]
+            if again:  # a restarted or flushed server: load the scripts, run those calls again
+                for script in {c.script.text: c.script for c in again}.values():
+                    self._send(slot, [b"".join(conn.pack_command("SCRIPT", "LOAD", script.text))])
+                    err = slot.next_reply()
+                    if isinstance(err, Exception):
+                        raise err
                 for c in again:
-                    try:
-                        if c.asking:
-                            conn.read_response()
-                        c.reply = conn.read_response()
-                    except ResponseError as e:
-                        c.error = e
-        except RedisError as e:  # the connection failed (redis-py has closed it): every call left fails
-            if isinstance(e, RedisConnectionError) and isinstance(e.__context__, BlockingIOError):
-                e = RedisTimeoutError(f"Timeout ({self.timeout:g} s) talking to Redis")  # the kernel timeout
+                    c.error = None
+                self._trip(slot, again)
+            clean = True
+        except RedisError as e:  # the connection failed: every call left fails
             for c in calls:
                 if c.reply is None and c.error is None:
                     c.error = e
         finally:
+            if not clean:
+                conn.disconnect()
+                slot.sock = None
             pool.put(slot)
+
+    @staticmethod
+    def _send(slot, cmds) -> None:
+        try:
+            slot.sock.sendall(cmds[0] if len(cmds) == 1 else b"".join(cmds))
+        except (BlockingIOError, socket.timeout):
+            raise RedisTimeoutError("Timeout writing to Redis") from None
+        except OSError as e:
+            raise RedisConnectionError(f"Error writing to Redis: {e}") from None
+
+    def _trip(self, slot, calls) -> None:
+        self._send(slot, [c.cmd for c in calls])
+        for c in calls:
+            if c.asking:
+                slot.next_reply()  # +OK
+            r = slot.next_reply()
+            if isinstance(r, Exception):
+                c.error = r
+            else:
+                c.reply = r
 
     def may_try(self) -> bool:
         """While down: True for exactly one caller per retry_interval (the probe)."""

@@ -41,13 +41,13 @@ def free_port() -> int:
 class Proc:
     """A child process whose stdout+stderr go to a file we can search."""
 
-    def __init__(self, args: list[str], name: str, env: dict | None = None):
+    def __init__(self, args: list[str], name: str, env: dict | None = None, cwd=ROOT):
         self.name = name
         self.args = args
         fd, self.log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
         self._log = os.fdopen(fd, "wb")
         self.popen = subprocess.Popen(
-            args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            args, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
@@ -104,10 +104,11 @@ class Backend(Proc):
 
 
 class Edge(Proc):
-    """`python edge.py` listening on a port it picks; extra args are passed through."""
+    """`python edge.py` listening on a port it picks; extra args are passed through. cwd: another
+    checkout's edge.py (the benchmarks' before/after)."""
 
-    def __init__(self, *args: str, name: str = "edge", env: dict | None = None):
-        super().__init__([PY, "edge.py", "--listen", "127.0.0.1:0", *args], name, env)
+    def __init__(self, *args: str, name: str = "edge", env: dict | None = None, cwd=ROOT):
+        super().__init__([PY, "edge.py", "--listen", "127.0.0.1:0", *args], name, env, cwd)
         m = self.wait_log(r"listening on (\S+):(\d+)")   # 127.0.0.1:P, [::1]:P
         self.port = int(m.group(2))
         self.admin_port = None

@@ -518,3 +518,40 @@ def test_a_redis_killed_under_batched_load_fails_the_calls_in_flight_and_nobody_
     assert not any(t.is_alive() for t in ts)
     assert len(slowest) == 16 and max(slowest) < 2.0, slowest  # timeout 0.2 s, plus a loaded machine
     assert lim.failures >= 1 and lim.degraded > 0
+
+
+def test_the_reply_reader_stays_in_step_across_reads_error_replies_and_every_reply_shape(redis_server):
+    """The round trip reads replies itself (limiter.redis_link._Slot): in one pipelined flight, a 300 kB
+    reply (several recv()s), nested arrays with integers, nil and a status, a WRONGTYPE error reply, and
+    scripts unknown to the server (NOSCRIPT: loaded, run again) -- every call gets its own answer, the
+    error is its call's alone, and the same connection serves the next flight (it ended in step)."""
+    from limiter.redis_link import Call, _Script, link_for
+    from limiter.redis_url import parse
+    from redis.exceptions import ResponseError
+    link = link_for(parse(redis_server.url), timeout=2.0)
+    key = fresh("str").encode()
+    redis_server.client().set(key, b"a string, not a sorted set")
+    tag = fresh()      # new script texts: the server has never seen them (NOSCRIPT on the first flight)
+    scripts = [_Script(f"-- {tag}\n" + body) for body in (
+        "return string.rep('x', 300000)",
+        "return {1, 'two', {3, false}, redis.status_reply('OK'), -7}",
+        "return redis.call('ZADD', KEYS[1], ARGV[1], 'm')",
+        "return false",
+        "return tonumber(ARGV[1]) * 2")]
+
+    def flight():
+        calls = [Call(s, link.pack(s, key, 21.5)) for s in scripts]
+        link._flight(calls)
+        return calls
+
+    for round_ in range(2):
+        big, shape, wrong, nil, num = flight()
+        assert big.error is None and big.reply == b"x" * 300000
+        assert shape.error is None and shape.reply == [1, b"two", [3, None], b"OK", -7]
+        assert isinstance(wrong.error, ResponseError) and "WRONGTYPE" in str(wrong.error) and wrong.reply is None
+        assert nil.error is None and nil.reply is None
+        assert num.error is None and num.reply == 43
+        slot = link.pool._idle[-1]
+        if round_ == 0:
+            sock = slot.sock
+        assert slot.sock is sock and sock is not None and slot.buf == b""   # no reconnect, nothing left over
