@@ -172,16 +172,17 @@ def parse_backends_flag(value: str) -> tuple[BackendSpec, ...]:
 
 
 class Num(NamedTuple):
-    """The range of one numeric setting: every number is finite and inside [lo, hi] (lo excluded if open)."""
+    """The range of one numeric setting: every number is finite and inside [lo, hi] (or 0, if zero)."""
     integer: bool
     lo: float
     hi: float
-    lo_open: bool = False
+    zero: bool = False                            # 0 allowed too ("none", "off") below lo
 
 
 DAY = 86400.0
-SECONDS = Num(False, 0.0, DAY, lo_open=True)      # a duration that must be > 0
-SECONDS0 = Num(False, 0.0, DAY)                   # a duration where 0 means "none"
+MS = 0.001      # the shortest duration: `1e-300` is no timeout anyone means (and rounds to 1 us in the kernel)
+SECONDS = Num(False, MS, DAY)                     # a duration that must be > 0
+SECONDS0 = Num(False, MS, DAY, zero=True)         # a duration where 0 means "none"
 STREAK = Num(True, 1, 1000)
 PERCENT = Num(False, 0.0, 100.0)
 
@@ -196,9 +197,9 @@ def _number(value, key: str, spec: Num):
     except (TypeError, ValueError, OverflowError):
         kind = "a whole number" if spec.integer else "a number"
         raise ConfigError(f"{key}: expected {kind}, got {value!r}") from None
-    if not math.isfinite(n) or n < spec.lo or n > spec.hi or (spec.lo_open and n == spec.lo):
-        lo = f"> {spec.lo:g}" if spec.lo_open else f">= {spec.lo:g}"
-        raise ConfigError(f"{key}: must be a finite number {lo} and <= {spec.hi:g}, got {value!r}")
+    if not math.isfinite(n) or not (spec.lo <= n <= spec.hi or (spec.zero and n == 0)):
+        zero = "0 or " if spec.zero else ""
+        raise ConfigError(f"{key}: must be {zero}a finite number >= {spec.lo:g} and <= {spec.hi:g}, got {value!r}")
     return n
 
 
@@ -256,7 +257,7 @@ _SECTIONS = {
                "max_connections": ("max_connections", Num(True, 1, 1_000_000)),
                "header_timeout": ("header_timeout", SECONDS), "body_timeout": ("body_timeout", SECONDS),
                "keepalive_timeout": ("keepalive_timeout", SECONDS),
-               "body_min_rate": ("body_min_rate", Num(False, 0.0, 1e12)), "send_timeout": ("send_timeout", SECONDS),
+               "body_min_rate": ("body_min_rate", Num(False, 1.0, 1e12, zero=True)), "send_timeout": ("send_timeout", SECONDS),
                "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
                "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),

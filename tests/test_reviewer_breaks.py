@@ -122,3 +122,21 @@ def test_a_head_with_bare_line_ends_is_answered_at_once_not_after_header_timeout
             assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("where, value", [
+    ("server.header_timeout", "1e-300"), ("server.send_timeout", "0.0005"), ("upstream.read_timeout", "1e-9"),
+    ("limits.redis_timeout", "5e-324"), ("server.drain_timeout", "1e-300"), ("server.body_min_rate", "1e-300"),
+])
+def test_an_absurdly_small_timeout_is_refused_with_its_key_named(tmp_path, where, value):
+    """`header_timeout = 1e-300` passed validation (> 0): no timeout anyone means, and every head a 408.
+    Durations start at 1 ms (0 stays "none" where it was), a body rate at 1 byte/s."""
+    from tests.support import config_error
+    section, key = where.split(".")
+    conf = tmp_path / "edge.toml"
+    conf.write_text(f'[[backends]]\nurl = "http://127.0.0.1:9"\n[{section}]\n{key} = {value}\n')
+    line = config_error("--check", "--config", str(conf))
+    assert f"{where}: must be " in line and float(line.rsplit("got ", 1)[1].strip("'")) == float(value), line
+    flag = "--" + key.replace("_", "-")
+    line = config_error("--check", "--backends", "http://127.0.0.1:9", flag, value)
+    assert f"{flag}: must be " in line and ">= " in line, line
