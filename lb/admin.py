@@ -14,7 +14,10 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .accesslog import escape
 from .netaddr import bind_options, family
+
+MAX_ROUTE = 64          # a route is a backend id or HOST:PORT: what a 404 may echo of one
 
 
 def start_admin(addr, app) -> ThreadingHTTPServer:
@@ -57,7 +60,9 @@ def start_admin(addr, app) -> ThreadingHTTPServer:
                 return self._reply(404, b"not found: POST /backends/<route>/drain or /backends/<route>/enable\n")
             b = app.find_backend(parts[1])
             if b is None:
-                return self._reply(404, f"no backend {parts[1]!r}: see /status for the routes\n".encode())
+                # Reflected, attacker-chosen: bounded and escaped as the access log writes a path.
+                return self._reply(404, f"no backend '{escape(parts[1], MAX_ROUTE)}': see /status for the "
+                                        f"routes\n".encode())
             st = app.set_drained(b, parts[2] == "drain")
             self._reply(200, json.dumps(st, indent=2).encode(), "application/json")
 

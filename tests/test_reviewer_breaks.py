@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.support import Backend, Edge, request
+from tests.support import Backend, Edge, raw, request
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +140,20 @@ def test_an_absurdly_small_timeout_is_refused_with_its_key_named(tmp_path, where
     flag = "--" + key.replace("_", "-")
     line = config_error("--check", "--backends", "http://127.0.0.1:9", flag, value)
     assert f"{flag}: must be " in line and ">= " in line, line
+
+
+def test_the_admin_404_echoes_a_bounded_escaped_route(backend):
+    """POST /backends/<route>/drain for an unknown route echoed the whole route back (up to the 64 KiB
+    request line, attacker-chosen). Now at most 64 bytes of it, escaped as the access log escapes."""
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--admin", "127.0.0.1:0")
+    try:
+        r = request(e.admin_port, "POST", "/backends/" + "A" * 10000 + "/drain")
+        assert r.status == 404 and r.body.count(b"A") == 64 and b"..." in r.body and len(r.body) < 200, r
+        # A terminal escape and a quote (http.client refuses to send them: raw bytes).
+        got = raw(e.admin_port, b'POST /backends/\x1b[31mX"/drain HTTP/1.1\r\nHost: a\r\n'
+                                b'Content-Length: 0\r\nConnection: close\r\n\r\n')
+        assert got.startswith(b"HTTP/1.") and b" 404 " in got.split(b"\r\n")[0], got
+        assert b"no backend '\\x1b[31mX\\x22'" in got and b"\x1b" not in got, got
+        assert request(e.admin_port, "GET", "/healthz").status == 200
+    finally:
+        e.stop()
