@@ -17,7 +17,8 @@ import signal
 import threading
 import time
 
-from . import logs, sdnotify
+from . import logs, sdnotify, signals
+from .signals import HANDLED
 
 log = logging.getLogger("edge")
 
@@ -64,11 +65,14 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channe
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
     early: list[int] = []     # a signal that came while the App was being built: acted on once it is
     app = None
+    lock = threading.Lock()   # on_signal runs on the signals thread, the App is built on this one
 
     def on_signal(signum, frame):
-        if app is None:
-            early.append(signum)
-        elif signum in (signal.SIGTERM, signal.SIGINT):
+        with lock:
+            if app is None:
+                early.append(signum)
+                return
+        if signum in (signal.SIGTERM, signal.SIGINT):
             log.info("received %s: draining (readiness off now; listener closes in %gs; up to %gs for "
                      "requests)", signal.Signals(signum).name, app.cfg.grace, app.cfg.drain_timeout)
             threading.Thread(target=app.stop_accepting, name="stop", daemon=True).start()
@@ -77,12 +81,16 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channe
         elif signum == signal.SIGUSR1:
             threading.Thread(target=app.reopen_logs, name="reopen", daemon=True).start()
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    for s in HANDLED:
         signal.signal(s, on_signal)
-    app = App(cfg, argv, reuse_port=reuse_port, worker=worker, rundir=rundir)
+    signals.route(lambda signum: on_signal(signum, None))   # before any thread: none of them reads with EINTR
+    built = App(cfg, argv, reuse_port=reuse_port, worker=worker, rundir=rundir)
+    with lock:
+        app = built
+        pending = early[:]
     if cpu is not None:
         log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
-    for signum in early:
+    for signum in pending:
         on_signal(signum, None)
 
     def tell(msg: str) -> None:

@@ -2,6 +2,9 @@
 IPv4-mapped networks in the configuration, secrets with odd characters, chunk lines and heads that
 arrive in one read, absurd timeouts, reflected admin input, and deadlines stretched by signals."""
 
+import ctypes
+import os
+import signal
 import socket
 import time
 
@@ -155,5 +158,44 @@ def test_the_admin_404_echoes_a_bounded_escaped_route(backend):
         assert got.startswith(b"HTTP/1.") and b" 404 " in got.split(b"\r\n")[0], got
         assert b"no backend '\\x1b[31mX\\x22'" in got and b"\x1b" not in got, got
         assert request(e.admin_port, "GET", "/healthz").status == 200
+    finally:
+        e.stop()
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+def _tgkill_all_but_main(pid: int, sig: int) -> None:
+    """sig to each thread of pid but its main one, as the kernel may pick any thread for a process's
+    signal (os.kill would always offer it to the main thread first)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if int(tid) != pid:
+            libc.syscall(_TGKILL, pid, int(tid), sig)
+
+
+@pytest.mark.skipif(_TGKILL is None, reason="tgkill's number is known here for x86_64 and aarch64 only")
+def test_a_signal_storm_does_not_stretch_a_read_deadline(backend):
+    """EINTR restarted a read with the socket's whole timeout again: a client that stopped inside its
+    head while the edge was sent a SIGUSR1 (log reopen) every 0.1 s was never given its 408
+    (header_timeout 2 s). Now every thread blocks the handled signals and one thread sigwait()s them."""
+    e = Edge("--backends", backend.url, "--health-interval", "0.5", "--header-timeout", "2")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=15) as s:
+            s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n")          # ... and nothing more
+            s.setblocking(False)
+            start = time.monotonic()
+            got = b""
+            while time.monotonic() - start < 12:        # the storm: 6x header_timeout at most
+                _tgkill_all_but_main(e.popen.pid, signal.SIGUSR1)
+                try:
+                    got = s.recv(65536)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.1)                     # the storm's period
+            took = time.monotonic() - start
+        assert got.startswith(b"HTTP/1.1 408 "), (round(took, 1), got, e.log()[-2000:])
+        assert took < 2 + 5, took                       # the deadline, plus scheduling on a busy machine
+        assert e.alive() and request(e.port).status == 200
     finally:
         e.stop()
