@@ -337,9 +337,9 @@ class Forwarder:
             ur.timeout = cfg.read_timeout if send_err is None else 0.5
             ur.deadline = x.start + cfg.response_timeout
             try:
-                rhead = ur.read_head(max_first_line=8192, bare_eol=True)
+                rhead = ur.read_head(max_first_line=8192, what="response")
                 while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
-                    rhead = ur.read_head(max_first_line=8192, bare_eol=True)   # interim 1xx: not relayed
+                    rhead = ur.read_head(max_first_line=8192, what="response")   # interim 1xx: not relayed
                 if rhead is None:
                     raise UpstreamError("reset", "closed the connection without a response")
                 rh = parse_response(rhead)
@@ -348,6 +348,8 @@ class Forwarder:
                 pool.release(conn, False)
                 if e.status in (414, 431):
                     raise UpstreamFailed("protocol", 502, "response head too large", True) from None
+                if e.reason.startswith("bare CR"):
+                    raise UpstreamFailed("protocol", 502, e.reason, True) from None
                 raise UpstreamFailed("reset", 502, "closed the connection inside the response head", True) from None
             except (OSError, UpstreamError) as e:
                 pool.release(conn, False)

@@ -41,7 +41,7 @@ def probe(b: Backend, path: str, timeout: float) -> tuple[bool, str]:
                   % (path.encode(), hostport(b.spec.host, b.spec.port).encode()))
         r = Reader(s)
         r.deadline = deadline
-        head = r.read_head(max_first_line=8192, bare_eol=True)
+        head = r.read_head(max_first_line=8192, what="response")
         if head is None:
             return False, "closed without a response"
         rh = parse_response(head)   # the body is not waited for: what came with the head is dropped

@@ -154,14 +154,14 @@ class Reader:
         return True
 
     def read_head(self, max_head: int = MAX_HEAD, max_first_line: int = MAX_REQUEST_LINE,
-                  bare_eol: bool = False) -> bytes | None:
+                  what: str = "request") -> bytes | None:
         """Bytes up to the blank line (excluded), or None on EOF before any byte.
 
-        A request head (bare_eol=False) with a bare CR or LF is refused as soon as the byte arrives:
-        parse_request would refuse it anyway, and a head with LF line ends never shows the CRLFCRLF
-        waited for here (it sat until header_timeout). Checked only while a head is incomplete, on the
-        bytes not yet checked: a head that arrives whole costs nothing more. Responses (bare_eol=True)
-        are left as parse_response takes them."""
+        A head (`what`: request or response) with a bare CR or LF is refused as soon as the byte
+        arrives: parse_request/parse_response would refuse it anyway, and a head with LF line ends never
+        shows the CRLFCRLF waited for here (it sat until header_timeout or read_timeout). Checked only
+        while a head is incomplete, on the bytes not yet checked: a head that arrives whole costs
+        nothing more (the parsers check those)."""
         buf = self.buf
         scan = 0
         checked = 0
@@ -180,11 +180,10 @@ class Reader:
                 raise HttpError(414, "request line too long")
             if len(buf) > max_head:
                 raise HttpError(431, "request header block too large")
-            if not bare_eol:
-                m = _BARE_EOL.search(buf, checked)
-                if m is not None and (m.end() < len(buf) or buf[-1] == 10):   # a final CR awaits its LF
-                    raise HttpError(400, "bare CR or LF in the request head")
-                checked = max(0, len(buf) - 1)
+            m = _BARE_EOL.search(buf, checked)
+            if m is not None and (m.end() < len(buf) or buf[-1] == 10):   # a final CR awaits its LF
+                raise HttpError(400, f"bare CR or LF in the {what} head")
+            checked = max(0, len(buf) - 1)
             scan = max(0, len(buf) - 3)
             if not self.fill():
                 if not buf:
@@ -441,6 +440,11 @@ def parse_response(head: bytes) -> ResponseHead:
     """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x, and for
     framing a client could read differently from us: Content-Length with Transfer-Encoding (nginx's
     answer too), differing Content-Lengths, chunked applied twice or not last but present."""
+    # A bare CR or LF: a client could split the lines where we did not (a header hidden inside a value
+    # we relay, response splitting); nginx reads LF as a line end, we refuse, as for requests.
+    crlf = head.count(CRLF)
+    if head.count(b"\n") != crlf or head.count(b"\r") != crlf:
+        raise UpstreamError("protocol", "bare CR or LF in the response head")
     lines = head.split(CRLF)
     status_line = lines[0]
     if status_line[:7] not in (b"HTTP/1.", b"http/1.") or len(status_line) < 12 or status_line[8:9] != b" ":

@@ -156,6 +156,16 @@ class Scripted(RecordingBackend):
         s.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%s\r\nhello\r\n0\r\n\r\n" % size)
         return "close"
 
+    def script_bare_lf(self, s, r, head):
+        s.sendall(b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok")      # and holds the connection open
+        time.sleep(3)
+        return "close"
+
+    def script_lf_inside(self, s, r, head):
+        # CRLF-framed as we split it, but a client reading LF as a line end sees X-Injected too
+        s.sendall(b"HTTP/1.1 200 OK\r\nX-A: a\nX-Injected: yes\r\nContent-Length: 2\r\n\r\nok")
+        return "close"
+
     def script_die_in_head(self, s, r, head):
         s.sendall(b"HTTP/1.1 200 OK\r\nContent-Le")
         return "close"
@@ -352,11 +362,16 @@ def test_a_large_chunked_body_reaches_the_backend_as_it_arrives(edge, backend):
 
 # ---------------------------------------------------------------------------------- response framing
 
-@pytest.mark.parametrize("script", ["cl-te", "cl-differ", "die-in-head"])
+@pytest.mark.parametrize("script", ["cl-te", "cl-differ", "die-in-head", "bare-lf", "lf-inside"])
 def test_ambiguous_or_broken_response_framing_is_a_502(edge, backend, script):
+    """bare-lf: a head with LF line ends, its connection held open, is a 502 when it arrives, not a 504
+    after read_timeout; lf-inside: a bare LF inside a head that arrived whole is a 502, never relayed."""
     before = metric(edge.admin_port, 'lb_requests_total{backend="%s"}' % backend.url)
     status, headers, body = exchange(edge.port, b"GET /r/%s HTTP/1.1\r\nHost: h\r\n\r\n" % script.encode())
     assert status == 502 and not header_values(headers, "transfer-encoding")
+    assert not header_values(headers, "x-injected")
+    if script in ("bare-lf", "lf-inside"):
+        edge.wait_log(r"GET /r/%s -> 502 \(bare CR or LF in the response head\)" % script)
     victim_gets_its_own(edge.port)
     assert metric(edge.admin_port, 'lb_requests_total{backend="%s"}' % backend.url) >= before + 2
     if script == "die-in-head":
