@@ -437,3 +437,20 @@ def test_the_unit_runs_check_before_reload_and_its_low_port_lines_work():
     stop = int(next(x for x in lines if x.startswith("TimeoutStopSec=")).split("=")[1])
     assert stop > 30                                   # above drain_timeout's default (and say so there)
     assert not any(x.startswith("NotifyAccess=all") for x in lines)   # workers never notify: main is enough
+
+
+def test_request_ids_differ_across_forked_workers():
+    """Request ids come from a per-process generator (no system call per request): each forked worker
+    reseeds it, or every worker would hand out the same sequence of ids."""
+    from lb.proxy import new_request_id
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, new_request_id())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(r, 64)
+    os.close(r)
+    os.close(w)
+    assert re.fullmatch(rb"[0-9a-f]{32}", child)
+    assert child != new_request_id()
