@@ -182,7 +182,7 @@ class App:
         return {
             "listen": hostport(*self.server.server_address[:2]),
             "tls": bool(self.edge.tls),
-            "worker": self.worker,
+            "worker": self.worker, "pid": os.getpid(),
             "strategy": self.cfg.strategy,
             "connections": self.server.active,
             "ready": self.not_ready() is None,

@@ -5,6 +5,15 @@ numbers with the backends' own counts). State is kept as samples keyed by (famil
 snapshot is plain data: with --workers N each worker publishes its snapshot on a unix socket and
 worker 0's /metrics sums them (one scrape target, however many workers; lb/app.py).
 
+A worker that dies and is restarted comes back with its counters at zero. Summed naively, the sum
+would drop by the dead worker's total and Prometheus's rate()/increase() would take the drop for a
+reset of the whole sum (counting every survivor's total again). So the summing side keeps, per worker
+index, the last snapshot it saw and that process's identity (pid, start time): a new identity retires
+the old incarnation's counters and histograms into an accumulator added to every later sum (Carry).
+The summed counters stay monotonic across a worker's restart; the per-worker series
+(lb_worker_requests_total{worker}) and the gauges start over, as one process's would. The scraped
+worker itself dying loses the accumulator: a genuine reset, as any restarted scrape target's.
+
 Adding a metric: name it in FAMILIES (type, help), then `metrics.inc("lb_x_total", backend=url)`,
 `metrics.add_gauge("lb_x", +1)` or a histogram via `observe_into`. Label values must be bounded
 (backend URLs, status classes, rule names): never a client key or a path.
@@ -98,6 +107,7 @@ class Metrics:
         self.gauges[("lb_tunnels_open", ())] = 0
         self.hists[("lb_request_duration_seconds", ())] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
+        self.carry = Carry()          # with workers: the numbers of workers that restarted
 
     # -- recording (with self.lock held in the _ helpers) --------------------------------------------
 
@@ -224,22 +234,68 @@ class Metrics:
             g += [["lb_retries_in_flight", [], rb.retrying], ["lb_retries_in_flight_peak", [], rb.peak],
                   ["lb_upstream_active", [], rb.active]]
         served = sum(x[4] for x in h if x[0] == "lb_request_duration_seconds")
-        return {"worker": worker, "c": c, "g": g, "h": h, "served": served}
+        return {"worker": worker, "id": [os.getpid(), self.started], "c": c, "g": g, "h": h, "served": served}
 
     def render(self, live: dict | None = None, others=(), worker: int | None = None) -> str:
         """Prometheus text exposition format 0.0.4: this process (worker N) plus the other workers' snapshots."""
         snaps = [self.snapshot(live, worker), *others]
-        return render(merge(snaps))
+        return render(merge(snaps, self.carry.fold(snaps) if worker is not None else None))
 
 
-def merge(snaps: list[dict]) -> dict:
-    counters: dict = {}
+class Carry:
+    """What the sum over workers keeps of workers that are gone (only touched on a scrape).
+
+    Why the summed counters stay monotonic across a worker's restart: each live worker's counters only
+    grow; a dead incarnation contributes its last snapshot seen here, which is at most its final value
+    and never changes again (retired); the new incarnation starts at >= 0. So the sum after the restart
+    is >= the sum last shown. A worker left out of one scrape (restarting, or too slow to answer)
+    stands in with its last snapshot for the same reason. Gauges are not carried: a dead process's
+    connections or in-flight requests are not there any more.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()      # concurrent scrapes (ThreadingHTTPServer)
+        self.last: dict = {}              # worker index -> its last snapshot seen
+        self.retired = {"c": {}, "h": {}}
+
+    def fold(self, snaps: list[dict]) -> dict:
+        """Notes this scrape's snapshots; returns the counters and histograms to add to their sum."""
+        with self.lock:
+            present = set()
+            for s in snaps:
+                i = s.get("worker")
+                prev = self.last.get(i)
+                if prev is not None and prev.get("id") != s.get("id"):
+                    _add(self.retired, prev)          # a new incarnation: the old one's numbers stay
+                self.last[i] = s
+                present.add(i)
+            out = {"c": dict(self.retired["c"]), "h": {k: [list(v[0]), v[1], v[2]] for k, v in self.retired["h"].items()}}
+            for i, s in self.last.items():
+                if i not in present:
+                    _add(out, s)
+            return out
+
+
+def _add(acc: dict, s: dict) -> None:
+    """Adds snapshot s's counters and histograms into acc ({"c": {key: v}, "h": {key: [buckets, sum, count]}})."""
+    counters, hists = acc["c"], acc["h"]
+    for n, l, v in s["c"]:
+        k = (n, tuple(map(tuple, l)))
+        counters[k] = counters.get(k, 0) + v
+    for n, l, b, total, count in s["h"]:
+        k = (n, tuple(map(tuple, l)))
+        cur = hists.setdefault(k, [[0] * len(b), 0.0, 0])
+        cur[0] = [x + y for x, y in zip(cur[0], b)]
+        cur[1] += total
+        cur[2] += count
+
+
+def merge(snaps: list[dict], carried: dict | None = None) -> dict:
+    """The sum of the snapshots; carried: counters and histograms of workers gone (Carry.fold)."""
+    acc = {"c": dict(carried["c"]) if carried else {}, "h": dict(carried["h"]) if carried else {}}
     gauges: dict = {}
-    hists: dict = {}
     for s in snaps:
-        for n, l, v in s["c"]:
-            k = (n, tuple(map(tuple, l)))
-            counters[k] = counters.get(k, 0) + v
+        _add(acc, s)
         for n, l, v in s["g"]:
             k = (n, tuple(map(tuple, l)))
             if k not in gauges:
@@ -250,12 +306,7 @@ def merge(snaps: list[dict]) -> dict:
                 gauges[k] = max(gauges[k], v)
             else:
                 gauges[k] += v
-        for n, l, b, total, count in s["h"]:
-            k = (n, tuple(map(tuple, l)))
-            cur = hists.setdefault(k, [[0] * len(b), 0.0, 0])
-            cur[0] = [x + y for x, y in zip(cur[0], b)]
-            cur[1] += total
-            cur[2] += count
+    counters, hists = acc["c"], acc["h"]
     if len(snaps) > 1 or snaps[0].get("worker") is not None:
         for s in snaps:
             counters[("lb_worker_requests_total", (("worker", str(s["worker"])),))] = s["served"]

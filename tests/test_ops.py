@@ -1,6 +1,7 @@
 """Operating the edge: SIGHUP reload under traffic, a bad reload, SIGTERM drain, workers, systemd."""
 
 import http.client
+import json
 import os
 import re
 import shutil
@@ -13,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from tests.support import PY, ROOT, Edge, request, wait_until
+from tests.support import PY, ROOT, Edge, raw, request, wait_until
 
 
 def write_config(path, backends, extra=""):
@@ -152,6 +153,79 @@ def test_workers_share_the_port_and_a_crashed_worker_is_restarted(backends):
         assert e.popen.returncode == 0
     finally:
         e.stop()
+
+
+def summed_counters(port) -> dict:
+    """/metrics' counter and histogram samples {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = request(port, "GET", "/metrics").body.decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) if f.type in ("counter", "histogram")
+            for s in f.samples if not s.name.endswith("_created")}
+
+
+def test_summed_counters_stay_monotonic_when_a_worker_restarts(backends):
+    """Worker 1 SIGKILLed and restarted: worker 0's summed /metrics keeps the dead incarnation's numbers,
+    so no counter of the sum goes down (Prometheus would read the drop as a reset of the whole sum)."""
+    e = Edge("--backends", backends[0].url, "--workers", "2", "--admin", "127.0.0.1:0")
+    try:
+        e.wait_log(r"all 2 workers ready", timeout=20)
+        ports = dict(re.findall(r"worker (\d): admin on 127\.0\.0\.1:(\d+)", e.log()))
+        admin0, admin1 = int(ports["0"]), int(ports["1"])
+        for _ in range(40):     # a new connection each time, so both workers take some
+            assert request(e.port, "GET", "/").status == 200
+        assert raw(e.port, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n").startswith(b"HTTP/1.1 400")
+        before = summed_counters(admin0)
+        assert before[("lb_worker_requests_total", (("worker", "1"),))] > 4    # worker 1 has numbers to lose
+        served1 = before[("lb_requests_total", (("backend", backends[0].url),))]
+        pid1 = json.loads(request(admin1, "GET", "/status").body)["pid"]
+        os.kill(pid1, signal.SIGKILL)
+        e.wait_log(r"worker 1 \(pid %d\) exited .* restarting it" % pid1, timeout=20)
+
+        # with --admin HOST:0 the new worker 1 has a new ephemeral admin port: its own log line
+        admins1 = lambda: re.findall(r"worker 1: admin on 127\.0\.0\.1:(\d+)", e.log())
+        wait_until(lambda: len(admins1()) == 2, timeout=20, what="worker 1 restarted")
+        assert json.loads(request(int(admins1()[1]), "GET", "/status").body)["pid"] != pid1
+        wait_until(lambda: "lb_workers 2\n" in request(admin0, "GET", "/metrics").body.decode(),
+                   timeout=10, what="both workers summed again")
+        for _ in range(4):
+            assert request(e.port, "GET", "/").status == 200
+        after = summed_counters(admin0)
+        # every summed series; not the per-worker one: one process's own, it starts over with the process
+        went_down = {k: (v, after.get(k)) for k, v in before.items() if k[0] != "lb_worker_requests_total"
+                     and (after.get(k) is None or after[k] < v - (1e-6 if k[0].endswith("_sum") else 0))}
+        assert not went_down, went_down
+        for k in [("lb_requests_total", (("backend", backends[0].url),)),
+                  ("lb_backend_responses_total", (("backend", backends[0].url), ("code", "2xx"))),
+                  ("lb_edge_responses_total", (("code", "400"),)),
+                  ("lb_request_duration_seconds_count", ())]:
+            assert k in before and after[k] >= before[k], k      # the families the brief names are there
+        assert after[("lb_requests_total", (("backend", backends[0].url),))] == served1 + 4
+    finally:
+        e.stop()
+
+
+def test_the_sum_keeps_a_worker_missing_from_a_scrape_and_each_dead_incarnation():
+    """The Carry arithmetic on real Metrics snapshots: worker 1 left out of one scrape (restarting) stands
+    in with its last numbers; its next incarnation (another id) adds to the dead one's; gauges are not kept."""
+    from lb.metrics import Metrics
+    w0, w1 = Metrics(), Metrics()
+    total = lambda text: int(re.search(r"^lb_requests_total\{[^}]*\} (\d+)$", text, re.M).group(1))
+    w0.backend_done("http://b", 200, 0.001)
+    for _ in range(5):
+        w1.backend_done("http://b", 200, 0.001)
+    w1.add_gauge("lb_tunnels_open", 3)
+    snap1 = w1.snapshot(worker=1)
+    assert total(w0.render(others=[snap1], worker=0)) == 6
+    assert total(w0.render(others=[], worker=0)) == 6                 # worker 1 gone from this scrape
+    reborn = Metrics()
+    reborn.backend_done("http://b", 200, 0.001)
+    snap = reborn.snapshot(worker=1)
+    snap["id"] = [snap1["id"][0] + 1, snap1["id"][1]]                  # another process (pid) at index 1
+    text = w0.render(others=[snap], worker=0)
+    assert total(text) == 7 and "lb_request_duration_seconds_count 7" in text
+    assert re.search(r"^lb_tunnels_open 0$", text, re.M)              # the dead one's gauge is not carried
+    assert 'lb_worker_requests_total{worker="1"} 1' in text           # its own series does start over
 
 
 @pytest.mark.parametrize("algorithm", ["sliding-log", "token-bucket"])
