@@ -6,6 +6,9 @@ not the per-request path. Off unless --admin is given; it binds only where confi
 /healthz: 200 while the process runs (liveness). /readyz: 200 once the edge serves (and, with
 on_store_error = fail-closed, its store answered), 503 from the moment a drain starts (SIGTERM), before
 the listener closes (see `grace`), so a load balancer in front stops sending first.
+
+With --workers N, a drain/enable on any worker's admin port acts on every worker (lb/fanout.py): 200 once
+all applied it, else 502 naming the workers that did not (a restarting one), so the operator retries.
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ def start_admin(addr, app) -> ThreadingHTTPServer:
                 # Reflected, attacker-chosen: bounded and escaped as the access log writes a path.
                 return self._reply(404, f"no backend '{escape(parts[1], MAX_ROUTE)}': see /status for the "
                                         f"routes\n".encode())
-            st = app.set_drained(b, parts[2] == "drain")
-            self._reply(200, json.dumps(st, indent=2).encode(), "application/json")
+            st, failed = app.drain_everywhere(b, parts[2] == "drain")
+            if failed:      # applied here (and by the others not named), not everywhere: retry the call
+                st["workers_failed"] = {str(i): why for i, why in sorted(failed.items())}
+            self._reply(502 if failed else 200, json.dumps(st, indent=2).encode(), "application/json")
 
     class Server(ThreadingHTTPServer):
         address_family = family(addr[0])

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from limiter import redis_url
 
-from . import metrics as metrics_mod, sdnotify, store
+from . import fanout, metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
@@ -109,10 +109,11 @@ class App:
                      f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
                      len(cfg.keys), rules)
         self.admin = None
-        self.published = None
+        self.published = self.published_ctl = None
         if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
             self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
                                                  lambda: self.metrics.snapshot(self._live(), worker))
+            self.published_ctl = fanout.listen(fanout.ctl_path(rundir, worker), self._apply_forwarded)
         if cfg.admin:
             addr = cfg.admin
             if worker and addr[1]:
@@ -222,6 +223,25 @@ class App:
             log.warning("backend %s %s by the admin API (%d in flight)", b.url,
                         "DRAINED" if drained else "ENABLED", b.inflight)
         return self.backend_status(b, time.monotonic())
+
+    def drain_everywhere(self, b, drained: bool) -> tuple[dict, dict[int, str]]:
+        """set_drained here, then in every other worker of --workers N; ({worker: why} of those that did not)."""
+        st = self.set_drained(b, drained)
+        failed = {}
+        if self.rundir is not None:
+            action = "drain" if drained else "enable"
+            failed = fanout.send(self.rundir, [i for i in range(self.cfg.workers) if i != self.worker], action, b.route)
+            if failed:
+                log.error("backend %s: %s applied here but not by worker(s) %s", b.url, action,
+                          "; ".join(f"{i}: {why}" for i, why in sorted(failed.items())))
+        return st, failed
+
+    def _apply_forwarded(self, action: str, route: str) -> str | None:
+        b = self.find_backend(route)
+        if b is None:
+            return "no such backend"     # a reload in this worker that the others have not had yet
+        self.set_drained(b, action == "drain")
+        return None
 
     def _live(self) -> dict:
         """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
@@ -422,8 +442,9 @@ class App:
         self.health.stop()
         if self.admin:
             self.admin.shutdown()
-        if self.published is not None:
-            self.published.close()
+        for sock in (self.published, self.published_ctl):
+            if sock is not None:
+                sock.close()
         if self.access_log:
             self.access_log.close()
         for s in self.demo_servers:

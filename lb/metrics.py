@@ -22,13 +22,14 @@ Adding a metric: name it in FAMILIES (type, help), then `metrics.inc("lb_x_total
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import sys
 import threading
 import time
 from bisect import bisect_left
+
+from .fanout import serve_unix
 
 # Seconds. Proxy latencies live between ~0.2 ms and a backend's timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -365,30 +366,7 @@ def process_sample(started: float) -> dict:
 
 def publish(path: str, snapshot) -> socket.socket:
     """Serve snapshot() as JSON to whoever connects to the unix socket at path (worker 0's admin)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(8)
-
-    def loop():
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.sendall(json.dumps(snapshot()).encode())
-                except OSError:
-                    pass
-                except Exception:       # a bug here must cost one scrape, not every later one
-                    logging.getLogger("edge").exception("metrics snapshot failed")
-
-    threading.Thread(target=loop, name="metrics-publish", daemon=True).start()
-    return srv
+    return serve_unix(path, lambda conn: conn.sendall(json.dumps(snapshot()).encode()), "metrics snapshot")
 
 
 def gather(paths, timeout: float = 3.0) -> list[dict]:

@@ -3,6 +3,8 @@ API; retries and passive ejection. Issue 12's acceptance items are marked [1]..[
 
 import http.client
 import json
+import os
+import re
 import signal
 import socket
 import threading
@@ -207,6 +209,103 @@ def test_drain_via_the_admin_api_under_traffic_loses_no_request(backends):
     assert not t.errors, t.errors[:3]
     assert Counter(s for _, s, _ in t.results) == {200: len(t.results)}
     assert "DRAINED by the admin API" in e.log() and "ENABLED by the admin API" in e.log()
+
+
+class FreshTraffic:
+    """Clients sending without pause, a new connection per request: the kernel spreads them over workers."""
+
+    def __init__(self, port, clients=4, path="/slow?ms=20"):
+        self.results, self.errors, self.stop_flag = [], [], threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(port, path), daemon=True) for _ in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, port, path):
+        while not self.stop_flag.is_set():
+            try:
+                self.results.append(request(port, "GET", path).status)
+            except (OSError, http.client.HTTPException) as e:
+                self.errors.append(repr(e))
+
+    def stop(self):
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(15)
+
+
+def test_a_drain_on_one_workers_admin_port_acts_on_every_worker(backends):
+    """[6] with --workers 2 each worker has its own admin port; a drain POSTed to worker 0's takes the backend
+    out of both workers' rotation (worker 1 used to keep sending it new requests), and an enable POSTed to
+    worker 1's brings it back in both. Nothing is lost."""
+    a, b, c = backends
+    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0")
+    t = None
+    try:
+        e.wait_log(r"all 2 workers ready", timeout=20)
+        ports = {int(w): int(p) for w, p in re.findall(r"worker (\d): admin on 127\.0\.0\.1:(\d+)", e.log())}
+        assert set(ports) == {0, 1}, e.log()
+
+        def served(w):   # requests answered by worker w, from the summed /metrics
+            for line in request(ports[0], "GET", "/metrics").body.decode().splitlines():
+                if line.startswith(f'lb_worker_requests_total{{worker="{w}"}}'):
+                    return float(line.rsplit(" ", 1)[1])
+            return 0.0
+
+        def b_in(w):
+            st = json.loads(request(ports[w], "GET", "/status").body)
+            return next(x for x in st["backends"] if x["url"] == b.url)
+
+        def both_serve(more):
+            start = {w: served(w) for w in (0, 1)}
+            wait_until(lambda: all(served(w) >= start[w] + more for w in (0, 1)), timeout=30,
+                       what=f"{more} more requests through each worker")
+
+        t = FreshTraffic(e.port)
+        both_serve(20)
+        r = request(ports[0], "POST", f"/backends/{b_in(0)['route']}/drain")
+        assert r.status == 200 and json.loads(r.body)["state"] == "DRAINED", r.body
+        for w in (0, 1):
+            assert (b_in(w)["state"], b_in(w)["in_rotation"]) == ("DRAINED", False), w
+        # in-flight ones (picked before the call) finish; after that, not one new request from either worker
+        wait_until(lambda: b_in(0)["inflight"] == 0 and b_in(1)["inflight"] == 0, what="b's in-flight requests")
+        count = b.stats()["count"]
+        both_serve(30)
+        assert b.stats()["count"] == count
+
+        r = request(ports[1], "POST", f"/backends/{hostport(b)}/enable")
+        assert r.status == 200 and json.loads(r.body)["state"] == "UP", r.body
+        for w in (0, 1):
+            assert (b_in(w)["state"], b_in(w)["in_rotation"]) == ("UP", True), w
+        wait_until(lambda: b.stats()["count"] > count + 10, what="b back in rotation")
+    finally:
+        if t is not None:
+            t.stop()
+        e.stop()
+    assert not t.errors, t.errors[:3]
+    assert set(t.results) == {200}, Counter(t.results)
+    assert len(re.findall(rf"backend {b.url} DRAINED by the admin API", e.log())) == 2, e.log()
+    assert len(re.findall(rf"backend {b.url} ENABLED by the admin API", e.log())) == 2, e.log()
+
+
+def test_a_drain_that_a_worker_cannot_take_is_a_502_naming_it(backends):
+    """A worker that does not answer (stopped here; restarting in life): the drain applies where it can
+    and the call says which worker did not take it, so the operator retries; one log line."""
+    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0")
+    stopped = None
+    try:
+        e.wait_log(r"all 2 workers ready", timeout=20)
+        ports = {int(w): int(p) for w, p in re.findall(r"worker (\d): admin on 127\.0\.0\.1:(\d+)", e.log())}
+        stopped = json.loads(request(ports[1], "GET", "/status").body)["pid"]
+        os.kill(stopped, signal.SIGSTOP)
+        r = request(ports[0], "POST", f"/backends/{hostport(backends[1])}/drain")
+        assert r.status == 502, (r.status, r.body)
+        body = json.loads(r.body)
+        assert body["state"] == "DRAINED" and list(body["workers_failed"]) == ["1"], body
+        e.wait_log(rf"backend {backends[1].url}: drain applied here but not by worker\(s\) 1: ")
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        e.stop()
 
 
 # -------------------------------------------------------------------------------- [1] retries
