@@ -114,6 +114,13 @@ class App:
             self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
                                                  lambda: self.metrics.snapshot(self._live(), worker))
             self.published_ctl = fanout.listen(fanout.ctl_path(rundir, worker), self._apply_forwarded)
+            for route in fanout.drained_routes(rundir):     # drained before this worker (re)started
+                b = self.find_backend(route)
+                if b is not None and not b.drained:
+                    b.drained = True
+                    b.refresh()
+                    log.warning("backend %s DRAINED, as in the other workers (drained by the admin API before "
+                                "this worker started)", b.url)
         if cfg.admin:
             addr = cfg.admin
             if worker and addr[1]:
@@ -229,6 +236,7 @@ class App:
         st = self.set_drained(b, drained)
         failed = {}
         if self.rundir is not None:
+            fanout.remember(self.rundir, b.route, drained)
             action = "drain" if drained else "enable"
             failed = fanout.send(self.rundir, [i for i in range(self.cfg.workers) if i != self.worker], action, b.route)
             if failed:

@@ -4,11 +4,14 @@ acts on the whole process; an operator draining before a deploy means the whole 
 Each worker listens on a unix socket in the supervisor's private directory (worker-I.ctl, next to the
 metrics one), takes one line "drain ROUTE" or "enable ROUTE", applies it locally only (never passes it
 on: no loops) and answers one line, "ok" or the reason. The worker whose admin port got the POST applies
-it itself, then sends it to every other worker's socket. Admin only: nothing here is on a request's path.
+it itself, records it in the drained set (drained.json, same directory, for a worker started later),
+then sends it to every other worker's socket. Admin only: nothing here is on a request's path.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import socket
@@ -77,3 +80,31 @@ def send(rundir: str, workers, action: str, route: str) -> dict[int, str]:
         if answer != "ok":
             failed[i] = answer or "no answer"
     return failed
+
+
+# The drained set, in the same private directory, for a worker that starts later: one the supervisor
+# restarted after a crash would otherwise come back with nothing drained and send the drained backend
+# new requests again. Written by the worker whose admin port got the call, before it passes the call on.
+
+def _drained_path(rundir: str) -> str:
+    return os.path.join(rundir, "drained.json")
+
+
+def remember(rundir: str, route: str, drained: bool) -> None:
+    """Add route to (or remove it from) the drained set, under a lock (two admin calls at once)."""
+    path = _drained_path(rundir)
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        routes = set(drained_routes(rundir))
+        (routes.add if drained else routes.discard)(route)
+        with open(path + ".tmp", "w") as f:
+            json.dump(sorted(routes), f)
+        os.replace(path + ".tmp", path)
+
+
+def drained_routes(rundir: str) -> list[str]:
+    try:
+        with open(_drained_path(rundir)) as f:
+            return list(json.load(f))
+    except FileNotFoundError:
+        return []

@@ -287,6 +287,31 @@ def test_a_drain_on_one_workers_admin_port_acts_on_every_worker(backends):
     assert len(re.findall(rf"backend {b.url} ENABLED by the admin API", e.log())) == 2, e.log()
 
 
+def test_a_worker_restarted_after_a_drain_comes_back_with_the_backend_drained(backends):
+    """The supervisor restarts a worker that died: it must not come back with nothing drained (and send the
+    drained backend new requests). The drained set is kept in the supervisor's private directory."""
+    b = backends[1]
+    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0")
+    try:
+        e.wait_log(r"all 2 workers ready", timeout=20)
+        ports = {int(w): int(p) for w, p in re.findall(r"worker (\d): admin on 127\.0\.0\.1:(\d+)", e.log())}
+        assert request(ports[0], "POST", f"/backends/{hostport(b)}/drain").status == 200
+        assert request(ports[0], "POST", f"/backends/{hostport(backends[2])}/drain").status == 200
+        assert request(ports[1], "POST", f"/backends/{hostport(backends[2])}/enable").status == 200
+        pid = json.loads(request(ports[1], "GET", "/status").body)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        e.wait_log(rf"worker 1 \(pid {pid}\) exited .*restarting it", timeout=20)
+        new = wait_until(lambda: [int(p) for p in re.findall(r"worker 1: admin on 127\.0\.0\.1:(\d+)", e.log())][1:],
+                         timeout=20, what="the restarted worker 1's admin port")[-1]
+        st = wait_until(lambda: json.loads(request(new, "GET", "/status").body), what="its /status")
+        assert st["pid"] != pid
+        state = {x["url"]: x["state"] for x in st["backends"]}
+        assert state == {backends[0].url: "UP", b.url: "DRAINED", backends[2].url: "UP"}, state
+        e.wait_log(rf"worker 1: .*backend {b.url} DRAINED, as in the other workers")
+    finally:
+        e.stop()
+
+
 def test_a_drain_that_a_worker_cannot_take_is_a_502_naming_it(backends):
     """A worker that does not answer (stopped here; restarting in life): the drain applies where it can
     and the call says which worker did not take it, so the operator retries; one log line."""
