@@ -1,0 +1,119 @@
+"""The edge's per-request CPU with nothing to wait for: one thread, real sockets, no other process.
+
+    python -m bench.request_path                          # this checkout
+    python -m bench.request_path --variant before=/tmp/edge-before --variant after=.   # A/B, interleaved
+
+A through-the-edge benchmark (bench/tail_bench.py) mixes the edge's own work with wake-ups, the GIL
+hand-offs of sixteen threads and the generator's share of a 2-core machine: its run-to-run spread
+(+-15% here) is larger than most single changes. This one isolates the work: the client is a socket
+pair whose far end this thread writes and drains itself, the backend a thread that answers each request
+with a canned nginx response. Each request takes the real path -- Reader, parse, the rate-limit stage
+(memory token bucket, a keyed client), the balancer, the pool, upstream_head, sendall, parse_response,
+relay, metrics -- and its four system calls; what is timed is this thread's CPU (time.thread_time: the
+backend thread's is not in it), to a few percent from run to run. Variants run in separate processes
+(each imports its own checkout), alternating, best of `--rounds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REQUEST = (b"GET /api/items?page=2 HTTP/1.1\r\nHost: api.example.com\r\nUser-Agent: bench/1.0\r\n"
+           b"Accept: */*\r\nX-Api-Key: bench-unlimited\r\n\r\n")
+# nginx's answer to the protocol's GET / (its default page, shortened): the headers a real backend sends.
+RESPONSE = (b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 01 Dec 2026 15:00:00 GMT\r\n"
+            b"Content-Type: text/html\r\nContent-Length: 615\r\nLast-Modified: Mon, 23 Jan 2023 10:00:00 GMT\r\n"
+            b"Connection: keep-alive\r\nETag: \"63ce5b3c-267\"\r\nAccept-Ranges: bytes\r\n\r\n" + b"x" * 615)
+
+
+def measure(n: int, extra: list[str]) -> dict:
+    """In this process (the checkout on sys.path): µs per request, best of 5 batches of n."""
+    from lb import config
+    from lb.app import App
+    from lb.httpio import Reader, parse_request
+
+    backend = socket.create_server(("127.0.0.1", 0))
+    port = backend.getsockname()[1]
+    cfg = config.load(["--listen", "127.0.0.1:0", "--backends", f"http://127.0.0.1:{port}", "--limit",
+                       "1000000/s", "--health-interval", "3600", *extra])
+    app = App(cfg)
+    edge = app.edge
+    cs, cp = socket.socketpair()           # the client connection: the edge's end, ours
+    cs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    reader = Reader(cs, cfg.send_timeout) if hasattr(cfg, "send_timeout") else Reader(cs)
+    # (client ip, trusted, over TLS): as many as this checkout's handle() takes (older ones take fewer)
+    args = (b"127.0.0.1", False, "127.0.0.1", False)[:len(inspect.signature(edge.handle).parameters) - 3]
+
+    def one() -> None:
+        cp.sendall(REQUEST)
+        reader.fill()
+        req = parse_request(reader.read_head())
+        edge.handle(req, reader, cs, *args)
+
+    def serve_backend() -> None:
+        while True:
+            conn, _ = backend.accept()
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                if data.endswith(b"\r\n\r\n"):
+                    conn.sendall(RESPONSE)
+
+    threading.Thread(target=serve_backend, daemon=True).start()
+    best = float("inf")
+    for i in range(6):
+        t0 = time.thread_time()
+        for _ in range(n):
+            one()
+            cp.recv(65536)
+        if i:                              # the first batch warms up
+            best = min(best, (time.thread_time() - t0) / n)
+    app.server.server_close()
+    return {"us": best * 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", help="NAME=DIR (default: this checkout)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating runs of each variant")
+    ap.add_argument("-n", type=int, default=5000, help="requests per batch")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--edge-arg", action="append", default=[], help="an extra edge flag (repeatable)")
+    a = ap.parse_args()
+    if a.child:
+        sys.path.insert(0, a.child)
+        os.chdir(a.child)
+        import logging
+        logging.disable(logging.CRITICAL)
+        print(json.dumps(measure(a.n, a.edge_arg)))
+        return
+    variants = [v.partition("=")[::2] for v in (a.variant or [f"this={Path.cwd()}"])]
+    got: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for r in range(a.rounds):
+        for name, d in variants:
+            out = subprocess.run([sys.executable, "-m", "bench.request_path", "--child", str(Path(d).resolve()),
+                                  "-n", str(a.n), *sum((["--edge-arg", x] for x in a.edge_arg), [])],
+                                 cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"{name}: {out.stderr[-2000:]}")
+            got[name].append(json.loads(out.stdout.splitlines()[-1])["us"])
+            print(f"round {r + 1} {name}: {got[name][-1]:.1f} us/request", flush=True)
+    first = min(got[variants[0][0]])
+    print("\n| variant | µs/request, best of rounds | per round | vs first |\n|---|---|---|---|")
+    for name, _ in variants:
+        b = min(got[name])
+        print(f"| {name} | {b:.1f} | {' / '.join(f'{x:.1f}' for x in got[name])} | {first / b:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
