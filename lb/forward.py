@@ -409,22 +409,18 @@ class Forwarder:
         req, backend, start = x.req, x.backend, x.start
         status = rh.status
         out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
-        tokens = None
-        for name, lname, value in rh.headers:
-            if lname == b"connection":
-                tokens = {t.strip() for t in value.lower().split(b",")}
+        tokens = rh.conn_tokens
         limiting = bool(x.rl)
-        ietf = limiting and b"\nRateLimit: " in x.rl      # [limits] ietf_headers: ours replace those too
+        # Not copied: hop-by-hop and framing (the edge writes its own), X-Request-Id and, when limiting,
+        # the rate-limit fields (ours replace the backend's, never duplicate them).
+        skip = (_SKIP_IETF if b"\nRateLimit: " in x.rl else _SKIP_LIMITING) if limiting else _SKIP
         cl = rh.content_length
         for name, lname, value in rh.headers:
-            if lname in _NOT_COPIED or (tokens and lname in tokens):
+            if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
                 if lname == b"content-length" and cl is not None:
                     out += b"Content-Length: %d\r\n" % cl     # in its place, once, as the edge parsed it
                     cl = None
                 continue
-            if limiting and (lname[:12] == b"x-ratelimit-" or ietf and lname in _IETF_FIELDS) \
-                    or lname == b"x-request-id":
-                continue               # ours replace the backend's, never duplicate them
             out += name + b": " + value + b"\r\n"
         out += b"X-Request-Id: " + x.request_id + b"\r\n"
         if limiting:
@@ -605,4 +601,6 @@ def _relay_chunked(http10: bool, out: bytearray, ur: Reader, c: _Client) -> bool
             pending = bytearray()
 
 
-_IETF_FIELDS = frozenset({b"ratelimit", b"ratelimit-policy"})
+_SKIP = _NOT_COPIED | {b"x-request-id"}
+_SKIP_LIMITING = _SKIP             # (+ the x-ratelimit- prefix)
+_SKIP_IETF = _SKIP | {b"ratelimit", b"ratelimit-policy"}      # [limits] ietf_headers: ours replace those too

@@ -268,6 +268,12 @@ def _check_bytes(head: bytes) -> None:
         raise HttpError(400, "control character in the request head")
 
 
+# The request fields parse_request looks at; every other one is only carried.
+_REQUEST_FIELDS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect", b"x-api-key",
+                             b"x-request-id", b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host",
+                             b"cookie"})
+
+
 def parse_request(head: bytes) -> Request:
     """Parse and check a request head. Raises HttpError for anything a backend could read differently."""
     _check_bytes(head)
@@ -300,6 +306,8 @@ def parse_request(head: bytes) -> Request:
     te_seen = False
     keep_alive = version == b"HTTP/1.1"
     for name, lname, value in headers:
+        if lname not in _REQUEST_FIELDS:
+            continue                   # (most of a browser's headers: one set lookup, not eleven compares)
         if lname == b"host":
             if r.host is not None:
                 raise HttpError(400, "duplicate Host header")
@@ -433,7 +441,12 @@ def body_deadline(reader: Reader, t0: float, received: int, min_rate: float) -> 
 # ----------------------------------------------------------------------------------------- responses
 
 class ResponseHead:
-    __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "codings", "close", "early")
+    __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "codings", "close", "early",
+                 "conn_tokens")
+
+
+_NO_TOKENS = frozenset()
+_KEEP_ALIVE = frozenset({b"keep-alive"})
 
 
 def parse_response(head: bytes) -> ResponseHead:
@@ -466,6 +479,7 @@ def parse_response(head: bytes) -> ResponseHead:
     r.early = False           # answered before the request was sent whole (set by the forwarder)
     close = status_line[5:8] == b"1.0"
     te = None
+    tokens = _NO_TOKENS
     for name, lname, value in headers:
         if lname == b"content-length":
             for v in value.split(b","):
@@ -483,6 +497,9 @@ def parse_response(head: bytes) -> ResponseHead:
                 close = True
             elif b"keep-alive" in v:
                 close = False
+            # The fields it names are hop-by-hop: never relayed (relay() reads conn_tokens).
+            named = _KEEP_ALIVE if v == b"keep-alive" else frozenset(t.strip() for t in v.split(b","))
+            tokens = tokens | named if tokens else named
     if te is not None:
         if r.content_length is not None:
             raise UpstreamError("protocol", "both Content-Length and Transfer-Encoding")
@@ -496,6 +513,7 @@ def parse_response(head: bytes) -> ResponseHead:
             close = True  # a coding other than chunked last: the body runs to the close (RFC 9112 6.3)
         r.codings = b", ".join(c for c in codings if c)
     r.close = close
+    r.conn_tokens = tokens
     return r
 
 

@@ -93,6 +93,9 @@ def _labels(**kv) -> tuple:
     return tuple(kv.items())
 
 
+_REQUEST_DURATION = ("lb_request_duration_seconds", ())
+
+
 class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
@@ -108,6 +111,7 @@ class Metrics:
         self.gauges[("lb_tunnels_open", ())] = 0
         self.hists[("lb_request_duration_seconds", ())] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
+        self._done_keys: dict = {}    # backend_done's record keys, by (backend, status // 100)
         self.carry = Carry()          # with workers: the numbers of workers that restarted
 
     # -- recording (with self.lock held in the _ helpers) --------------------------------------------
@@ -136,12 +140,23 @@ class Metrics:
             self.gauges[k] = self.gauges.get(k, 0) + delta
 
     def backend_done(self, backend: str, status: int, seconds: float, upstream: float | None = None) -> None:
-        b = (("backend", backend),)
+        # Once per proxied request: the four records' keys are made once per (backend, status class).
+        keys = self._done_keys.get((backend, status // 100))
+        if keys is None:
+            b = (("backend", backend),)
+            keys = self._done_keys[(backend, status // 100)] = (
+                ("lb_requests_total", b), ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
+                ("lb_upstream_duration_seconds", b))
+        requests, responses, up = keys
+        counters, hists = self.counters, self.hists
         with self.lock:
-            self._inc("lb_requests_total", b)
-            self._inc("lb_backend_responses_total", (("backend", backend), ("code", f"{status // 100}xx")))
-            self._observe("lb_request_duration_seconds", (), seconds)
-            self._observe("lb_upstream_duration_seconds", b, seconds if upstream is None else upstream)
+            counters[requests] = counters.get(requests, 0) + 1
+            counters[responses] = counters.get(responses, 0) + 1
+            h = hists[_REQUEST_DURATION]
+            h[0][bisect_left(BUCKETS, seconds)] += 1
+            h[1] += seconds
+            h[2] += 1
+            self._observe(*up, seconds if upstream is None else upstream)
 
     def upstream_error(self, backend: str, kind: str, status: int, seconds: float) -> None:
         with self.lock:

@@ -138,7 +138,12 @@ class LimitStage:
         if len(api_key) > MAX_KEY:
             raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
         if self.registry is None:
-            return "key:" + api_key.decode("latin-1"), key_label(api_key), None
+            seen = _unregistered.get(api_key)
+            if seen is None:
+                if len(_unregistered) >= _UNREGISTERED_MAX:
+                    _unregistered.clear()         # a key-rotating client costs a hash per key, as before
+                seen = _unregistered[api_key] = ("key:" + api_key.decode("latin-1"), key_label(api_key), None)
+            return seen
         known = self.registry.lookup(api_key)
         if known is not None:
             ident = "key:" + known.name
@@ -180,6 +185,19 @@ class LimitStage:
                     checks.append((r.limiter, self._rule_key(r, req, ip, ident), r.enforce))
                     rules.append(r.name)
         if not checks:
+            return v
+        if len(checks) == 1 and checks[0][2] and not self.ietf:
+            # The common case, one enforcing limit: what _verdict decides for it, without its lists.
+            lim, key, _ = checks[0]
+            d = lim.allow(key) if now is None else lim.allow(key, now)
+            v.headers = headers(d)
+            if getattr(d, "degraded", False):    # a store's failure policy decided (fail-open admits)
+                v.degraded = True
+            if d.allowed:
+                return v
+            v.rejected, v.limited_by = (rules[0],), rules[0]
+            v.status, v.reason = ((503, "rate limiter unavailable") if getattr(d, "unavailable", False)
+                                  else (429, "rate limit exceeded"))
             return v
         admitted, decisions = allow_all(checks, now)   # now=None: the store reads its clock (under its lock)
         self._verdict(v, admitted, checks, rules, decisions)
@@ -246,6 +264,12 @@ class LimitStage:
                            for _, name, lim, _ in items)
         state = ", ".join(f'"{name}";r={d.remaining};t={max(0, math.ceil(d.reset))}' for _, name, _, d in items)
         return b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (policy.encode(), state.encode())
+
+
+# An unregistered X-Api-Key's identity and log label, by key: the label is a keyed hash, computed once
+# per key rather than per request. Bounded: emptied when full.
+_unregistered: dict = {}
+_UNREGISTERED_MAX = 4096
 
 
 class _Lazy:

@@ -227,6 +227,19 @@ def test_no_raw_key_in_the_label_without_a_registry():
     assert st.check(req(X_Api_Key="x" * 257), "192.0.2.1", now=T0).status == 400
 
 
+def test_unregistered_keys_are_identified_apart_and_the_label_cache_stays_bounded():
+    from lb import ratelimit
+    st = stage("2/m")
+    a = [st.check(req(X_Api_Key="key-a"), "192.0.2.1", now=T0) for _ in range(3)]
+    b = st.check(req(X_Api_Key="key-b"), "192.0.2.1", now=T0)
+    assert [v.status for v in a] == [0, 0, 429] and b.status == 0     # one quota per key, cached or not
+    assert a[0].label == a[2].label != b.label
+    for i in range(ratelimit._UNREGISTERED_MAX + 10):                  # a key-rotating client
+        st.check(req(X_Api_Key=f"rotating-{i}"), "192.0.2.1", now=T0)
+    assert len(ratelimit._unregistered) <= ratelimit._UNREGISTERED_MAX
+    assert st.check(req(X_Api_Key="key-a"), "192.0.2.1", now=T0).status == 429   # its state is the store's
+
+
 def test_exempt_clients_bypass_every_rule_and_are_reported():
     st = stage("1/m", [{"name": "g", "key": "global", "limit": "1/m"}], keys=known(),
                exempt=["10.0.0.0/8", "key:batch"])
