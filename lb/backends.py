@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+from collections import deque
 from time import monotonic
 
 import urllib3
@@ -31,18 +32,23 @@ FRESH = 0.25
 
 
 class LifoSlots:
-    """queue.LifoQueue's get/put as urllib3's pool uses them, without a Condition on the fast path.
+    """queue.LifoQueue's get/put as urllib3's pool uses them: last in, first out while slots are free,
+    first come, first served once callers wait, and no Condition on the fast path.
 
     LifoQueue takes a lock and a Condition on every get and every put (a request does both); here a
-    list's append/pop (atomic under the GIL) is the fast path, and the lock and Condition are used only
-    by a getter that finds it empty and waits (the pool is exhausted). A put notifies only when someone
-    waits; a getter counts itself as waiting under the lock before its last look, so a put cannot slip
-    between that look and its wait unseen."""
+    list's append/pop (atomic under the GIL) is the fast path, taken only while nobody waits. Once the
+    pool is exhausted, callers queue: a put hands its slot straight to the longest waiter, and a newcomer
+    queues behind the waiters instead of taking a slot that comes back. (Taking it -- a thread that
+    releases and asks again at once wins the race against the waiter it just woke -- can starve a waiter
+    for its whole pool_timeout and answer 503 with a healthy backend: the Redis pool's defect of issue
+    18, in the backend pool.) A getter counts itself as waiting under the lock before its last look, and
+    a put appends before it looks for waiters, so no slot is left unseen while someone waits."""
 
     def __init__(self, maxsize: int):
         self.maxsize = maxsize
         self.items: list = []
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
+        self.waiters: deque = deque()    # (gate, box) per waiting getter, the longest-waiting first
         self.waiting = 0
 
     def qsize(self) -> int:
@@ -53,30 +59,37 @@ class LifoSlots:
             raise queue.Full
         self.items.append(item)
         if self.waiting:
-            with self.cond:
-                self.cond.notify()
+            with self.lock:
+                if self.waiters and self.items:
+                    gate, box = self.waiters.popleft()
+                    box.append(self.items.pop())
+                    gate.release()
 
     def get(self, block: bool = True, timeout=None):
-        try:
-            return self.items.pop()
-        except IndexError:
-            if not block:
-                raise queue.Empty from None
-        deadline = None if timeout is None else monotonic() + timeout
-        with self.cond:
-            self.waiting += 1
+        if not self.waiting or not block:
             try:
-                while True:
-                    try:
-                        return self.items.pop()
-                    except IndexError:
-                        pass
-                    left = None if deadline is None else deadline - monotonic()
-                    if left is not None and left <= 0:
-                        raise queue.Empty
-                    self.cond.wait(left)
-            finally:
+                return self.items.pop()
+            except IndexError:
+                if not block:
+                    raise queue.Empty from None
+        with self.lock:
+            self.waiting += 1
+            if not self.waiters and self.items:      # nobody ahead: a slot that came back is ours
                 self.waiting -= 1
+                return self.items.pop()
+            gate, box = threading.Lock(), []
+            gate.acquire()
+            self.waiters.append((gate, box))
+        try:
+            gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
+        finally:
+            with self.lock:
+                self.waiting -= 1
+                if not box:
+                    self.waiters.remove((gate, box))
+        if box:
+            return box[0]
+        raise queue.Empty
 
 
 class BackendPool(urllib3.HTTPConnectionPool):
@@ -182,6 +195,11 @@ class Backend:
                 self.joined_at = monotonic() if now is None else now
                 self.current = 0   # no running credit or debt carried over from before it left
             return self.in_rotation != was
+
+    def pool_full(self) -> bool:
+        """Every connection to it is busy (its pool's cap reached, or callers already waiting in line)."""
+        slots = self.pool.pool
+        return slots is not None and not slots.items
 
     @property
     def state(self) -> str:

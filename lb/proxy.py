@@ -314,6 +314,12 @@ class Edge:
             backend = self.balancer.by_route(route_cookie(req.cookie))
         if backend is None:
             backend = self.balancer.pick()
+            if backend is not None and backend.pool_full():
+                # nginx's max_conns: a backend with every connection busy is passed over for one with a
+                # free connection; when all are full the request waits in its pick's line (pool_timeout).
+                other = self.balancer.pick(exclude=(backend,))
+                if other is not None and not other.pool_full():
+                    backend = other
             if backend is not None and cfg.sticky:
                 x.set_cookie = b"Set-Cookie: route=" + backend.route.encode() + b"; Path=/; HttpOnly\r\n"
         if backend is None:

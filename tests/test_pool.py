@@ -1,6 +1,7 @@
 """The backend connection pool's slots (lb/backends.py LifoSlots) and the hard cap they enforce, through
-a real edge: --pool-maxsize concurrent requests at most per backend, the next waits --pool-timeout and
-gets a 503; a slot that comes back is used again."""
+a real edge: --pool-maxsize concurrent requests at most per backend; a backend at its cap is passed over
+for one with a free connection; when none has one, requests wait in line (first come, first served)
+--pool-timeout and then get a 503; a slot that comes back goes to the longest waiter."""
 
 from __future__ import annotations
 
@@ -44,6 +45,81 @@ def test_a_waiting_get_takes_the_slot_put_back_and_times_out_otherwise():
         raise AssertionError("an empty pool answered")
     except queue.Empty:
         assert time.monotonic() - t0 >= 0.05
+
+
+def test_a_slot_put_back_goes_to_the_longest_waiter_not_to_a_newcomer():
+    s = LifoSlots(1)
+    s.put("conn")
+    mine = s.get()
+    got = []
+    w = threading.Thread(target=lambda: got.append(s.get(timeout=5)))
+    w.start()
+    wait_until(lambda: s.waiting == 1, what="the first getter to wait")
+    s.put(mine)
+    # Asking again at once (a thread that releases and picks its next request): the slot is the waiter's.
+    try:
+        s.get(timeout=0.01)
+        raise AssertionError("a newcomer took the slot a waiter had been waiting for")
+    except queue.Empty:
+        pass
+    w.join(10)
+    assert got == ["conn"] and s.waiting == 0 and not s.waiters
+
+
+def test_waiters_are_served_first_come_first_served_and_none_is_lost():
+    s = LifoSlots(2)
+    for _ in range(2):
+        s.put(None)
+    held = [s.get(), s.get()]
+    order, threads = [], []
+    for i in range(6):
+        t = threading.Thread(target=lambda i=i: order.append((i, s.get(timeout=10))))
+        t.start()
+        threads.append(t)
+        wait_until(lambda: s.waiting == i + 1, what=f"getter {i} to wait")
+    for n in range(6):                                   # each slot back goes to the next in line
+        s.put(held.pop() if held else f"slot-{n}")
+        wait_until(lambda: len(order) == n + 1, what=f"getter {n} to be served")
+        assert order[-1][0] == n
+    for t in threads:
+        t.join(10)
+    assert s.waiting == 0 and not s.waiters and s.qsize() == 0
+
+
+def test_a_getter_that_times_out_leaves_the_line_and_later_slots_still_arrive():
+    s = LifoSlots(1)
+    s.put("a")
+    x = s.get()
+    try:
+        s.get(timeout=0.01)
+        raise AssertionError("an empty pool answered")
+    except queue.Empty:
+        pass
+    assert not s.waiters and s.waiting == 0
+    s.put(x)
+    assert s.get(block=False) == "a"
+
+
+def test_a_backend_with_every_connection_busy_is_passed_over_for_a_free_one(backends):
+    """nginx's max_conns: round robin would give every other request to the backend whose one connection
+    a slow request holds; they wait --pool-timeout there and get 503 while the other backend idles."""
+    a, b = backends[0], backends[1]
+    e = Edge("--backends", f"{a.url},{b.url}", "--health-interval", "30", "--pool-maxsize", "1",
+             "--pool-timeout", "0.3", name="edge-pool-pass-over")
+    try:
+        slow = []
+        t = threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/slow?ms=4321").status))
+        t.start()
+        at = wait_until(lambda: next((x for x in (a, b) if "/slow?ms=4321" in x.stats()["last"]), None),
+                        what="the slow request to reach its backend")
+        other = b if at is a else a
+        got = [request(e.port, "GET", "/") for _ in range(6)]
+        assert [r.status for r in got] == [200] * 6
+        assert {r.body.decode().strip() for r in got} == {other.name.removeprefix("backend-")}
+        t.join(30)
+        assert slow == [200]
+    finally:
+        e.stop()
 
 
 def test_the_pool_caps_connections_per_backend_and_answers_503_past_it(backends):
