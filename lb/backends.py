@@ -60,9 +60,13 @@ class LifoSlots:
         self.items.append(item)
         if self.waiting:
             with self.lock:
-                if self.waiters and self.items:
+                if self.waiters:
+                    try:
+                        item = self.items.pop()
+                    except IndexError:       # a getter on the lock-free path took it between our looks
+                        return
                     gate, box = self.waiters.popleft()
-                    box.append(self.items.pop())
+                    box.append(item)
                     gate.release()
 
     def get(self, block: bool = True, timeout=None):
@@ -74,9 +78,14 @@ class LifoSlots:
                     raise queue.Empty from None
         with self.lock:
             self.waiting += 1
-            if not self.waiters and self.items:      # nobody ahead: a slot that came back is ours
-                self.waiting -= 1
-                return self.items.pop()
+            if not self.waiters:                     # nobody ahead: a slot that came back is ours
+                try:
+                    item = self.items.pop()          # (unless a getter on the lock-free path took it)
+                except IndexError:
+                    pass
+                else:
+                    self.waiting -= 1
+                    return item
             gate, box = threading.Lock(), []
             gate.acquire()
             self.waiters.append((gate, box))

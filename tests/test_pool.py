@@ -100,6 +100,66 @@ def test_a_getter_that_times_out_leaves_the_line_and_later_slots_still_arrive():
     assert s.get(block=False) == "a"
 
 
+class _Interleaved(list):
+    """The slots' list with other threads' lock-free steps played at chosen moments: each pop() first
+    runs the next scripted step (a getter on the fast path pops without the lock, so it may act between
+    a locked caller's look at the list and its own pop)."""
+
+    def __init__(self, *steps):
+        super().__init__()
+        self.steps = list(steps)
+
+    def pop(self, *a):
+        if self.steps:
+            return self.steps.pop(0)(self)
+        return list.pop(self, *a)
+
+
+def test_a_put_whose_slot_a_fast_getter_took_first_hands_nothing_and_raises_nothing():
+    s = LifoSlots(1)
+    s.put("conn")
+    mine = s.get()
+    got = []
+    w = threading.Thread(target=lambda: got.append(s.get(timeout=10)))
+    w.start()
+    wait_until(lambda: s.waiting == 1, what="the getter to wait")
+    thief = []
+
+    def fast_getter_first(items):      # it looked while nobody waited; its pop lands before the put's
+        thief.append(list.pop(items))
+        return list.pop(items)
+
+    s.items = _Interleaved(fast_getter_first)
+    s.put(mine)                         # (was: IndexError out of the put, i.e. out of release())
+    assert thief == ["conn"] and s.waiting == 1 and len(s.waiters) == 1
+    s.put(thief.pop())                  # the slot comes back: the waiter gets it
+    w.join(10)
+    assert got == ["conn"] and s.waiting == 0 and not s.waiters
+
+
+def test_a_get_whose_slot_a_fast_getter_took_first_waits_in_line_instead_of_raising():
+    s = LifoSlots(1)
+    thief = []
+
+    def empty_then_a_put_lands(items):   # the getter's fast pop finds none; a put lands before its lock
+        try:
+            return list.pop(items)
+        finally:
+            list.append(items, "conn")
+
+    def fast_getter_first(items):
+        thief.append(list.pop(items))
+        return list.pop(items)
+
+    s.items = _Interleaved(empty_then_a_put_lands, fast_getter_first)
+    try:
+        s.get(timeout=0.05)             # (was: IndexError out of the get, i.e. out of acquire())
+        raise AssertionError("a slot another getter took was answered")
+    except queue.Empty:
+        pass
+    assert thief == ["conn"] and s.waiting == 0 and not s.waiters
+
+
 def test_a_backend_with_every_connection_busy_is_passed_over_for_a_free_one(backends):
     """nginx's max_conns: round robin would give every other request to the backend whose one connection
     a slow request holds; they wait --pool-timeout there and get 503 while the other backend idles."""
@@ -141,3 +201,4 @@ def test_the_pool_caps_connections_per_backend_and_answers_503_past_it(backends)
         assert request(e.port, "GET", "/").status == 200      # the slots came back
     finally:
         e.stop()
+
