@@ -317,8 +317,10 @@ class Edge:
             if backend is not None and backend.pool_full():
                 # nginx's max_conns: a backend with every connection busy is passed over for one with a
                 # free connection; when all are full the request waits in its pick's line (pool_timeout).
-                other = self.balancer.pick(exclude=(backend,))
-                if other is not None and not other.pool_full():
+                # Every full one is excluded at once, so a pick that finds none takes nobody's turn (one
+                # "other" at a time took the turn of one as full, and the rotation stopped rotating).
+                other = self.balancer.pick(exclude=[b for b in self.balancer.backends if b.pool_full()])
+                if other is not None:
                     backend = other
             if backend is not None and cfg.sticky:
                 x.set_cookie = b"Set-Cookie: route=" + backend.route.encode() + b"; Path=/; HttpOnly\r\n"

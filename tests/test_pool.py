@@ -5,9 +5,12 @@ for one with a free connection; when none has one, requests wait in line (first 
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
+
+import pytest
 
 from lb.backends import LifoSlots
 from tests.support import Edge, request, wait_until
@@ -202,3 +205,47 @@ def test_the_pool_caps_connections_per_backend_and_answers_503_past_it(backends)
     finally:
         e.stop()
 
+
+@pytest.mark.parametrize("strategy,n", [("round-robin", 2), ("weighted", 3)])
+def test_when_every_backend_is_full_requests_still_take_turns(backends, strategy, n):
+    """The pass-over must not move the rotation when there is nowhere to pass to: each backend busy
+    with one slow request, the next n requests wait one in each backend's line, as without the
+    pass-over. (Picking "another" one at a time took that one's turn too: round robin over two sent
+    every such request to the first, the weighted one over three never to the second -- a 503 after
+    --pool-timeout in the line of a backend busy for long, while the one that came free had nobody.)"""
+    bs = backends[:n]
+    e = Edge("--backends", ",".join(b.url for b in bs), "--strategy", strategy, "--health-interval", "30",
+             "--pool-maxsize", "1", "--pool-timeout", "5", "--admin", "127.0.0.1:0", name=f"edge-pool-turns-{n}")
+    in_flight = lambda: sum(x["inflight"] for x in
+                            json.loads(request(e.admin_port, "GET", "/status").body)["backends"])
+    out: dict = {}
+
+    def send(i, path):
+        r = request(e.port, "GET", path, timeout=30)
+        out[i] = (r.status, r.body.decode().strip())
+
+    threads = []
+    try:
+        # One slow request per backend, in pick order; the second backend's ends well before the
+        # others' (3 s against 11 s) and well within --pool-timeout of the requests that wait for it.
+        for i, b in enumerate(bs):
+            ms = 3000 if i == 1 else 11000
+            threads.append(threading.Thread(target=send, args=(f"slow{i}", f"/slow?ms={ms}")))
+            threads[-1].start()
+            wait_until(lambda: f"/slow?ms={ms}" in b.stats()["last"], what=f"slow request {i} at {b.name}")
+        for i in range(n):                     # every backend full: one at a time, into the lines
+            threads.append(threading.Thread(target=send, args=(i, "/")))
+            threads[-1].start()
+            wait_until(lambda: in_flight() == n + i + 1, what=f"request {i} to wait in a line")
+        for t in threads[n:]:
+            t.join(30)
+        got = [out[i] for i in range(n)]
+        # The second in line waited at the second backend and got its connection at 3 s; the others
+        # waited at backends busy for 11 s and were refused after --pool-timeout.
+        assert [s for s, _ in got] == [503 if i != 1 else 200 for i in range(n)], got
+        assert got[1][1] == bs[1].name.removeprefix("backend-")
+        for t in threads[:n]:
+            t.join(30)
+        assert [out[f"slow{i}"][0] for i in range(n)] == [200] * n
+    finally:
+        e.stop()
