@@ -134,6 +134,11 @@ class BackendPool(urllib3.HTTPConnectionPool):
             conn.close()
         return conn
 
+    def _new_conn(self):
+        conn = super()._new_conn()
+        conn.slot_of = self      # release() gives the slot back here, even if a reload replaced this pool
+        return conn
+
     def _put_conn(self, conn):
         if conn is not None:
             conn.idle_since = monotonic()
@@ -156,10 +161,13 @@ class BackendPool(urllib3.HTTPConnectionPool):
         return conn
 
     def release(self, conn, reusable: bool) -> None:
-        """Give the slot back; the socket is kept only when the exchange ended cleanly."""
-        if not (reusable and self.reuse):
+        """Give the slot back; the socket is kept only when the exchange ended cleanly. The slot goes to
+        the pool it came from: a reload may have given the backend a new pool since (the old one, closed,
+        closes the connection; put in the new one, it would overfill it)."""
+        pool = getattr(conn, "slot_of", self)
+        if not (reusable and pool.reuse):
             conn.close()
-        self._put_conn(conn)
+        pool._put_conn(conn)
 
 
 class TLSBackendPool(BackendPool, urllib3.HTTPSConnectionPool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import threading
 import time
 
@@ -247,5 +248,33 @@ def test_when_every_backend_is_full_requests_still_take_turns(backends, strategy
         for t in threads[:n]:
             t.join(30)
         assert [out[f"slow{i}"][0] for i in range(n)] == [200] * n
+    finally:
+        e.stop()
+
+
+def test_a_request_in_flight_across_a_reload_that_makes_new_pools_gives_its_slot_back_to_the_old_pool(
+        backends, tmp_path):
+    """Its connection came from the pool the reload replaced: released into the backend's new pool it
+    overfilled it (urllib3's FullPoolError out of release(): an error logged, and the request missing
+    from the access log and the metrics), or, with requests waiting there, one more connection than the
+    new cap. The old pool closes it; the new pool keeps its own slots."""
+    cfg = tmp_path / "edge.toml"
+    log = tmp_path / "access.log"
+    base = f'access_log = "{log}"\n[[backends]]\nurl = "{backends[0].url}"\n[health]\ninterval = 30\n'
+    cfg.write_text(base + "[upstream]\npool_maxsize = 2\n")
+    e = Edge("--config", str(cfg), name="edge-pool-reload")
+    try:
+        out = []
+        t = threading.Thread(target=lambda: out.append(request(e.port, "GET", "/slow?ms=2000", timeout=20).status))
+        t.start()
+        wait_until(lambda: "/slow?ms=2000" in backends[0].stats()["last"], what="the slow request at its backend")
+        cfg.write_text(base + "[upstream]\npool_maxsize = 2\npool_timeout = 7\n")
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 1 backends .*new connection pools")
+        t.join(20)
+        assert out == [200]
+        wait_until(lambda: "/slow?ms=2000" in log.read_text(), what="the slow request's access-log line")
+        assert "unexpected error" not in e.log()
+        assert [request(e.port, "GET", "/").status for _ in range(3)] == [200] * 3
     finally:
         e.stop()
