@@ -58,20 +58,30 @@ def take(edge, x, conn, rh, ur: Reader, sock: socket.socket, reader: Reader) -> 
         up.close()
 
 
+# Not copied into the 101: hop-by-hop fields (Upgrade is ours to write), a body's framing, and the fields
+# the edge writes itself -- X-Request-Id, and when limiting the rate-limit fields -- as relay() does.
+_NOT_COPIED = HOP_BY_HOP | {b"content-length", b"x-request-id"}
+_IETF_FIELDS = frozenset({b"ratelimit", b"ratelimit-policy"})
+
+
 def switching_head(x, rh) -> bytearray | None:
     """The 101 for the client: the backend's headers with its Upgrade, Connection: Upgrade, ours."""
     out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
     proto = None
+    tokens = rh.conn_tokens
+    ietf = b"\nRateLimit: " in x.rl
     for name, lname, value in rh.headers:
         if lname == b"upgrade":
             proto = value
-        elif lname in HOP_BY_HOP or (x.rl and lname[:12] == b"x-ratelimit-"):
+        elif (lname in _NOT_COPIED or (tokens and lname in tokens) or (x.rl and lname[:12] == b"x-ratelimit-")
+              or (ietf and lname in _IETF_FIELDS)):
             continue
         else:
             out += name + b": " + value + b"\r\n"
     if not proto:
         return None
-    out += b"Upgrade: " + proto + b"\r\nConnection: Upgrade\r\n" + x.rl + x.set_cookie + b"\r\n"
+    out += (b"Upgrade: " + proto + b"\r\nConnection: Upgrade\r\nX-Request-Id: " + x.request_id + b"\r\n" + x.rl
+            + x.set_cookie + b"\r\n")
     return out
 
 

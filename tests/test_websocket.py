@@ -95,7 +95,10 @@ def test_one_token_per_handshake_and_a_refused_upgrade_is_relayed(wsb):
     e = Edge("--backends", wsb.url, "--health-interval", "30", "--limit", "2/m")
     try:
         async def session():
-            async with ws(e.port) as c:
+            async with ws(e.port, additional_headers={"X-Request-Id": "ws-handshake-1"}) as c:
+                # The 101 carries the request id and the limiter's headers, as every response does.
+                assert c.response.headers.get_all("X-Request-Id") == ["ws-handshake-1"]
+                assert c.response.headers["X-RateLimit-Limit"] == "2"
                 await c.send("x")
                 for _ in range(50):        # messages inside a tunnel spend no tokens
                     await c.send("y")
@@ -113,6 +116,30 @@ def test_one_token_per_handshake_and_a_refused_upgrade_is_relayed(wsb):
         run(session())
     finally:
         e.stop()
+
+
+def test_the_101_keeps_the_backends_fields_but_never_its_copies_of_ours():
+    """switching_head, in-process: a backend's own X-Request-Id and rate-limit fields (both dialects) and
+    the fields its Connection names do not reach the client; its other fields and its Upgrade do."""
+    from types import SimpleNamespace
+
+    from lb.httpio import parse_response
+    from lb.tunnel import switching_head
+
+    rh = parse_response(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade, X-Hop\r\n"
+                        b"X-Hop: 1\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\nX-Request-Id: backend-id\r\n"
+                        b"X-RateLimit-Remaining: 999\r\nRateLimit: \"b\";r=9;t=1\r\nRateLimit-Policy: \"b\";q=10;w=1")
+    x = SimpleNamespace(request_id=b"edge-id", set_cookie=b"",
+                        rl=b"X-RateLimit-Limit: 2\r\nX-RateLimit-Remaining: 1\r\nX-RateLimit-Reset: 30\r\n"
+                           b"RateLimit-Policy: \"default\";q=2;w=60\r\nRateLimit: \"default\";r=1;t=30\r\n")
+    head = bytes(switching_head(x, rh)).decode()
+    lines = head.split("\r\n")
+    assert lines[0] == "HTTP/1.1 101 Switching Protocols"
+    assert "Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in lines and "Upgrade: websocket" in lines
+    assert [ln for ln in lines if ln.lower().startswith("x-request-id")] == ["X-Request-Id: edge-id"]
+    assert [ln for ln in lines if ln.lower().startswith(("x-ratelimit-remaining", "ratelimit:"))] == \
+        ["X-RateLimit-Remaining: 1", 'RateLimit: "default";r=1;t=30']
+    assert not any(ln.lower().startswith("x-hop") for ln in lines)
 
 
 def test_upgrades_not_allowed_are_stripped(wsb):
