@@ -26,7 +26,7 @@ from . import tunnel
 from .backends import Backend, PoolExhausted
 from .netaddr import hostport
 from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
-                     own_response, parse_response, send)
+                     not_relayed, own_response, parse_response, send)
 
 log = logging.getLogger("edge")
 
@@ -411,9 +411,7 @@ class Forwarder:
         out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
         tokens = rh.conn_tokens
         limiting = bool(x.rl)
-        # Not copied: hop-by-hop and framing (the edge writes its own), X-Request-Id and, when limiting,
-        # the rate-limit fields (ours replace the backend's, never duplicate them).
-        skip = (_SKIP_IETF if b"\nRateLimit: " in x.rl else _SKIP_LIMITING) if limiting else _SKIP
+        skip = not_relayed(x.rl)
         cl = rh.content_length
         for name, lname, value in rh.headers:
             if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
@@ -600,7 +598,3 @@ def _relay_chunked(http10: bool, out: bytearray, ur: Reader, c: _Client) -> bool
             c.send(pending)
             pending = bytearray()
 
-
-_SKIP = _NOT_COPIED | {b"x-request-id"}
-_SKIP_LIMITING = _SKIP             # (+ the x-ratelimit- prefix)
-_SKIP_IETF = _SKIP | {b"ratelimit", b"ratelimit-policy"}      # [limits] ietf_headers: ours replace those too

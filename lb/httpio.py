@@ -29,6 +29,18 @@ MAX_CHUNK_LINE = 1024
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
                         b"trailer", b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
 
+# A response's fields the edge never relays as the backend wrote them (relay(), and the 101 of a tunnel):
+# hop-by-hop ones, the framing (the edge writes its own), X-Request-Id, and -- when the edge limits -- its
+# rate-limit fields, which replace the backend's (plus any X-RateLimit-* name: a prefix, checked apart).
+NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"x-request-id"}
+_NOT_RELAYED_IETF = NOT_RELAYED | {b"ratelimit", b"ratelimit-policy"}
+
+
+def not_relayed(rl: bytes) -> frozenset:
+    """NOT_RELAYED, with the IETF RateLimit fields when the edge writes those ([limits] ietf_headers)."""
+    return _NOT_RELAYED_IETF if b"\nRateLimit: " in rl else NOT_RELAYED
+
+
 # What a Connection token may never remove (RFC 9112 6.1, 7.6.1 of 9110 notwithstanding): the message's
 # own framing, which the edge writes itself from what it parsed, and Host.
 NOT_NOMINABLE = frozenset({b"content-length", b"transfer-encoding", b"host"})

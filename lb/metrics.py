@@ -109,7 +109,7 @@ class Metrics:
         for d in ("upstream", "downstream"):
             self.counters[("lb_tunnel_bytes_total", (("direction", d),))] = 0
         self.gauges[("lb_tunnels_open", ())] = 0
-        self.hists[("lb_request_duration_seconds", ())] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
+        self.hists[_REQUEST_DURATION] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
         self._done_keys: dict = {}    # backend_done's record keys, by (backend, status // 100)
         self.carry = Carry()          # with workers: the numbers of workers that restarted
@@ -148,14 +148,10 @@ class Metrics:
                 ("lb_requests_total", b), ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
                 ("lb_upstream_duration_seconds", b))
         requests, responses, up = keys
-        counters, hists = self.counters, self.hists
         with self.lock:
-            counters[requests] = counters.get(requests, 0) + 1
-            counters[responses] = counters.get(responses, 0) + 1
-            h = hists[_REQUEST_DURATION]
-            h[0][bisect_left(BUCKETS, seconds)] += 1
-            h[1] += seconds
-            h[2] += 1
+            self._inc(*requests)
+            self._inc(*responses)
+            self._observe(*_REQUEST_DURATION, seconds)
             self._observe(*up, seconds if upstream is None else upstream)
 
     def upstream_error(self, backend: str, kind: str, status: int, seconds: float) -> None:

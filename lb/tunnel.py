@@ -21,7 +21,7 @@ import socket
 import ssl
 from time import monotonic
 
-from .httpio import HOP_BY_HOP, Reader
+from .httpio import Reader, not_relayed
 
 
 PIECE = 65536
@@ -58,23 +58,16 @@ def take(edge, x, conn, rh, ur: Reader, sock: socket.socket, reader: Reader) -> 
         up.close()
 
 
-# Not copied into the 101: hop-by-hop fields (Upgrade is ours to write), a body's framing, and the fields
-# the edge writes itself -- X-Request-Id, and when limiting the rate-limit fields -- as relay() does.
-_NOT_COPIED = HOP_BY_HOP | {b"content-length", b"x-request-id"}
-_IETF_FIELDS = frozenset({b"ratelimit", b"ratelimit-policy"})
-
-
 def switching_head(x, rh) -> bytearray | None:
     """The 101 for the client: the backend's headers with its Upgrade, Connection: Upgrade, ours."""
     out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
     proto = None
     tokens = rh.conn_tokens
-    ietf = b"\nRateLimit: " in x.rl
+    skip = not_relayed(x.rl)           # as relay() skips them (Upgrade, hop-by-hop, is ours to write)
     for name, lname, value in rh.headers:
         if lname == b"upgrade":
             proto = value
-        elif (lname in _NOT_COPIED or (tokens and lname in tokens) or (x.rl and lname[:12] == b"x-ratelimit-")
-              or (ietf and lname in _IETF_FIELDS)):
+        elif lname in skip or (tokens and lname in tokens) or (x.rl and lname[:12] == b"x-ratelimit-"):
             continue
         else:
             out += name + b": " + value + b"\r\n"

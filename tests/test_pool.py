@@ -51,14 +51,21 @@ def test_a_waiting_get_takes_the_slot_put_back_and_times_out_otherwise():
         assert time.monotonic() - t0 >= 0.05
 
 
-def test_a_slot_put_back_goes_to_the_longest_waiter_not_to_a_newcomer():
+def one_slot_taken_and_a_waiter(timeout: float):
+    """A pool of one slot, taken by the caller, and a thread waiting for it: (slots, the slot, what the
+    waiter got, the waiter)."""
     s = LifoSlots(1)
     s.put("conn")
     mine = s.get()
     got = []
-    w = threading.Thread(target=lambda: got.append(s.get(timeout=5)))
+    w = threading.Thread(target=lambda: got.append(s.get(timeout=timeout)))
     w.start()
-    wait_until(lambda: s.waiting == 1, what="the first getter to wait")
+    wait_until(lambda: s.waiting == 1, what="the getter to wait")
+    return s, mine, got, w
+
+
+def test_a_slot_put_back_goes_to_the_longest_waiter_not_to_a_newcomer():
+    s, mine, got, w = one_slot_taken_and_a_waiter(timeout=5)
     s.put(mine)
     # Asking again at once (a thread that releases and picks its next request): the slot is the waiter's.
     try:
@@ -120,13 +127,7 @@ class _Interleaved(list):
 
 
 def test_a_put_whose_slot_a_fast_getter_took_first_hands_nothing_and_raises_nothing():
-    s = LifoSlots(1)
-    s.put("conn")
-    mine = s.get()
-    got = []
-    w = threading.Thread(target=lambda: got.append(s.get(timeout=10)))
-    w.start()
-    wait_until(lambda: s.waiting == 1, what="the getter to wait")
+    s, mine, got, w = one_slot_taken_and_a_waiter(timeout=10)
     thief = []
 
     def fast_getter_first(items):      # it looked while nobody waited; its pop lands before the put's
