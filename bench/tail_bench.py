@@ -9,11 +9,16 @@ set before it starts, or extra edge flags. Every variant runs as the protocol ru
 1000000/s`, the client keyed (never limited), nginx behind it, the generator and nginx on one CPU and
 every edge on the other (wrk/placement.py).
 
+A last variant, "nginx-proxy" (--no-reference to leave it out), is the reference: nginx itself as a
+reverse proxy in the edge's place (one worker, keep-alive upstream, pinned to the edge's CPU). What it
+adds over nginx direct is what the placement costs on this machine, with no Python in it: a proxy on
+another CPU adds four cross-CPU wake-ups per request, which a VM pays for dearly.
+
 Per repeat, in order: nginx direct at each rate, then each variant at each rate (open loop: wrk2 when
 --wrk2 is given, else wrk.loadgen; latency from the intended send time), then each variant's saturation
 throughput (closed loop, wrk -t1 -c16, as bench/edge_bench.py). Repeats interleave, so a noisy minute
-hits every variant. Prints each row as it goes and a Markdown summary: p99 and p99 delta (edge - nginx
-of the same repeat and rate) for every repeat, and req/s at saturation.
+hits every variant. Prints each row as it goes and a Markdown summary: p99 and p99 delta (proxy - nginx
+direct, same repeat and rate) for every repeat, and req/s at saturation.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.edge_bench import closed_loop, cpu_seconds  # noqa: E402
 from tests.support import wait_until  # noqa: E402
 from wrk.loadgen import parse_duration  # noqa: E402
-from wrk.nginx_target import nginx_target  # noqa: E402
+from wrk.nginx_target import nginx_target, run_nginx  # noqa: E402
 from wrk.placement import describe, place  # noqa: E402
 from wrk.protocol import detect_wrk2, drive  # noqa: E402
 
@@ -77,6 +82,7 @@ class Variant:
 
         self.port = wait_until(port, 20, what=f"{self.name} listening")
         self.url = f"http://127.0.0.1:{self.port}/"
+        self.pid = self.proc.pid
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -85,6 +91,21 @@ class Variant:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         os.unlink(self.log.name)
+
+
+class NginxProxy:
+    """The reference: nginx as a reverse proxy in the edge's place (one worker, keep-alive upstream,
+    pinned to the edge's CPU). What it adds over nginx direct is what the placement itself costs on this
+    machine -- the wake-ups across CPUs a proxy adds -- with no Python in it."""
+    name = "nginx-proxy"
+
+    def start(self, backend_url: str, pin: list[str]) -> None:
+        self.ctx = run_nginx(proxy_to=int(backend_url.rsplit(":", 1)[1]), cpu=int(pin[-1]) if pin else None)
+        n = self.ctx.__enter__()
+        self.url, self.pid = f"http://127.0.0.1:{n.port}/", wait_until(n.pid_of_worker, 10, what="nginx's worker")
+
+    def stop(self) -> None:
+        self.ctx.__exit__(None, None, None)
 
 
 def main() -> None:
@@ -96,8 +117,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--saturation", type=parse_duration, default=6.0, help="closed-loop seconds (0: skip)")
     ap.add_argument("--wrk2", help="the wrk2 binary (else wrk.loadgen)")
+    ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure nginx as a reverse proxy in the edge's place (default: yes)")
     a = ap.parse_args()
-    variants = [Variant(s) for s in a.variant]
+    variants = [Variant(s) for s in a.variant] + ([NginxProxy()] if a.reference else [])
     rates = [float(r) for r in a.rates.split(",") if r]   # --rates "": saturation only
     tool = "wrk2" if a.wrk2 and detect_wrk2(a.wrk2) else "wrk.loadgen"
     if a.wrk2 and tool != "wrk2":
@@ -126,10 +149,10 @@ def main() -> None:
                     p99.setdefault(("nginx", rate), []).append(bp)
                     print(f"r{rep} {rate:g}/s nginx p99 {bp:.2f} (load {os.getloadavg()[0]:.2f})", flush=True)
                     for v in variants:
-                        c0 = cpu_seconds(v.proc.pid)
+                        c0 = cpu_seconds(v.pid)
                         r = drive(tool, v.url, rate, a.duration, a.connections, KEY, "wrk/keyed.lua",
                                   a.wrk2 or "wrk")
-                        us = 1e6 * (cpu_seconds(v.proc.pid) - c0) / max(1, r["completed"] or 0)
+                        us = 1e6 * (cpu_seconds(v.pid) - c0) / max(1, r["completed"] or 0)
                         cpu_at.setdefault((v.name, rate), []).append(us)
                         ep = r["latency_ms"]["p99"]
                         p99.setdefault((v.name, rate), []).append(ep)
@@ -140,7 +163,7 @@ def main() -> None:
                               flush=True)
                 if a.saturation:
                     for v in variants:
-                        rps, cpu_ms = closed_loop(v.url, v.proc.pid, a.saturation)
+                        rps, cpu_ms = closed_loop(v.url, v.pid, a.saturation)
                         sat.setdefault(v.name, []).append(rps)
                         cpu.setdefault(v.name, []).append(cpu_ms)
                         print(f"r{rep} saturation {v.name} {rps:,.0f} req/s, {cpu_ms:.3f} CPU ms/req", flush=True)
@@ -163,7 +186,7 @@ def print_latency(a, tool, rates, variants, p99, delta, cpu_at) -> None:
         for v in variants:
             cells.append(" / ".join(f"{x:.2f} ({d:+.2f})" for x, d in zip(p99[(v.name, rate)], delta[(v.name, rate)])))
         print(f"| {rate:,.0f}/s | " + " | ".join(cells) + " |")
-    print("\n| edge CPU us/request (mean of repeats) | " + " | ".join(v.name for v in variants) + " |")
+    print("\n| proxy CPU us/request (mean of repeats) | " + " | ".join(v.name for v in variants) + " |")
     print("|---|" + "---|" * len(variants))
     for rate in rates:
         print(f"| {rate:,.0f}/s | " + " | ".join(
@@ -178,7 +201,7 @@ def print_saturation(variants, sat, cpu) -> None:
     print("| req/s per repeat | " + " | ".join(" / ".join(f"{x:,.0f}" for x in sat[v.name]) for v in variants) + " |")
     print("| req/s mean, vs the first | " + " | ".join(
         f"{mean(sat[v.name]):,.0f} ({mean(sat[v.name]) / first:.2f}x)" for v in variants) + " |")
-    print("| edge CPU us/request, mean | " + " | ".join(f"{1000 * mean(cpu[v.name]):.1f}" for v in variants) + " |")
+    print("| proxy CPU us/request, mean | " + " | ".join(f"{1000 * mean(cpu[v.name]):.1f}" for v in variants) + " |")
 
 if __name__ == "__main__":
     main()

@@ -14,17 +14,14 @@ shows the edge still serving.
 
 from __future__ import annotations
 
+import os
 import socket
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import pytest
 
 from tests.rawserver import RecordingBackend
-from tests.support import Edge, free_port, wait_until
-from wrk.nginx_target import find_nginx
+from tests.support import Edge, wait_until
+from wrk.nginx_target import find_nginx, run_nginx
 
 H = b"Host: x\r\n"
 BIG = b"a" * 70000          # larger than the edge's small-body buffer: streamed
@@ -172,51 +169,17 @@ LAXER = {
 
 # ----------------------------------------------------------------------------------------- harness
 
-NGINX_CONF = """\
-worker_processes 1;
-daemon off;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log info;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    client_max_body_size 1m;
-    client_body_buffer_size 2m;     # bodies in memory: no temp files for the worker to write
-    upstream be {{ server 127.0.0.1:{backend}; keepalive 8; }}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://be;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_ignore_client_abort on;   # the test half-closes after sending: not an abort
-        }}
-    }}
-}}
-"""
+# bodies in memory: no temp files for the worker to write; the test half-closes after sending: not an abort
+BODIES = "client_max_body_size 1m; client_body_buffer_size 2m;"
 
 
 @pytest.fixture(scope="module")
 def nginx():
-    exe = find_nginx()
-    if not exe:
+    if not find_nginx():
         pytest.fail("nginx not installed (./run-tests installs nginx-light)")
     backend = RecordingBackend()
-    d = tempfile.mkdtemp(prefix="nginx-diff-")
-    port = free_port()
-    (Path(d) / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=port, backend=backend.port))
-    proc = subprocess.Popen([exe, "-p", d, "-c", f"{d}/nginx.conf", "-e", f"{d}/error.log"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until(lambda: _listening(port) or proc.poll() is not None, 10, what="nginx listening")
-    assert proc.poll() is None, (Path(d) / "error.log").read_text()
-    yield port, backend
-    proc.terminate()
-    proc.wait(10)
+    with run_nginx(proxy_to=backend.port, http_extra=BODIES, location_extra="proxy_ignore_client_abort on;") as n:
+        yield n.port, backend
     backend.close()
 
 
@@ -228,12 +191,6 @@ def edge():
     yield e.port, backend, e
     e.stop()
     backend.close()
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def send_all(port: int, data: bytes) -> bytes:
@@ -308,3 +265,27 @@ def test_the_edge_forwards_what_nginx_forwards_or_refuses_more(nginx, edge):
     print("\n" + "\n".join(table))
     assert not problems, "\n".join(problems)
     assert "Traceback" not in e.log()
+
+
+def test_the_reference_proxy_is_pinned_and_reuses_its_upstream_connections():
+    """bench/tail_bench.py's reference (nginx in the edge's place) is a fair one only if it does what the
+    edge does: one process on the edge's CPU, keep-alive connections to the backend. Ten requests on ten
+    client connections reach the backend on one connection, and the worker runs on the CPU asked for."""
+    if not find_nginx():
+        pytest.fail("nginx not installed (./run-tests installs nginx-light)")
+    backend = RecordingBackend()
+    cpu = max(os.sched_getaffinity(0))
+    try:
+        with run_nginx(proxy_to=backend.port, cpu=cpu) as n:
+            worker = wait_until(n.pid_of_worker, 10, what="nginx's worker")
+            assert os.sched_getaffinity(worker) == {cpu}
+            for i in range(10):
+                with socket.create_connection(("127.0.0.1", n.port), timeout=5) as s:
+                    s.sendall(b"GET /r%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % i)
+                    got = b""
+                    while chunk := s.recv(65536):
+                        got += chunk
+                assert got.startswith(b"HTTP/1.1 200") and b"target=/r%d " % i in got, got
+            assert backend.connections == 1
+    finally:
+        backend.close()
