@@ -34,6 +34,10 @@ def test_quick_protocol_writes_a_report_of_the_right_shape(tmp_path):
     assert re.search(r"`python edge\.py --listen 127\.0\.0\.1:\d+ --backends http://127\.0\.0\.1:\d+ ", md)
     # Latency rows: baseline and edge side by side, with the delta column.
     assert re.search(r"^\| 100 \| 1 \|( [-\d.]+ \|){6} \*\*[-\d.]+\*\* \|", md, re.M), md
+    # The reference beside them (nginx is installed by ./run-tests): nginx as the proxy, pinned where the edge is.
+    assert "### The reference: nginx as the proxy" in md
+    assert re.search(r"^\| 100 \| 1 \|( [-\d.]+ \|){3} \*\*[-\d.]+\*\* \| yes", md[md.index("### The reference"):], re.M)
+    assert re.search(r"`python -m wrk\.nginx_target --port \d+ --proxy-to \d+( --cpu \d+)?`", md)
     # Enforcement: one row per algorithm with a PASS/FAIL verdict for the whole run and the steady state.
     for alg in ALGS:
         row = re.search(rf"^\| {alg} / memory \|.*$", md, re.M)

@@ -8,7 +8,9 @@ Steps (one function each, below):
   1. baseline     straight at one backend (nginx from wrk/nginx_target.py; `python -m lb.demo` if no nginx)
   2. edge         the same rates through `edge.py` (limiter on, generous limit, the client keyed): p99 delta.
                   Baseline and edge rows are interleaved (b r1, e r1, b r2, e r2, ...) and the whole
-                  sequence is run twice, so the report shows the noise next to the delta.
+                  sequence is run twice, so the report shows the noise next to the delta. Interleaved
+                  with them, the reference: nginx as a proxy in the edge's place (--no-reference: not),
+                  what the placement costs any proxy on this machine.
   3. enforcement  a per-key limit, driven at 2x it, per algorithm (and per store): admitted vs limit.
   4. pool         the edge with pooling vs --no-pool at one rate: p50/p99 and the p50 ratio.
 
@@ -41,7 +43,7 @@ from wrk import loadgen
 from wrk.placement import describe, place
 from wrk.protocol_report import fmt_secs, problems, render_chart, render_markdown
 from wrk.report import parse_output
-from wrk.targets import EDGE_PIN, ROOT, Skip, Target, backend, edge, redis_server
+from wrk.targets import EDGE_PIN, ROOT, Skip, Target, backend, edge, redis_server, reference_proxy
 
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 UNLIMITED_KEY = "protocol-unlimited"    # the latency rows' client: the default limit is far above any rate
@@ -181,7 +183,8 @@ def warm_up(cfg, target: Target, key: str | None) -> None:
 
 def step_latency(cfg, progress: Progress, base: Target, redis_url=None) -> list[Result]:
     """Steps 1 and 2: baseline and through-the-edge rows, interleaved, the whole sequence cfg.repeats times.
-    With a Redis store, a third row per rate: the same edge limiting through Redis."""
+    With a Redis store, a row per rate of the same edge limiting through Redis; with cfg.reference, one of
+    nginx as the proxy in the edge's place."""
     rows: list[Result] = []
     with contextlib.ExitStack() as stack:
         e = stack.enter_context(edge("edge", base.url, "--limit", GENEROUS_LIMIT))
@@ -194,10 +197,19 @@ def step_latency(cfg, progress: Progress, base: Target, redis_url=None) -> list[
                 cfg.targets.append(("edge with the Redis store (latency rows)", er.start_cmd))
             except Skip as why:
                 progress.skip("edge-redis latency rows", str(why))
+        ref = None
+        if cfg.reference:
+            try:
+                ref = stack.enter_context(reference_proxy(base))
+                cfg.targets.append(("nginx as the proxy, the reference (latency rows)", ref.start_cmd))
+            except Skip as why:
+                progress.skip("reference latency rows", str(why))
         warm_up(cfg, base, None)
         warm_up(cfg, e, UNLIMITED_KEY)
         if er:
             warm_up(cfg, er, UNLIMITED_KEY)
+        if ref:
+            warm_up(cfg, ref, UNLIMITED_KEY)
         for run in range(1, cfg.repeats + 1):
             for rate in cfg.rates:
                 rows.append(measure(cfg, progress, "baseline", base, rate, run, cfg.duration, LATENCY_CONNS))
@@ -205,6 +217,9 @@ def step_latency(cfg, progress: Progress, base: Target, redis_url=None) -> list[
                                     UNLIMITED_KEY, "wrk/keyed.lua"))
                 if er:
                     rows.append(measure(cfg, progress, "edge-redis", er, rate, run, cfg.duration, LATENCY_CONNS,
+                                        UNLIMITED_KEY, "wrk/keyed.lua"))
+                if ref:
+                    rows.append(measure(cfg, progress, "reference", ref, rate, run, cfg.duration, LATENCY_CONNS,
                                         UNLIMITED_KEY, "wrk/keyed.lua"))
     return rows
 
@@ -347,7 +362,7 @@ def run_protocol(cfg) -> dict:
     EDGE_PIN[:] = pin
     cfg.placement = describe(load_cpu, pin)
     cfg.targets = []
-    n_lat = len(cfg.rates) * (3 if cfg.redis else 2) * cfg.repeats
+    n_lat = len(cfg.rates) * (2 + bool(cfg.redis) + cfg.reference) * cfg.repeats
     n_enf = len(cfg.algorithms) * (2 if cfg.redis else 1)
     planned = ([cfg.duration] * n_lat + [cfg.enforce_duration] * n_enf + [cfg.duration] * 2 * cfg.repeats)
     progress = Progress(planned)
@@ -389,6 +404,8 @@ def parse_args(argv):
                    help="the Markdown report; the chart goes next to it as .png")
     p.add_argument("--redis", metavar="auto|redis://HOST:PORT/DB",
                    help="also run step 3 with --store redis://...; 'auto' starts a throwaway redis-server")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure nginx as a reverse proxy in the edge's place (default: yes)")
     p.add_argument("--tool", choices=("auto", "wrk2", "loadgen"), default="auto")
     p.add_argument("--wrk2", default=os.environ.get("WRK2", "wrk"), metavar="PATH",
                    help="the wrk2 binary (default: $WRK2, else `wrk` on PATH if that is wrk2; Debian's `wrk` "

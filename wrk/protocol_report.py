@@ -79,6 +79,21 @@ def target_line(deltas: dict, target_ms: float, store: str, baseline: dict | Non
             + ", ".join(f"run {run}: {d:+.2f} ms" for run, d in at) + ".")
 
 
+def _rows_vs_baseline(w, rows: list, base_rows: list, label: str) -> dict:
+    """A table of rows measured beside the baseline ones (same rate and run); returns their p99 deltas."""
+    w(f"| rate req/s | run | {label} p50 | p99 | p99.9 | **p99 delta** | kept up |")
+    w("|---|---|---|---|---|---|---|")
+    deltas = {}
+    for r in rows:
+        b = next((x for x in base_rows if x.rate == r.rate and x.run == r.run), None)
+        d = None if b is None or b.lat("p99") is None or r.lat("p99") is None else r.lat("p99") - b.lat("p99")
+        deltas[(r.rate, r.run)] = d
+        w(f"| {r.rate:,.0f} | {r.run} | {_f(r.lat('p50'))} | {_f(r.lat('p99'))} | {_f(r.lat('p99.9'))} | "
+          f"**{_f(d)}** | {_kept(r)} |")
+    w("")
+    return deltas
+
+
 def render_markdown(cfg, out: dict, png_name: str) -> str:
     info, results, shape = out["info"], out["results"], out["shape"]
     by = lambda step: [r for r in results if r.step == step]  # noqa: E731
@@ -143,19 +158,25 @@ def render_markdown(cfg, out: dict, png_name: str) -> str:
         w("The same edge limiting through Redis (`--store`, every request one EVALSHA round trip), "
           "interleaved with the rows above; delta = its p99 - baseline p99 of the same run and rate.")
         w("")
-        w("| rate req/s | run | edge+Redis p50 | p99 | p99.9 | **p99 delta** | kept up |")
-        w("|---|---|---|---|---|---|---|")
-        rdeltas = {}
-        for r in redis_rows:
-            b = next((x for x in base_rows if x.rate == r.rate and x.run == r.run), None)
-            d = None if b is None or b.lat("p99") is None or r.lat("p99") is None else r.lat("p99") - b.lat("p99")
-            rdeltas[(r.rate, r.run)] = d
-            w(f"| {r.rate:,.0f} | {r.run} | {_f(r.lat('p50'))} | {_f(r.lat('p99'))} | {_f(r.lat('p99.9'))} | "
-              f"**{_f(d)}** | {_kept(r)} |")
-        w("")
-        line = target_line(rdeltas, TARGET_DELTA_REDIS_MS, "Redis store", base_p99)
+        line = target_line(_rows_vs_baseline(w, redis_rows, base_rows, "edge+Redis"), TARGET_DELTA_REDIS_MS,
+                           "Redis store", base_p99)
         if line:
             w(line)
+            w("")
+
+    ref_rows = by("reference")
+    if ref_rows:
+        w("### The reference: nginx as the proxy")
+        w("")
+        w("nginx itself in the edge's place (one worker, HTTP/1.1 keep-alive upstream, pinned to the edge's CPU), "
+          "interleaved with the rows above: what putting any proxy on the other CPU costs on this machine (four "
+          "cross-CPU wake-ups per request), with no Python in it. Not a target of the edge's; it says how much of "
+          "the edge's delta the placement alone accounts for.")
+        w("")
+        line = target_line(_rows_vs_baseline(w, ref_rows, base_rows, "nginx-proxy"), TARGET_DELTA_MS,
+                           "nginx as the proxy, for reference", base_p99)
+        if line:
+            w(line.replace("**Target**", "**The edge's target, applied to nginx**"))
             w("")
 
     # 3
@@ -262,7 +283,8 @@ def render_chart(cfg, out: dict, path: Path) -> None:
     results = out["results"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     ax = axes[0]
-    for step, color in (("baseline", "tab:blue"), ("edge", "tab:red"), ("edge-redis", "tab:purple")):
+    for step, color in (("baseline", "tab:blue"), ("edge", "tab:red"), ("edge-redis", "tab:purple"),
+                        ("reference", "tab:gray")):
         for key, style in (("p50", ":"), ("p99", "-"), ("p99.9", "--")):
             for run in range(1, cfg.repeats + 1):
                 rows = [r for r in results if r.step == step and r.run == run and r.lat(key) is not None]

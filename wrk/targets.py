@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from wrk.nginx_target import find_nginx, nginx_target
+from wrk.nginx_target import find_nginx, nginx_target, run_nginx
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -97,6 +97,18 @@ def backend():
                      r"listening 127\.0\.0\.1:(\d+)") as (m, _):
             port = int(m.group(1))
             yield Target("lb.demo", port, f"python -m lb.demo --port {port} --name baseline")
+
+
+@contextlib.contextmanager
+def reference_proxy(backend: Target):
+    """nginx as a reverse proxy in the edge's place (one worker, keep-alive upstream, on the edges' CPU):
+    what any proxy adds here, with no Python in it. Skip if there is no nginx."""
+    if not find_nginx():
+        raise Skip("nginx is not installed")
+    cpu = int(EDGE_PIN[-1]) if EDGE_PIN else None
+    with run_nginx(proxy_to=backend.port, cpu=cpu) as n:
+        yield Target("nginx-proxy", n.port, f"python -m wrk.nginx_target --port {n.port} --proxy-to {backend.port}"
+                     + ("" if cpu is None else f" --cpu {cpu}"))
 
 
 @contextlib.contextmanager
