@@ -384,10 +384,9 @@ class App:
             self.edge.tls = tls                # new connections handshake with the new pair
             self.edge.identifier = Identifier(new.trusted_proxies)
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
+            old_log = None
             if access_log is not self.access_log:
                 self.edge.access_log, old_log, self.access_log = access_log, self.access_log, access_log
-                if old_log is not None:
-                    old_log.close()
             self.cfg = new
             for p in old_pools:
                 p.close()   # idle connections close now; one in use closes when its request gives it back
@@ -402,6 +401,8 @@ class App:
                      len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys),
                      ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
+            if old_log is not None:
+                old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
             return True
 
     def _drain_backend(self, b, deadline: float = 300.0) -> None:

@@ -245,8 +245,9 @@ class Edge:
         log.warning("client %s: %d %s", peer_ip, status, reason)
         self.metrics.edge_answered(status, 0.0)
         rid = new_request_id()
-        if self.access_log is not None:
-            self.access_log.refusal(peer_ip, status, reason, request_id=rid.decode())
+        access_log = self.access_log       # once: a reload may turn it off between two reads
+        if access_log is not None:
+            access_log.refusal(peer_ip, status, reason, request_id=rid.decode())
         try:
             sock.sendall(own_response(status, reason, close=True, extra=b"X-Request-Id: " + rid + b"\r\n"))
         except OSError:
@@ -262,7 +263,6 @@ class Edge:
         capacity and takes no round-robin turn; a request that finds nobody healthy has still spent
         its token, so hammering a failing pool is not free.
         """
-        cfg = self.cfg
         x = Exchange(req, monotonic(), b"https" if over_tls else b"http")
         try:
             return self._handle(x, req, reader, sock, peer, peer_trusted, peer_ip)
@@ -397,8 +397,9 @@ class Edge:
     def _done(self, x: "Exchange", status: int) -> None:
         """The request's outcome is known: the access-log line (once per request)."""
         x.status = status
-        if self.access_log is not None:
-            self.access_log.record(x, status, monotonic() - x.start)
+        access_log = self.access_log       # once: a reload may turn it off between two reads
+        if access_log is not None:
+            access_log.record(x, status, monotonic() - x.start)
 
     def client_closed(self, x: "Exchange", reached: bool) -> None:
         """The client went away before its answer: not a backend failure. Logged and counted as 499
