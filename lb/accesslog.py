@@ -1,7 +1,12 @@
 """The access log: one line per request (refusals included), written by its own thread.
 
 The request thread only puts a tuple on a queue (no formatting, no I/O, no lock of ours), so a slow
-disk never slows a request. Two formats (`access_log_format`):
+disk never slows a request. The writer takes what has queued up and writes it in one system call, then
+lets the next lines gather for GATHER seconds (nginx's `access_log ... buffer= flush=`, on by default
+here): under load one wake-up and one write per batch instead of per request; an idle edge still writes a
+lone line at once. To a pipe (stderr under systemd or a container, shared by the workers) the batch goes
+in writes of whole lines of at most PIPE_BUF bytes, so no other writer lands inside a line. close()
+writes out everything queued before it returns. Two formats (`access_log_format`):
 
 text (default; every client-controlled field escaped, the request line quoted, so no input can make a
 line read as two or shift a field):
@@ -21,39 +26,50 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
+import stat
 import sys
 import threading
 import time
 
 _REOPEN = object()
+GATHER = 0.02          # seconds the writer lets lines gather after a write
+BATCH = 1024           # lines per write at most
+_KEPT = bytes(b for b in range(0x21, 0x7F) if b not in (0x22, 0x5C))   # what escape() leaves as it is
 
 
 def escape(raw: bytes | str, limit: int = 2048) -> str:
     """Printable ASCII minus space, quote and backslash stay; everything else becomes \\xHH."""
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogateescape")
+    if len(raw) <= limit and not raw.translate(None, _KEPT):    # the common case: nothing to escape
+        return raw.decode("ascii")
     out = []
     for b in raw[:limit]:
         out.append(chr(b) if 0x21 <= b <= 0x7E and b not in (0x22, 0x5C) else f"\\x{b:02x}")
     return "".join(out) + ("..." if len(raw) > limit else "")
 
 
+_second = (-1, "")     # the last second formatted and its text (one tuple: read whole by any writer)
+
+
 def _stamp(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
+    global _second
+    sec, text = _second
+    if sec != int(ts):        # one strftime per second, not per line
+        sec = int(ts)
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+        _second = (sec, text)
+    return text + f".{int(ts * 1000) % 1000:03d}Z"
 
 
-class Entry:
-    """What is logged about one request; built by the writer thread from the queued tuple."""
+# the JSON object's names, in the order of the queued tuple (the text line has the same fields)
+FIELDS = ("time", "request_id", "client_ip", "key", "method", "path", "status", "bytes_sent",
+          "upstream", "upstream_seconds", "seconds", "tries", "limited_by")
 
-    FIELDS = ("time", "request_id", "client_ip", "key", "method", "path", "status", "bytes_sent",
-              "upstream", "upstream_seconds", "seconds", "tries", "limited_by")
-    __slots__ = FIELDS + ("tunnel",)
 
-    def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.FIELDS}
-        if self.tunnel:
-            d["tunnel"] = {"up": self.tunnel[0], "down": self.tunnel[1], "end": self.tunnel[2]}
-        return d
+def _text(v) -> str:
+    return "-" if v is None else escape(v) if isinstance(v, str) else str(v)
 
 
 class AccessLog:
@@ -65,7 +81,14 @@ class AccessLog:
         self.thread.start()
 
     def _open(self):
-        return sys.stderr if self.path == "-" else open(self.path, "a", buffering=1, encoding="utf-8")
+        # atomic: a regular file opened for appending takes a whole batch in one write and never
+        # interleaves it with another process's; a pipe only writes of at most PIPE_BUF (see _write)
+        f = sys.stderr if self.path == "-" else open(self.path, "a", buffering=1, encoding="utf-8")
+        try:
+            self.atomic = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+        except (OSError, ValueError, AttributeError):
+            self.atomic = False
+        return f
 
     # -- request threads ------------------------------------------------------------------------------
 
@@ -89,54 +112,100 @@ class AccessLog:
     def reopen(self) -> None:
         self.q.put(_REOPEN)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the writer once it has written everything queued before this call (at most `timeout`
+        seconds: a file that blocks does not hold up a shutdown or a reload for ever; said if so)."""
         self.q.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                self._error(f"still writing after {timeout:g} s; lines queued now may be lost")
 
     # -- the writer thread ----------------------------------------------------------------------------
 
-    def entry(self, item) -> Entry:
+    def line(self, item) -> str:
+        """One line from a queued tuple (in the writer thread: the request thread never formats)."""
         (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel) = item
-        e = Entry()
-        e.time, e.client_ip = _stamp(ts), ip
-        e.request_id = rid.decode("latin-1") if isinstance(rid, bytes) else rid
+        rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         # the client's label (lb/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
-        e.key = key[4:] if key and key.startswith("key:") else None
-        e.method = method.decode("latin-1")
-        e.path = target[:2048].decode("latin-1")
-        e.status, e.bytes_sent, e.upstream = status, sent, upstream
-        e.upstream_seconds = None if up_s is None else round(up_s, 6)
-        e.seconds, e.tries, e.limited_by = round(secs, 6), tries, limited_by or None
-        e.tunnel = tunnel        # a 101: (bytes up, bytes down, why it ended), logged when it closes
-        return e
-
-    def format(self, e: Entry) -> str:
-        if self.fmt == "json":
-            return json.dumps(e.as_dict(), separators=(",", ":"))   # ensure_ascii: one line, always
-
-        def f(v):
-            return "-" if v is None else escape(str(v)) if isinstance(v, str) else str(v)
-
-        up_s = "-" if e.upstream_seconds is None else f"{e.upstream_seconds:.6f}"
-        return (f"{e.time} {f(e.client_ip)} \"{escape(e.method, 32)} {escape(e.path)}\" {e.status} "
-                f"{f(e.bytes_sent)} {f(e.upstream)} {up_s} {e.seconds:.6f} rid={f(e.request_id)} "
-                f"key={f(e.key)} tries={e.tries} limited_by={f(e.limited_by)}"
-                + (f" up={e.tunnel[0]} down={e.tunnel[1]} ({e.tunnel[2]})" if e.tunnel else ""))
+        key = key[4:] if key and key.startswith("key:") else None
+        method, path = method.decode("latin-1"), target[:2048].decode("latin-1")
+        up_s = None if up_s is None else round(up_s, 6)
+        secs, limited_by = round(secs, 6), limited_by or None
+        # a 101's tunnel: (bytes up, bytes down, why it ended), logged when it closes
+        if self.fmt == "json":                                  # ensure_ascii: one line, always
+            d = dict(zip(FIELDS, (_stamp(ts), rid, ip, key, method, path, status, sent, upstream, up_s, secs,
+                                  tries, limited_by)))
+            if tunnel:
+                d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
+            return json.dumps(d, separators=(",", ":"))
+        return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(path)}\" {status} {_text(sent)} "
+                f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
+                f"key={_text(key)} tries={tries} limited_by={_text(limited_by)}"
+                + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else ""))
 
     def _writer(self) -> None:
-        while True:
-            item = self.q.get()
-            if item is None:
-                break
+        done = False
+        while not done:
+            items = [self.q.get()]                  # idle: block until a line comes
             try:
+                while len(items) < BATCH:
+                    items.append(self.q.get_nowait())
+            except queue.Empty:
+                pass
+            lines: list[str] = []
+            for item in items:
+                if item is None:
+                    done = True
+                    break
                 if item is _REOPEN:
-                    if self.file is not sys.stderr:
-                        new = self._open()
-                        self.file.close()
-                        self.file = new
+                    self._write(lines)              # the lines before it go to the old file
+                    self._reopen()
                     continue
-                self.file.write(self.format(self.entry(item)) + "\n")
-            except Exception as ex:   # a full disk or a bad entry costs a line, never the writer
-                import logging
-                logging.getLogger("edge").error("access log %s: %s", self.path, ex)
+                try:
+                    lines.append(self.line(item))
+                except Exception as ex:             # a bad entry costs its line, never the writer
+                    self._error(ex)
+            self._write(lines)
+            if not done and len(items) < BATCH:     # a full batch: more are waiting, no pause
+                time.sleep(GATHER)                  # let the next lines gather: one write for them
         if self.file is not sys.stderr:
             self.file.close()
+
+    def _write(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        try:
+            if self.atomic:                         # a regular file (O_APPEND): one write, whole lines
+                self.file.write("\n".join(lines) + "\n")
+            else:                                   # a pipe or socket others write to (workers, "-"):
+                chunk, size = [], 0                 # only a write of <= PIPE_BUF is never cut into
+                for line in lines:
+                    n = len(line) + 1
+                    if chunk and size + n > select.PIPE_BUF:
+                        self.file.write("".join(chunk))
+                        chunk, size = [], 0
+                    chunk.append(line + "\n")
+                    size += n
+                self.file.write("".join(chunk))
+        except Exception as ex:                     # a full disk costs these lines, never the writer
+            self._error(ex)
+        lines.clear()
+
+    def _reopen(self) -> None:
+        if self.file is sys.stderr:
+            return
+        try:
+            new = self._open()
+        except Exception as ex:                     # keep writing to the old file
+            self._error(ex)
+            return
+        try:
+            self.file.close()                       # may raise: a line still buffered on a full disk
+        except Exception as ex:
+            self._error(ex)
+        self.file = new
+
+    def _error(self, ex: Exception | str) -> None:
+        import logging
+        logging.getLogger("edge").error("access log %s: %s", self.path, ex)

@@ -4,6 +4,7 @@ scraping (checked with prometheus_client's parser), /healthz and /readyz, system
 
 import http.client
 import json
+import logging
 import math
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lb import config
-from tests.support import PY, ROOT, Edge, Proc, free_port, raw, request, wait_until
+from tests.support import PY, ROOT, Edge, free_port, raw, request, wait_until
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (INFO|WARNING|ERROR) edge: ")
 
@@ -257,6 +258,123 @@ def test_text_access_log_escapes_what_the_client_controls(backends, tmp_path):
     assert line.count('"') == 2                        # only the quotes around the request line
     assert re.fullmatch(r"\S+Z 127\.0\.0\.1 \"GET \S+\" 200 \d+ http://\S+ \d\.\d{6} \d\.\d{6} rid=[0-9a-f]{32} "
                         r"key=#[0-9a-f]{12} tries=1 limited_by=-", line), line
+
+
+def _escape_byte_by_byte(raw: bytes, limit: int = 2048) -> str:
+    """The rule, spelled out: printable ASCII minus space, quote and backslash stay; the rest is \\xHH."""
+    out = "".join(chr(b) if 0x21 <= b <= 0x7E and b not in (0x22, 0x5C) else f"\\x{b:02x}" for b in raw[:limit])
+    return out + ("..." if len(raw) > limit else "")
+
+
+def test_the_escape_fast_path_gives_what_the_rule_gives():
+    import random
+
+    from lb.accesslog import escape
+    rnd = random.Random(7)
+    cases = [bytes([b]) for b in range(256)] + [b"", b"/api/items?page=2", b"a" * 2048, b"a" * 2049, b"a" * 2047 + b" "]
+    cases += [bytes(rnd.choice(b"ab/ \"\\\x7f\x80%") for _ in range(rnd.randint(0, 40))) for _ in range(2000)]
+    for data in cases:
+        assert escape(data) == _escape_byte_by_byte(data), data
+        text = data.decode("latin-1")           # a str is escaped as its UTF-8 bytes
+        assert escape(text) == _escape_byte_by_byte(text.encode("utf-8")), text
+    assert escape("caf\u00e9 ok", 4) == "caf\\xc3..."
+
+
+def test_the_access_log_time_is_right_across_seconds():
+    from lb.accesslog import _stamp
+    t = 1764600000.0
+    for ts in (t, t + 0.999, t + 1.0, t - 0.001, t + 0.5, t + 86400.25, t + 0.5):
+        assert _stamp(ts) == time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
+
+
+def test_closing_the_access_log_writes_every_line_queued_before_it(tmp_path):
+    """The writer batches lines; close() (shutdown, reload) returns only when all of them are written:
+    nothing accepted is dropped on the way out."""
+    from lb.accesslog import AccessLog
+    path = tmp_path / "a.log"
+    log = AccessLog(str(path))
+    for i in range(20000):
+        log.refusal("127.0.0.1", 400, f"bad-{i}")
+    log.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 20000 and "<bad-19999>" in lines[-1]
+    assert not log.thread.is_alive()
+
+
+def test_the_writer_survives_a_reopen_whose_old_file_fails_to_close(tmp_path, caplog):
+    """Disk full, then logrotate frees space and sends USR1: the line stuck in the old file's buffer
+    makes its close() raise. The writer must log that and go on with the new file."""
+    from lb.accesslog import AccessLog
+    caplog.set_level(logging.ERROR, logger="edge")
+    path = tmp_path / "a.log"
+    log = AccessLog(str(path))
+    real = log.file
+    log.file = open("/dev/full", "a", buffering=1, encoding="utf-8")   # the disk filled up (ENOSPC)
+    real.close()
+    log.refusal("127.0.0.1", 400, "while-full")
+    wait_until(lambda: "No space left" in caplog.text, 5, what="the write error logged")
+    log.reopen()                                                        # logrotate's postrotate
+    log.refusal("127.0.0.1", 400, "after-reopen")
+    log.reopen()                                                        # and once more (a later rotation)
+    log.refusal("127.0.0.1", 400, "after-second-reopen")
+    try:
+        wait_until(lambda: path.exists() and "after-second-reopen" in path.read_text(), 5,
+                   what="a line in the file reopened twice")
+        assert "after-reopen" in path.read_text()     # the old code lost this one too (until the next reopen)
+    finally:
+        alive = log.thread.is_alive()
+        log.close(1)
+    assert alive
+
+
+_STDERR_WRITER = r"""
+import sys
+from lb.accesslog import AccessLog
+n, tag = int(sys.argv[1]), sys.argv[2]
+log = AccessLog("-")
+for i in range(n):
+    log.refusal("127.0.0.1", 400, f"{tag}-{i:06d}-" + "x" * 120)
+log.close()
+"""
+
+
+def test_workers_sharing_a_stderr_pipe_never_split_a_line(tmp_path):
+    """--workers N with access_log = "-" (a container, journald): every worker writes to the same pipe.
+    A write of at most PIPE_BUF (4096) bytes is atomic on a pipe, a longer one is not: a batch goes to a
+    pipe in writes of whole lines of at most PIPE_BUF, so another writer never lands inside a line."""
+    r, w = os.pipe()
+    n = 20000
+    procs = [subprocess.Popen([PY, "-c", _STDERR_WRITER, str(n), tag], cwd=ROOT, stderr=w,
+                              stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL) for tag in ("aa", "bb")]
+    os.close(w)
+    out = bytearray()
+    with os.fdopen(r, "rb", buffering=0) as f:
+        while chunk := f.read(4096):
+            out += chunk
+            time.sleep(0.0005)       # a reader a little slower than the writers: the pipe fills
+    for p in procs:
+        p.wait(30)
+    lines = out.decode("latin-1").splitlines()
+    good = re.compile(r'^\S+Z 127\.0\.0\.1 "- <(aa|bb)-\d{6}-x{120}>" 400 - - - 0\.000000 rid=- key=- tries=0 '
+                      r"limited_by=-$")
+    bad = [ln for ln in lines if not good.match(ln)]
+    assert not bad and len(lines) == 2 * n, (len(bad), len(lines), bad[:3])
+
+
+def test_a_full_batch_is_not_followed_by_a_pause(tmp_path, monkeypatch):
+    """After a write of BATCH lines more are waiting: a pause there would cap the writer at BATCH / GATHER
+    lines per second, and close() could give up (its 5 s) with lines still queued. GATHER scaled up to
+    0.5 s: a backlog of twelve batches is still all written by close()."""
+    from lb import accesslog
+    monkeypatch.setattr(accesslog, "GATHER", 0.5)
+    path = tmp_path / "a.log"
+    log = accesslog.AccessLog(str(path))
+    n = 12 * accesslog.BATCH
+    for i in range(n):
+        log.refusal("127.0.0.1", 400, f"bad-{i}")
+    log.close()             # default timeout 5 s
+    written = len(path.read_text().splitlines())
+    assert written == n, f"close() returned with {n - written} of {n} lines unwritten"
 
 
 def test_usr1_and_hup_reopen_the_access_log_and_stderr_after_a_move(backends, tmp_path):
