@@ -102,7 +102,11 @@ class NginxProxy:
     def start(self, backend_url: str, pin: list[str]) -> None:
         self.ctx = run_nginx(proxy_to=int(backend_url.rsplit(":", 1)[1]), cpu=int(pin[-1]) if pin else None)
         n = self.ctx.__enter__()
-        self.url, self.pid = f"http://127.0.0.1:{n.port}/", wait_until(n.pid_of_worker, 10, what="nginx's worker")
+        try:
+            self.url, self.pid = f"http://127.0.0.1:{n.port}/", wait_until(n.pid_of_worker, 10, what="nginx's worker")
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         self.ctx.__exit__(None, None, None)
@@ -137,9 +141,11 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
     with nginx_target() as nport:
         base_url = f"http://127.0.0.1:{nport}/"
-        for v in variants:
-            v.start(base_url.rstrip("/"), pin)
+        started = []
         try:
+            for v in variants:
+                v.start(base_url.rstrip("/"), pin)
+                started.append(v)
             for v in variants if rates else ():   # warm-up, not reported
                 drive(tool, v.url, rates[0], 2, a.connections, KEY, "wrk/keyed.lua", a.wrk2 or "wrk")
             for rep in range(1, a.repeats + 1):
@@ -168,7 +174,7 @@ def main() -> None:
                         cpu.setdefault(v.name, []).append(cpu_ms)
                         print(f"r{rep} saturation {v.name} {rps:,.0f} req/s, {cpu_ms:.3f} CPU ms/req", flush=True)
         finally:
-            for v in variants:
+            for v in started:
                 v.stop()
     if rates:
         print_latency(a, tool, rates, variants, p99, delta, cpu_at)

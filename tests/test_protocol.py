@@ -36,7 +36,8 @@ def test_quick_protocol_writes_a_report_of_the_right_shape(tmp_path):
     assert re.search(r"^\| 100 \| 1 \|( [-\d.]+ \|){6} \*\*[-\d.]+\*\* \|", md, re.M), md
     # The reference beside them (nginx is installed by ./run-tests): nginx as the proxy, pinned where the edge is.
     assert "### The reference: nginx as the proxy" in md
-    assert re.search(r"^\| 100 \| 1 \|( [-\d.]+ \|){3} \*\*[-\d.]+\*\* \| yes", md[md.index("### The reference"):], re.M)
+    assert re.search(r"^\| 100 \| 1 \|( [-\d.]+ \|){3} \*\*[-\d.]+\*\* \| (yes|NO)", md[md.index("### The reference"):],
+                     re.M)   # kept up or not is the machine's: shape, not figures
     assert re.search(r"`python -m wrk\.nginx_target --port \d+ --proxy-to \d+( --cpu \d+)?`", md)
     # Enforcement: one row per algorithm with a PASS/FAIL verdict for the whole run and the steady state.
     for alg in ALGS:

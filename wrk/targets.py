@@ -106,7 +106,11 @@ def reference_proxy(backend: Target):
     if not find_nginx():
         raise Skip("nginx is not installed")
     cpu = int(EDGE_PIN[-1]) if EDGE_PIN else None
-    with run_nginx(proxy_to=backend.port, cpu=cpu) as n:
+    with contextlib.ExitStack() as stack:
+        try:
+            n = stack.enter_context(run_nginx(proxy_to=backend.port, cpu=cpu))
+        except RuntimeError as e:        # it would not start: its rows are skipped, the run goes on
+            raise Skip(f"nginx as the proxy: {e}") from None
         yield Target("nginx-proxy", n.port, f"python -m wrk.nginx_target --port {n.port} --proxy-to {backend.port}"
                      + ("" if cpu is None else f" --cpu {cpu}"))
 
