@@ -129,6 +129,7 @@ class AccessLog:
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         # the client's label (lb/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
         key = key[4:] if key and key.startswith("key:") else None
+        raw_method, raw_target = method, target      # text: escaped as the bytes the client sent
         method, path = method.decode("latin-1"), target[:2048].decode("latin-1")
         up_s = None if up_s is None else round(up_s, 6)
         secs, limited_by = round(secs, 6), limited_by or None
@@ -139,7 +140,7 @@ class AccessLog:
             if tunnel:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
             return json.dumps(d, separators=(",", ":"))
-        return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(path)}\" {status} {_text(sent)} "
+        return (f"{_stamp(ts)} {_text(ip)} \"{escape(raw_method, 32)} {escape(raw_target)}\" {status} {_text(sent)} "
                 f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
                 f"key={_text(key)} tries={tries} limited_by={_text(limited_by)}"
                 + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else ""))

@@ -250,10 +250,17 @@ def test_text_access_log_escapes_what_the_client_controls(backends, tmp_path):
     e = Edge("--backends", backends[0].url, "--access-log", str(path))
     try:
         raw(e.port, b'GET /a"b\\c%20d HTTP/1.1\r\nHost: h\r\nX-Api-Key: k 200 GET /forged\r\nConnection: close\r\n\r\n')
-        wait_until(lambda: path.exists() and path.read_text().count("\n") == 1, timeout=10, what="a line")
+        # bytes above 0x7f as the client sent them (nginx passes them on too), and a path over the
+        # log's 2,048 bytes: cut, and said to be cut
+        raw(e.port, b"GET /caf\xc3\xa9\xff HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        raw(e.port, b"GET /" + b"L" * 3000 + b" HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        wait_until(lambda: path.exists() and path.read_text().count("\n") == 3, timeout=10, what="3 lines")
     finally:
         e.stop()
-    line = path.read_text().splitlines()[0]
+    lines = path.read_text().splitlines()
+    assert '"GET /caf\\xc3\\xa9\\xff"' in lines[1], lines[1]
+    assert '"GET /' + "L" * 2047 + '..."' in lines[2]
+    line = lines[0]
     assert '"GET /a\\x22b\\x5cc%20d"' in line and "/forged" not in line
     assert line.count('"') == 2                        # only the quotes around the request line
     assert re.fullmatch(r"\S+Z 127\.0\.0\.1 \"GET \S+\" 200 \d+ http://\S+ \d\.\d{6} \d\.\d{6} rid=[0-9a-f]{32} "
