@@ -157,8 +157,8 @@ class AccessLog:
             lines: list[str] = []
             for item in items:
                 if item is None:
-                    done = True
-                    break
+                    done = True                     # the lines queued after it are still written
+                    continue
                 if item is _REOPEN:
                     self._write(lines)              # the lines before it go to the old file
                     self._reopen()
@@ -170,6 +170,20 @@ class AccessLog:
             self._write(lines)
             if not done and len(items) < BATCH:     # a full batch: more are waiting, no pause
                 time.sleep(GATHER)                  # let the next lines gather: one write for them
+        # A request that took this log just before a reload swapped it out can queue its line after the
+        # sentinel: give such stragglers one more gathering period rather than drop them.
+        time.sleep(GATHER)
+        late: list[str] = []
+        try:
+            while True:
+                item = self.q.get_nowait()
+                if item is not None and item is not _REOPEN:
+                    late.append(self.line(item))
+        except queue.Empty:
+            pass
+        except Exception as ex:
+            self._error(ex)
+        self._write(late)
         if self.file is not sys.stderr:
             self.file.close()
 

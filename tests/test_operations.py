@@ -384,6 +384,22 @@ def test_a_full_batch_is_not_followed_by_a_pause(tmp_path, monkeypatch):
     assert written == n, f"close() returned with {n - written} of {n} lines unwritten"
 
 
+def test_a_line_queued_just_after_the_close_is_still_written(tmp_path):
+    """A request that took the access log just before a reload swapped it out queues its line after the
+    old log's stop sentinel: the writer gives such lines one more gathering period instead of dropping
+    them. Shown by queueing the sentinel, then a line, as that race does."""
+    from lb.accesslog import AccessLog
+    path = tmp_path / "a.log"
+    log = AccessLog(str(path))
+    log.refusal("127.0.0.1", 400, "before")
+    log.q.put(None)                      # what close() queues
+    log.refusal("127.0.0.1", 400, "straggler")
+    log.thread.join(5)
+    assert not log.thread.is_alive()
+    text = path.read_text()
+    assert "<before>" in text and "<straggler>" in text, text
+
+
 def test_usr1_and_hup_reopen_the_access_log_and_stderr_after_a_move(backends, tmp_path):
     path = tmp_path / "access.log"
     e = Edge("--backends", backends[0].url, "--access-log", str(path))
