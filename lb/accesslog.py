@@ -129,63 +129,67 @@ class AccessLog:
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         # the client's label (lb/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
         key = key[4:] if key and key.startswith("key:") else None
-        raw_method, raw_target = method, target      # text: escaped as the bytes the client sent
-        method, path = method.decode("latin-1"), target[:2048].decode("latin-1")
         up_s = None if up_s is None else round(up_s, 6)
         secs, limited_by = round(secs, 6), limited_by or None
         # a 101's tunnel: (bytes up, bytes down, why it ended), logged when it closes
         if self.fmt == "json":                                  # ensure_ascii: one line, always
-            d = dict(zip(FIELDS, (_stamp(ts), rid, ip, key, method, path, status, sent, upstream, up_s, secs,
-                                  tries, limited_by)))
+            d = dict(zip(FIELDS, (_stamp(ts), rid, ip, key, method.decode("latin-1"),
+                                  target[:2048].decode("latin-1"), status, sent, upstream, up_s, secs, tries,
+                                  limited_by)))
             if tunnel:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
             return json.dumps(d, separators=(",", ":"))
-        return (f"{_stamp(ts)} {_text(ip)} \"{escape(raw_method, 32)} {escape(raw_target)}\" {status} {_text(sent)} "
+        # text: the method and path escaped as the bytes the client sent
+        return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
                 f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
                 f"key={_text(key)} tries={tries} limited_by={_text(limited_by)}"
                 + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else ""))
 
     def _writer(self) -> None:
-        done = False
-        while not done:
-            items = [self.q.get()]                  # idle: block until a line comes
-            try:
-                while len(items) < BATCH:
-                    items.append(self.q.get_nowait())
-            except queue.Empty:
-                pass
-            lines: list[str] = []
-            for item in items:
-                if item is None:
-                    done = True                     # the lines queued after it are still written
-                    continue
-                if item is _REOPEN:
-                    self._write(lines)              # the lines before it go to the old file
-                    self._reopen()
-                    continue
-                try:
-                    lines.append(self.line(item))
-                except Exception as ex:             # a bad entry costs its line, never the writer
-                    self._error(ex)
-            self._write(lines)
-            if not done and len(items) < BATCH:     # a full batch: more are waiting, no pause
-                time.sleep(GATHER)                  # let the next lines gather: one write for them
+        while True:
+            items = self._take(self.q.get())         # idle: block until a line comes
+            if self._handle(items):
+                break
+            if len(items) < BATCH:                   # a full batch: more are waiting, no pause
+                time.sleep(GATHER)                   # let the next lines gather: one write for them
         # A request that took this log just before a reload swapped it out can queue its line after the
         # sentinel: give such stragglers one more gathering period rather than drop them.
         time.sleep(GATHER)
-        late: list[str] = []
         try:
-            while True:
-                item = self.q.get_nowait()
-                if item is not None and item is not _REOPEN:
-                    late.append(self.line(item))
+            self._handle(self._take(self.q.get_nowait()))
         except queue.Empty:
             pass
-        except Exception as ex:
-            self._error(ex)
-        self._write(late)
         if self.file is not sys.stderr:
             self.file.close()
+
+    def _take(self, first) -> list:
+        """first, and what else has queued behind it (up to BATCH)."""
+        items = [first]
+        try:
+            while len(items) < BATCH:
+                items.append(self.q.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    def _handle(self, items: list) -> bool:
+        """Write items' lines (the ones before a reopen to the old file); True when the stop sentinel is
+        among them (the lines queued behind it are still written)."""
+        stop = False
+        lines: list[str] = []
+        for item in items:
+            if item is None:
+                stop = True
+            elif item is _REOPEN:
+                self._write(lines)
+                self._reopen()
+            else:
+                try:
+                    lines.append(self.line(item))
+                except Exception as ex:              # a bad entry costs its line, never the writer
+                    self._error(ex)
+        self._write(lines)
+        return stop
 
     def _write(self, lines: list[str]) -> None:
         if not lines:
