@@ -196,8 +196,9 @@ class Forwarder:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
                                      length)
-                with backend.lock:
-                    backend.inflight += 1
+                counted = backend      # a retry names another backend before the finally runs
+                with counted.lock:
+                    counted.inflight += 1
                 try:
                     try:
                         conn, rh, ur = self.attempt(x, backend, head, body)
@@ -249,8 +250,8 @@ class Forwarder:
                     # whole leaves the client's body half read.
                     return self.relay(x, rh, ur, conn, sock, in_sync=not (rh.early and streamed))
                 finally:
-                    with backend.lock:
-                        backend.inflight -= 1
+                    with counted.lock:
+                        counted.inflight -= 1
         except ClientGone:
             if x.status is None:
                 edge.client_closed(x, reached=True)
