@@ -163,6 +163,36 @@ def test_a_body_after_a_head_response_in_a_second_write_is_never_relayed():
         b.close()
 
 
+@pytest.mark.parametrize("value, status", [
+    (b"a\x00b", 502), (b"a\x01b", 502), (b"a\x1fb", 502), (b"a\x7fb", 502), (b"a\x0bb", 502),
+    (b"a\tb", 200), (b"caf\xc3\xa9", 200)], ids=["nul", "soh", "us", "del", "vt", "htab", "obs-text"])
+def test_control_bytes_in_a_response_field_are_a_502(value, status):
+    # A NUL (or any control but HTAB) relayed in a field: a client may end the field there, or read it
+    # otherwise than the edge did. The request side refuses them already (400); the response side: 502.
+    def serve(s, _server):
+        r = ConnReader(s)
+        while (req := read_request(r)) is not None:
+            if req[1] == "/field":
+                s.sendall(b"HTTP/1.1 200 OK\r\nX-Field: " + value + b"\r\nContent-Length: 2\r\n\r\nok")
+            else:
+                s.sendall(own_answer(req[0], req[1]))
+
+    b = RawServer(serve)
+    e = Edge("--backends", b.url, "--health-interval", "30")
+    try:
+        r = request(e.port, "GET", "/field")
+        assert r.status == status, (r.status, r.headers, r.body)
+        if status == 502:
+            assert r.header("X-Field") is None
+            e.wait_log(r"backend \S+ protocol: GET /field -> 502 \(control character in the response head\)")
+        else:
+            assert r.body == b"ok"
+        check_own(e.port, "GET", "/next")
+    finally:
+        e.stop()
+        b.close()
+
+
 # ------------------------------------------------------------------------------- under concurrency
 
 class IdlePoisonBackend(RawServer):
