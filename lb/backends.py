@@ -3,7 +3,9 @@
 The pool is urllib3's HTTPConnectionPool, deliberately configured: a hard cap on connections
 (maxsize + block=True, waiting at most pool_timeout, then the caller answers 503), connect timeout,
 no retries, no redirects, and the idle expiry urllib3 lacks (a connection idle longer than
-idle_timeout is closed on checkout instead of reused: the backend may have dropped it by then).
+idle_timeout is closed on checkout instead of reused: the backend may have dropped it by then). On
+every checkout a connection with anything to read on it (the backend's close, or bytes it sent after
+its last response) is closed instead of reused: those bytes would be read as the next response.
 """
 
 from __future__ import annotations
