@@ -511,6 +511,8 @@ class Forwarder:
             log.warning("backend %s sent %d bytes after a complete response: closed, not relayed",
                         backend.url, len(ur.buf))
             reusable = False
+        elif reusable:
+            ack_now(conn.sock)
         backend.pool.release(conn, reusable)
         self.observe(backend, rh.status < 500, rh.status_line)
         now = monotonic()
@@ -522,6 +524,18 @@ class Forwarder:
         if not in_sync:
             linger(sock)    # the client may still be sending the body the backend refused
         return client_keep
+
+
+def ack_now(sock) -> None:
+    """Acknowledge the response at once instead of after the delayed-ACK timer (up to 40 ms on Linux).
+    A backend that writes something after its response without TCP_NODELAY has that write held back
+    by Nagle until its response is acknowledged -- and the ACK would otherwise ride on our next request
+    on this connection: the stray bytes would arrive just after the pool's check and be read as that
+    request's answer. Acked now, they arrive while the connection is idle, where the check sees them."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+    except OSError:
+        pass
 
 
 class _Client:

@@ -108,6 +108,40 @@ def test_the_stray_response_is_logged_once_as_the_backends(late):
     assert "Traceback" not in e.log()
 
 
+def test_a_stray_write_held_back_by_the_backends_nagle_is_seen_too():
+    # The backend writes its stray response 5 ms after its response, without TCP_NODELAY (the default):
+    # its kernel holds that small write until the response is acknowledged. Acknowledged only with the
+    # next request (a delayed ACK rides on it), the stray bytes arrived just after the pool's check and
+    # answered that request: 8 victims in 20 here with the check alone. The edge acknowledges a
+    # response at once (TCP_QUICKACK), so they arrive while the connection is idle, and are seen.
+    written = []
+
+    def serve(s, _server):
+        r = ConnReader(s)
+        while (req := read_request(r)) is not None:
+            if req[1] == "/late":
+                s.sendall(LATE)
+                time.sleep(0.005)
+                s.sendall(POISON)
+                written.append(1)
+            else:
+                s.sendall(own_answer(req[0], req[1]))
+
+    b = RawServer(serve)
+    e = Edge("--backends", b.url, "--health-interval", "30")
+    try:
+        for i in range(20):
+            n = len(written)
+            a = request(e.port, "GET", "/late")
+            assert a.body == b"hello", a.body
+            wait_until(lambda: len(written) > n, 5, what="the stray write")
+            time.sleep(0.02)             # inside the 40 ms a delayed ACK may wait: the scenario, not a sync
+            check_own(e.port, "GET", f"/victim-{i}")
+    finally:
+        e.stop()
+        b.close()
+
+
 def tls_server_ctx():
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
@@ -138,15 +172,17 @@ def test_over_tls_too(tmp_path):
 def test_a_body_after_a_head_response_in_a_second_write_is_never_relayed():
     # HEAD's response has no body; a backend that sends one anyway (in a second write, so the edge has
     # already released the connection) must not have it read as the next request's response.
+    strays = []
+
     def serve(s, _server):
         r = ConnReader(s)
         while (req := read_request(r)) is not None:
             method, target = req[0], req[1]
             if method == "HEAD":
-                body = b"HTTP/1.1 200 OK\r\nContent-Length: 41\r\nX-Path: %s\r\n\r\n" % target.encode()
-                s.sendall(body)
+                s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 41\r\nX-Path: %s\r\n\r\n" % target.encode())
                 time.sleep(0.03)
                 s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nPWNED")   # 41 bytes: "the body"
+                strays.append(target)
             else:
                 s.sendall(own_answer(method, target))
 
@@ -156,7 +192,8 @@ def test_a_body_after_a_head_response_in_a_second_write_is_never_relayed():
         for i in range(3):
             r = request(e.port, "HEAD", f"/h{i}")
             assert r.status == 200 and r.header("X-Path") == f"/h{i}" and r.body == b""
-            time.sleep(0.08)            # the scenario's gap: the stray bytes have arrived on the idle connection
+            wait_until(lambda: len(strays) > i, 5, what="the backend's body after its HEAD response")
+            time.sleep(0.05)            # the scenario's gap: the stray bytes are on the idle connection
             check_own(e.port, "GET", f"/victim-{i}")
     finally:
         e.stop()
@@ -196,26 +233,32 @@ def test_control_bytes_in_a_response_field_are_a_502(value, status):
 # ------------------------------------------------------------------------------- under concurrency
 
 class IdlePoisonBackend(RawServer):
-    """/late: hello, and if the connection then stays idle for 30 ms (no request on it), POISON.
+    """/late: hello, and if the connection then stays idle for 30 ms (no request on it), a stray
+    response on it; then it goes on serving that connection as if nothing happened.
 
     Under load a stray response 30 ms late would land in the middle of the next exchange on that
-    connection, which no proxy can tell from that exchange's answer (nginx neither). Sent only onto an
-    idle connection, it is something a proxy can and must see before reusing the connection. The one
-    window left is a request the edge sent just as the poison was written (its check passed a moment
-    before): a request arriving within RACE of the poison counts as `raced`, and the backend closes the
-    connection instead of answering it, so that victim is the only one. A request on that connection
-    later than RACE is one the edge sent after the poison was there to see."""
-
-    RACE = 0.1
+    connection, which no proxy can tell from that exchange's answer (nginx neither). Written onto an
+    idle connection, it is something a proxy can and must see before it reuses the connection -- but
+    for one instant: a request the edge sends just as the stray is written (its check passed a moment
+    before) reads it as its answer. Every response therefore carries an id (X-Id), and the backend
+    notes when each write had returned (`written`, time.monotonic(), taken after the write: a stall
+    only makes it later). A client that gets a response not its own, written before the client even
+    sent its request, was given a connection that held it when the edge checked."""
 
     def __init__(self):
-        self.poisoned = self.raced = self.late_after_poison = 0
-        self.race_delay = 0.0           # the longest a raced request came after its poison
+        self.poisoned = 0
+        self.written: dict[int, float] = {}
+        self.ids = iter(range(1, 1 << 62))
         super().__init__(self._serve)
+
+    def _send(self, s, head: bytes, body: bytes, head_only: bool = False) -> None:
+        with self.lock:
+            rid = next(self.ids)
+        s.sendall(head + b"X-Id: %d\r\nContent-Length: %d\r\n\r\n%s" % (rid, len(body), b"" if head_only else body))
+        self.written[rid] = time.monotonic()
 
     def _serve(self, s, _server):
         r = ConnReader(s)
-        poisoned_at = None
         while True:
             try:
                 req = read_request(r)
@@ -223,35 +266,29 @@ class IdlePoisonBackend(RawServer):
                 return
             if req is None:
                 return
-            if poisoned_at is not None:
-                with self.lock:
-                    delay = time.monotonic() - poisoned_at
-                    if delay < self.RACE:
-                        self.raced += 1
-                        self.race_delay = max(self.race_delay, delay)
-                        return                      # close: the raced victim is the only one
-                    self.late_after_poison += 1
-                poisoned_at = None
             method, target = req[0], req[1]
             if target == "/late":
-                s.sendall(LATE)
+                self._send(s, b"HTTP/1.1 200 OK\r\nX-Path: /late\r\n", b"hello")
                 if not r.buf and not select.select([s], [], [], 0.03)[0]:
-                    s.sendall(POISON)
-                    poisoned_at = time.monotonic()
+                    self._send(s, b"HTTP/1.1 200 OK\r\nX-Poison: yes\r\n", b"PWNED!")
                     with self.lock:
                         self.poisoned += 1
             else:
-                s.sendall(own_answer(method, target))
+                self._send(s, b"HTTP/1.1 200 OK\r\nX-Path: %s\r\n" % target.encode(), f"path={target}\n".encode(),
+                           head_only=method == "HEAD")
 
 
-def test_under_32_concurrent_clients_each_gets_its_own_response():
+def test_under_32_concurrent_clients_no_one_reads_a_response_left_on_a_connection():
     """32 clients for 8 s, each a keep-alive connection asking /late or a victim (GET, HEAD, DELETE,
     OPTIONS) with a pause of 0-60 ms between requests: the edge's pool has connections idle from
-    microseconds to a few hundred ms, reused at every age. Every response is the client's own, but for
-    at most one victim per raced poison (see IdlePoisonBackend)."""
+    microseconds to a few hundred ms, reused at every age. No client gets a response that is not its
+    own and was written before it sent its request (more than 20 ms before: slack for a loopback write
+    delivered late under load). The ones written after -- the instant described in IdlePoisonBackend --
+    are counted and printed, not failed: no proxy can avoid them."""
     b = IdlePoisonBackend()
     e = Edge("--backends", b.url, "--health-interval", "30")
-    wrong, served, errors = [], [0], []
+    wrong, errors = [], []
+    served = [0]
     lock = threading.Lock()
     end = time.monotonic() + 8
 
@@ -266,14 +303,15 @@ def test_under_32_concurrent_clients_each_gets_its_own_response():
                     method, target = "GET", "/late"
                 else:
                     method, target = rnd.choice(["GET", "HEAD", "DELETE", "OPTIONS"]), f"/v-{k}-{i}"
+                sent = time.monotonic()
                 r = request(e.port, method, target, conn=c)
                 want = b"hello" if target == "/late" else (b"" if method == "HEAD" else f"path={target}\n".encode())
                 with lock:
                     served[0] += 1
-                    if r.status != 200 or r.header("X-Path") != target or r.body != want:
-                        wrong.append((method, target, r.status, r.header("X-Path"), r.body[:40]))
-                        if r.header("Connection") == "close" or r.status >= 500:
-                            c.close()
+                    if r.status != 200 or r.header("X-Id") is None:
+                        errors.append((method, target, r.status, r.body[:80]))
+                    elif r.header("X-Path") != target or r.body != want:
+                        wrong.append((method, target, r.header("X-Path") or "poison", int(r.header("X-Id")), sent))
                 time.sleep(rnd.random() * 0.06)
         except Exception as ex:     # noqa: BLE001 -- reported below with the rest
             errors.append(repr(ex))
@@ -286,13 +324,17 @@ def test_under_32_concurrent_clients_each_gets_its_own_response():
             t.start()
         for t in threads:
             t.join(60)
-        summary = (f"served {served[0]}, poisons {b.poisoned}, raced {b.raced} (the latest {b.race_delay * 1000:.1f} ms after), requests on a poisoned "
-                   f"connection after {b.RACE}s: {b.late_after_poison}, wrong {len(wrong)}: {wrong[:8]}")
+        stale, instant = [], []
+        for method, target, got, rid, sent in wrong:
+            ago = sent - b.written[rid]          # how long before the client asked it was written
+            (stale if ago > 0.02 else instant).append((method, target, got, f"{ago * 1000:+.1f} ms"))
+        summary = (f"served {served[0]}, stray responses written {b.poisoned}; not the client's own: "
+                   f"{len(stale)} written before it asked {stale[:6]}, {len(instant)} in the same instant "
+                   f"{instant[:4]}")
         print(summary)
         assert not errors, errors[:5]
         assert b.poisoned >= 10, summary            # the test exercised something
-        assert b.late_after_poison == 0, summary
-        assert len(wrong) <= b.raced, summary
+        assert not stale, summary
         assert "Traceback" not in e.log()
     finally:
         e.stop()
