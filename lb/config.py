@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from limiter import redis_url
 
-from . import logs
+from . import __version__, logs
 from .netaddr import hostport, network, split_hostport
 
 
@@ -366,6 +366,7 @@ def build_argparser() -> argparse.ArgumentParser:
                                 argument_default=argparse.SUPPRESS)
     a = p.add_argument
     a("--config", help="TOML file; flags override it")
+    a("--version", action="version", version=f"edge {__version__}")
     a("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8080; port 0 picks a free one)")
     a("--backends", help="URL[=WEIGHT],... e.g. http://127.0.0.1:9001=3,http://127.0.0.1:9002")
     a("--strategy", help="round-robin | weighted (default; equal weights = round robin) | least-request")

@@ -29,11 +29,11 @@ import threading
 import time
 from bisect import bisect_left
 
+from . import __version__
 from .fanout import serve_unix
 
 # Seconds. Proxy latencies live between ~0.2 ms and a backend's timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-VERSION = "0.3.0"
 
 FAMILIES = {
     "lb_requests_total": ("counter", "Requests sent to each backend (answered or failed)."),
@@ -239,7 +239,7 @@ class Metrics:
             (c if FAMILIES[n][0] == "counter" else g).append([n, list(map(list, l)), v])
         g += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "gauge"]
         c += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "counter"]
-        g.append(["edge_build_info", [["version", VERSION], ["python", sys.version.split()[0]]], 1])
+        g.append(["edge_build_info", [["version", __version__], ["python", sys.version.split()[0]]], 1])
         rb = self.retry_budget
         if rb is not None:
             c.append(["lb_retry_budget_exhausted_total", [], rb.refused])
