@@ -178,7 +178,7 @@ class App:
             reuse = old.limiters      # same algorithm, store and options: unchanged rates keep their counters
         stage = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, store, reuse=reuse, rules=cfg.rules,
                            keys=cfg.keys, unknown_keys=cfg.unknown_keys, exempt=cfg.exempt,
-                           ietf_headers=cfg.ietf_headers, **opts)
+                           ietf_headers=cfg.ietf_headers, ipv6_prefix=cfg.ipv6_prefix, **opts)
         self.metrics.declare_rules(stage.declared)
         return stage
 

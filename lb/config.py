@@ -108,6 +108,7 @@ class Config:
     exempt: tuple[str, ...] = ()             # CIDRs / "key:NAME" never limited
     ietf_headers: bool = False               # also RateLimit-Policy / RateLimit (IETF draft)
     max_keys: int = 100_000                  # keys holding state in memory, per limiter (per rule and rate)
+    ipv6_prefix: int = 64                    # IPv6 clients are limited per /N (0 or 128: per address)
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
     access_log_format: str = "text"          # text | json
@@ -269,7 +270,8 @@ _SECTIONS = {
                "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table"),
                "api_keys_file": ("api_keys_file", "s"), "unknown_keys": ("unknown_keys", "s"),
                "exempt": ("exempt", "list"), "ietf_headers": ("ietf_headers", "b"),
-               "tiers": ("tiers", "table"), "max_keys": ("max_keys", Num(True, 1, 100_000_000))},
+               "tiers": ("tiers", "table"), "max_keys": ("max_keys", Num(True, 1, 100_000_000)),
+               "ipv6_prefix": ("ipv6_prefix", Num(True, 0, 128))},
 }
 
 
@@ -422,6 +424,8 @@ def build_argparser() -> argparse.ArgumentParser:
                       "(the password: better in env EDGE_REDIS_PASSWORD or [limits] redis_password_file)")
     a("--redis-timeout", help="seconds per Redis call before --on-store-error applies (default 0.05)")
     a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
+    a("--ipv6-prefix", help="IPv6 clients are limited per prefix of this length (default 64; 0 or 128: "
+                            "per address)")
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
     a("--admin", help="HOST:PORT for /metrics and /status (default off)")
     a("--access-log", help="file path, or - for stderr (default off)")
@@ -623,7 +627,7 @@ def _validate_limits(c: Config) -> None:
     names = {k.name for k in c.keys}
     for k, _ in c.key_limits:
         try:
-            ident = kind_name(k)
+            ident = kind_name(k, c.ipv6_prefix)
         except ValueError as e:
             raise ConfigError(f"limits.keys: {k!r}: {e}") from None
         if c.keys and ident.startswith("key:") and ident[4:] not in names:

@@ -358,6 +358,10 @@ def parse_request(head: bytes) -> Request:
                 raise HttpError(417, "unsupported expectation")
             r.expect_continue = True
         elif lname == b"x-api-key":
+            # One key per request: the limiter must count the key the backend will read (Go's Header.Get
+            # and Python's email.message take the first of several, a last-wins limiter the last).
+            if r.api_key is not None:
+                raise HttpError(400, "more than one X-Api-Key header")
             r.api_key = value
         elif lname == b"x-request-id":
             r.request_id = value

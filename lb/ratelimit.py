@@ -26,7 +26,7 @@ from limiter import MemoryStore, build, parse_rate
 from limiter.compose import allow_all
 
 from . import netaddr
-from .identity import MAX_KEY, kind_name
+from .identity import MAX_KEY, ip_key, kind_name
 from .keys import KeyRegistry, key_label
 from .rules import BUILTIN, Matcher, normalize_path
 
@@ -70,7 +70,7 @@ class Rule:
 class LimitStage:
     def __init__(self, default: str | None, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
                  reuse: dict | None = None, *, rules=(), keys=(), unknown_keys: str = "as-ip", exempt=(),
-                 ietf_headers: bool = False, **store_options):
+                 ietf_headers: bool = False, ipv6_prefix: int = 64, **store_options):
         """reuse: the limiters of the stage this one replaces (reload): an unchanged limit keeps its state."""
         self.algorithm = algorithm
         self.store = store
@@ -92,7 +92,8 @@ class LimitStage:
             return cache[key]
 
         self.default = limiter_for(default) if default else None
-        self.overrides = {kind_name(k): limiter_for(rate) for k, rate in overrides}
+        self.ipv6_prefix = ipv6_prefix       # IPv6 clients are keyed by this prefix (identity.ip_key)
+        self.overrides = {kind_name(k, ipv6_prefix): limiter_for(rate) for k, rate in overrides}
         self.registry = KeyRegistry(keys) if keys else None
         self.tiers = {k.name: limiter_for(k.limit) for k in keys if k.limit}
         self.reject_unknown = unknown_keys == "reject"
@@ -133,7 +134,7 @@ class LimitStage:
     def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, object]:
         """(identity or None when refused, label for logs, the known key's spec or None)."""
         if api_key is None:
-            ident = "ip:" + ip
+            ident = ip_key(ip, self.ipv6_prefix)
             return ident, ident, None
         if len(api_key) > MAX_KEY:
             raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
@@ -150,7 +151,7 @@ class LimitStage:
             return ident, ident, known
         if self.reject_unknown:
             return None, key_label(api_key), None
-        ident = "ip:" + ip                       # an unknown key is no key at all: limited by its IP
+        ident = ip_key(ip, self.ipv6_prefix)     # an unknown key is no key at all: limited by its IP
         return ident, ident, None
 
     def check(self, req, ip: str, now: float | None = None) -> Verdict:
@@ -182,7 +183,11 @@ class LimitStage:
             path = _Lazy(req.target)
             for r in self.rules:
                 if r.match(req, path):
-                    checks.append((r.limiter, self._rule_key(r, req, ip, ident), r.enforce))
+                    key = self._rule_key(r, req, ip, ident)
+                    if key is None:
+                        v.status, v.reason = 400, f"more than one {r.header.decode()} header"
+                        return v
+                    checks.append((r.limiter, key, r.enforce))
                     rules.append(r.name)
         if not checks:
             return v
@@ -210,22 +215,26 @@ class LimitStage:
             return False
         return any(a in n for n in self.exempt_nets)
 
-    @staticmethod
-    def _rule_key(r: Rule, req, ip: str, ident: str) -> str:
+    def _rule_key(self, r: Rule, req, ip: str, ident: str) -> str | None:
+        """The key a rule counts this request under; None when the header it keys on is repeated (a
+        client could otherwise present one value to the limiter and another to the backend)."""
         kind = r.kind
         if kind == "ip":
-            return "ip:" + ip
+            return ip_key(ip, self.ipv6_prefix)
         if kind == "api-key":
             return ident
         if kind == "global":
             return "*"
+        found = None
         for _, lname, value in req.headers:
             if lname == r.header:
-                if value:
-                    # Hashed: any length in, a fixed-size key out, and no header value (a token?) in Redis.
-                    return "h:" + hashlib.blake2b(value, digest_size=16).hexdigest()
-                break
-        return "ip:" + ip                         # a missing header is the client, never one shared bucket
+                if found is not None:
+                    return None
+                found = value
+        if found:
+            # Hashed: any length in, a fixed-size key out, and no header value (a token?) in Redis.
+            return "h:" + hashlib.blake2b(found, digest_size=16).hexdigest()
+        return ip_key(ip, self.ipv6_prefix)       # a missing header is the client, never one shared bucket
 
     def _verdict(self, v: Verdict, admitted: bool, checks, rules, decisions) -> None:
         rejected, dry, shown, unavailable = [], [], None, False

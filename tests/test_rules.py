@@ -262,6 +262,27 @@ def test_header_rule_falls_back_to_the_client_ip_never_to_one_shared_bucket():
     assert st.check(req(X_Tenant=""), "192.0.2.5", now=T0).status == 0         # empty: by IP too
 
 
+def test_a_repeated_header_a_rule_keys_on_is_a_400_and_spends_nothing():
+    """Which of two X-Tenant values would the limiter count, and which the backend read? Neither: a 400."""
+    st = stage("5/m", [{"name": "tenant", "key": "header:X-Tenant", "limit": "2/m"}])
+    twice = parse_request(b"GET / HTTP/1.1\r\nHost: a\r\nX-Tenant: t1\r\nX-Tenant: t2")
+    v = st.check(twice, "192.0.2.1", now=T0)
+    assert v.status == 400 and "more than one x-tenant header" in v.reason
+    ok = st.check(req(X_Tenant="t1"), "192.0.2.1", now=T0)
+    assert ok.status == 0 and hdr(ok, "X-RateLimit-Remaining") == "1"       # t1 had spent nothing
+
+
+def test_ipv6_clients_share_their_64_in_rules_and_the_default():
+    st = stage("2/m", [{"name": "per-ip", "key": "ip", "limit": "3/m"}])
+    for i in range(2):
+        assert st.check(req(), f"2001:db8:0:1::{i + 1}", now=T0).status == 0
+    v = st.check(req(), "2001:db8:0:1:ffff::9", now=T0)
+    assert v.status == 429 and v.label == "ip:2001:db8:0:1::/64"
+    assert st.check(req(), "2001:db8:0:2::1", now=T0).status == 0              # the next /64: another client
+    per_address = stage("2/m", ipv6_prefix=128)
+    assert all(per_address.check(req(), f"2001:db8::{i + 1}", now=T0).status == 0 for i in range(5))
+
+
 def test_memory_stays_bounded_per_rule_with_random_header_values():
     """Acceptance 6 at the stage: each rule's store holds at most max_keys keys, whatever arrives."""
     st = stage(None, [{"name": "h1", "key": "header:X-Rand", "limit": "5/m"},
