@@ -113,7 +113,8 @@ class HealthChecker:
             elif change == "UP":
                 log.warning("backend %s UP: %d consecutive passed probes of %s (last: %s)",
                             b.url, b.pass_streak, self.path, why)
-            if ok and b.ejected and self.ejector is not None and self.ejector.probe_passed(b, self.rise, monotonic()):
+            ej = self.ejector
+            if ok and b.ejected and ej is not None and ej.probe_passed(b, self.rise, monotonic()):
                 log.warning("backend %s returns from ejection: active health check passed (%d consecutive "
                             "passed probes of %s; ejected %d times)%s", b.url, b.pass_streak, self.path,
                             b.times_ejected, "" if b.in_rotation else f"; still out: {b.state}")

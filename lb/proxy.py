@@ -423,9 +423,9 @@ class Exchange:
     The access log reads the fields after `set_cookie`; a stage that learns one (a retry: tries; the
     rules: limited_by and the client's label, key) sets it here and the log line and JSON object carry it."""
 
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "rid_header", "client_ip",
+    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name")
+                 "tunnel", "key_name", "rid_header")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start

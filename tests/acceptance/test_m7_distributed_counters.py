@@ -7,11 +7,13 @@
 Two pairs of edges side by side, each pair behind one client alternating between its two edges at twice
 the limit: the memory store (each edge its own counters: ~2x the limit admitted) and a real
 redis-server (tests/redis_server.py; one counter per window for both edges: within 2%). The edges'
-defaults except what the line names: a limit, the store, and fixed-window (its windows are aligned to the
-epoch second, so whole windows can be counted exactly). The table -- accuracy and the added latency of
+defaults except what the line names -- a limit and the store -- and two choices of this test's:
+fixed-window rather than the default token bucket (its windows are aligned to the epoch second, so
+whole windows can be counted exactly), and --redis-timeout 1.0 (accuracy, not faults: a loaded machine
+must not fail open). The table -- accuracy and the added latency of
 each setup -- is measured by `python3 bench/redis_bench.py` (it uses this test's client) and filled in
-README.md (the accuracy table in "Many edges, one limit", the latency in "Performance") and docs/redis.md: figures are measured in benchmarks, not asserted in
-a timed test.
+README.md (the accuracy table in "Many edges, one limit", the latency in "Performance") and
+docs/redis.md: figures are measured in benchmarks, not asserted in a timed test.
 """
 
 from __future__ import annotations
