@@ -83,6 +83,9 @@ def test_curl_direct_vs_proxied_differs_only_by_hop_by_hop_and_forwarding_header
             "GET /cookies (two Set-Cookie)": ("/cookies",),
             "GET /chunked (Transfer-Encoding: chunked)": ("/chunked?parts=3",),
             "POST / with a body": ("/", "--data-binary", f"@{data}", "-H", "Content-Type: application/octet-stream"),
+            "PUT / with a body": ("/", "-X", "PUT", "--data-binary", f"@{data}"),
+            "DELETE /item/1": ("/item/1", "-X", "DELETE"),
+            "HEAD /": ("/", "-I"),
         }
         found = {what: differences(direct + path, proxied + path, *args) for what, (path, *args) in checks.items()}
         # The backend got the same body both ways (its /echo reports its digest; its headers, which
