@@ -9,7 +9,7 @@
      backend directly (so the added latency is the difference).  A paced client on one keep-alive
      connection with http.client (wrk.loadgen, the constant-rate generator, is not on this branch).
   3. Accuracy: two edges, one client alternating at 2x the limit (the same measurement as
-     tests/test_edge_redis.py): admitted rate with local counters vs with Redis.
+     tests/acceptance/test_m7_distributed_counters.py): admitted rate with local counters vs with Redis.
 
     python3 bench/redis_bench.py [--calls 5000] [--rate 200] [--seconds 10] [--no-edge]
     python3 bench/redis_bench.py --commandstats    # only: server-side µs per call (INFO commandstats)

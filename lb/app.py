@@ -91,7 +91,8 @@ class App:
         self.retry_budget = RetryBudget(cfg.retry_budget_percent, cfg.retry_budget_min)
         self.metrics.retry_budget = self.retry_budget
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
-                                    rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold)
+                                    rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold,
+                                    ejector=self.ejector, metrics=self.metrics)
         self.access_log = self._open_access_log(cfg)
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,

@@ -81,6 +81,7 @@ class Config:
     send_timeout: float = 60.0               # between two writes to a client (nginx's send_timeout)
     keepalive_timeout: float = 75.0          # idle client connection (nginx's default)
     max_body_size: int = 10 * 1024 * 1024
+    request_id_response: bool = False        # X-Request-Id on responses too (off: the spec's transparency)
     tunnel_idle_timeout: float = 300.0       # an upgraded connection (WebSocket) silent both ways is closed
     upgrades: frozenset = frozenset({"websocket"})   # Upgrade protocols tunnelled; empty: none
     # limiting
@@ -260,7 +261,8 @@ _SECTIONS = {
                "keepalive_timeout": ("keepalive_timeout", SECONDS),
                "body_min_rate": ("body_min_rate", Num(False, 1.0, 1e12, zero=True)), "send_timeout": ("send_timeout", SECONDS),
                "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
-               "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list")},
+               "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list"),
+               "request_id_response": ("request_id_response", "b")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -428,6 +430,9 @@ def build_argparser() -> argparse.ArgumentParser:
                             "per address)")
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
     a("--admin", help="HOST:PORT for /metrics and /status (default off)")
+    a("--request-id-response", action="store_true",
+      help="send the request id (X-Request-Id) back on every response, replacing a backend's own (default "
+           "off: it goes to the backend and the access log only)")
     a("--access-log", help="file path, or - for stderr (default off)")
     a("--access-log-format", help="text (default) | json: one JSON object per line")
     a("--check", action="store_true", help="validate the configuration, print one line per problem, "

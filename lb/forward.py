@@ -411,7 +411,7 @@ class Forwarder:
         out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
         tokens = rh.conn_tokens
         limiting = bool(x.rl)
-        skip = not_relayed(x.rl)
+        skip = not_relayed(x.rl, x.rid_header)
         cl = rh.content_length
         for name, lname, value in rh.headers:
             if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
@@ -420,7 +420,8 @@ class Forwarder:
                     cl = None
                 continue
             out += name + b": " + value + b"\r\n"
-        out += b"X-Request-Id: " + x.request_id + b"\r\n"
+        if x.rid_header:         # --request-id-response: ours, in place of the backend's
+            out += x.rid_header
         if limiting:
             out += x.rl
         if x.set_cookie:

@@ -30,14 +30,20 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"tra
                         b"trailer", b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
 
 # A response's fields the edge never relays as the backend wrote them (relay(), and the 101 of a tunnel):
-# hop-by-hop ones, the framing (the edge writes its own), X-Request-Id, and -- when the edge limits -- its
-# rate-limit fields, which replace the backend's (plus any X-RateLimit-* name: a prefix, checked apart).
-NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"x-request-id"}
+# hop-by-hop ones, the framing (the edge writes its own), and -- only where the edge writes its own --
+# X-Request-Id (--request-id-response) and the rate-limit fields, which replace the backend's (plus any
+# X-RateLimit-* name: a prefix, checked apart). Otherwise the backend's X-Request-Id passes untouched.
+NOT_RELAYED = HOP_BY_HOP | {b"content-length"}
 _NOT_RELAYED_IETF = NOT_RELAYED | {b"ratelimit", b"ratelimit-policy"}
+_NOT_RELAYED_RID = NOT_RELAYED | {b"x-request-id"}
+_NOT_RELAYED_RID_IETF = _NOT_RELAYED_IETF | {b"x-request-id"}
 
 
-def not_relayed(rl: bytes) -> frozenset:
-    """NOT_RELAYED, with the IETF RateLimit fields when the edge writes those ([limits] ietf_headers)."""
+def not_relayed(rl: bytes, rid: bytes = b"") -> frozenset:
+    """NOT_RELAYED, with the IETF RateLimit fields when the edge writes those ([limits] ietf_headers) and
+    X-Request-Id when it writes its own (rid: the exchange's X-Request-Id line, empty when it writes none)."""
+    if rid:
+        return _NOT_RELAYED_RID_IETF if b"\nRateLimit: " in rl else _NOT_RELAYED_RID
     return _NOT_RELAYED_IETF if b"\nRateLimit: " in rl else NOT_RELAYED
 
 

@@ -249,7 +249,8 @@ class Edge:
         if access_log is not None:
             access_log.refusal(peer_ip, status, reason, request_id=rid.decode())
         try:
-            sock.sendall(own_response(status, reason, close=True, extra=b"X-Request-Id: " + rid + b"\r\n"))
+            extra = b"X-Request-Id: " + rid + b"\r\n" if self.cfg.request_id_response else b""
+            sock.sendall(own_response(status, reason, close=True, extra=extra))
         except OSError:
             pass
 
@@ -275,11 +276,14 @@ class Edge:
     def _handle(self, x: "Exchange", req: Request, reader: Reader, sock: socket.socket, peer: bytes,
                 peer_trusted: bool, peer_ip: str) -> bool:
         cfg = self.cfg
-        # The request id: the client's when well formed, else ours; sent on to the backend and back.
+        # The request id: the client's when well formed, else ours; sent on to the backend, logged, and
+        # back to the client only when asked (--request-id-response: the spec's transparency otherwise).
         rid = req.request_id
         if rid is None or not _REQUEST_ID.fullmatch(rid):
             x.rid_sent = rid = new_request_id()      # replaces whatever the client sent
         x.request_id = rid
+        if cfg.request_id_response:
+            x.rid_header = b"X-Request-Id: " + rid + b"\r\n"
         has_body = req.chunked or bool(req.content_length)
         # After an early answer, an unread body would be read as the next request: close instead.
         keep_if_early = req.keep_alive and not has_body
@@ -421,7 +425,7 @@ class Exchange:
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name")
+                 "tunnel", "key_name", "rid_header")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
@@ -436,6 +440,7 @@ class Exchange:
         self.set_cookie = b""
         self.request_id = b""
         self.rid_sent = None         # the id the backend must get instead of the client's (generated)
+        self.rid_header = b""        # its X-Request-Id line for the client (--request-id-response), else empty
         self.client_ip = None
         self.status = None           # set once the access-log line is written
         self.bytes_sent = None       # bytes written to the client (head and body)
@@ -444,8 +449,8 @@ class Exchange:
         self.tries = 1               # backends tried: more than 1 after a connect failure was retried
 
     def extra_headers(self) -> bytes:
-        """What every response to this request carries: its id, and the rate-limit headers."""
-        return b"X-Request-Id: " + self.request_id + b"\r\n" + self.rl
+        """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""
+        return self.rid_header + self.rl
 
 
 # A client's X-Request-Id is kept when it looks like an id (no spaces, quotes or controls; <= 128).

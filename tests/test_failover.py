@@ -465,6 +465,35 @@ def test_a_backend_answering_500_is_ejected_and_returns_after_eject_for(backends
         e.stop()
 
 
+def test_passing_health_checks_end_an_ejection_early_and_count_as_a_return(backends):
+    """c answers 500 while its /health passes: ejected (for the default 30 s), then its probes -- every
+    0.5 s here -- pass twice (--healthy-threshold 2) and end the ejection ~1 s later: one log line, one
+    return counted, UP and in rotation again, well before the 30 s are up."""
+    a, b, c = backends
+    e = Edge("--backends", ",".join(x.url for x in backends), "--health-interval", "0.5", "--admin", "127.0.0.1:0")
+    request(c.port, "POST", "/_ctl/fail")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+        for _ in range(30):
+            request(e.port, "GET", "/", conn=conn)
+        e.wait_log(rf"backend {c.url} EJECTED for 30s")
+        ejected = time.monotonic()
+        e.wait_log(rf"backend {c.url} returns from ejection: active health check passed \(2 consecutive passed "
+                   rf"probes of /health; ejected 1 times\)$", timeout=10)
+        assert time.monotonic() - ejected < 10                   # not the 30 s ejection
+        assert metric(e, f'lb_ejection_returns_total{{backend="{c.url}"}}') == 1
+        assert metric(e, f'lb_backend_ejected{{backend="{c.url}"}}') == 0
+        st = next(x for x in status(e)["backends"] if x["url"] == c.url)
+        assert st["state"] == "UP" and st["ejected"] is False
+        before = c.stats()["count"]
+        for _ in range(6):
+            request(e.port, "GET", "/", conn=conn)
+        assert c.stats()["count"] - before == 2                  # its turns again (and 500s, so it goes on)
+    finally:
+        request(c.port, "POST", "/_ctl/ok")
+        e.stop()
+
+
 # -------------------------------------------------------------------------------- [3] retry budget
 
 def test_the_retry_budget_holds_with_two_of_three_backends_dead():

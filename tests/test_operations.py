@@ -200,7 +200,7 @@ def test_the_watchdog_pings_while_the_accept_loop_runs(backends, tmp_path):
 def test_json_access_log_fields_request_ids_and_no_api_key(backends, tmp_path):
     path = tmp_path / "access.log"
     e = Edge("--backends", backends[0].url, "--access-log", str(path), "--access-log-format", "json",
-             "--limit", "2/m", "--key-limit", "vip=5/m")
+             "--limit", "2/m", "--key-limit", "vip=5/m", "--request-id-response")
     forged = "secret 999 GET /forged 200 http://evil 0.01ms"
     try:
         a = request(e.port, "GET", "/echo/a", {"X-Api-Key": forged, "X-Request-Id": "client-id-1"})

@@ -3,7 +3,7 @@
 One cluster (3 masters, 3 replicas, node timeout 1 s) is shared by the module; the test that kills a
 master runs last.  The Sentinel test has its own master, replica and three sentinels.  Every edge runs
 with --on-store-error fail-closed, so a decision the store could not make shows as a 503, never as a
-silent 200.  Accuracy is judged as in tests/test_edge_redis.py: admitted requests over whole seconds of
+silent 200.  Accuracy is judged as in tests/acceptance/test_m7_distributed_counters.py: admitted requests over whole seconds of
 steady state, against the limit.
 """
 
