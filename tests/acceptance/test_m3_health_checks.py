@@ -88,8 +88,14 @@ def test_a_killed_backend_leaves_and_restarted_rejoins_within_threshold_x_interv
         b.stop()
     log = e.log()
     assert log.index(f"backend {b.url} DOWN") < log.index(f"backend {b.url} UP")   # both transitions
-    statuses = {status for _, status, _ in traffic.seen}
-    assert statuses == {200}, statuses          # no 502 (nor anything else) ever reached the client
+    # "after threshold x interval ... clients stop seeing 502s": a request in flight to it when it was
+    # killed can only be a 502 (it was sent; nothing safe to retry), but after the bound nothing else is.
+    # With the default retries a connect failure is retried elsewhere, so the turns it gets before its
+    # probes take it out are no 502s either: at most the one request that was in flight.
+    early = [status for t, status, _ in traffic.seen if killed <= t <= killed + bound and status != 200]
+    late = {status for t, status, _ in traffic.seen if t > killed + bound or t < killed}
+    assert late == {200}, late
+    assert len(early) <= 1 and set(early) <= {502}, early
     # with continuous traffic its failures had ejected it too: the passed probes ended that ejection
     assert f"backend {b.url} EJECTED" in log
     assert f"backend {b.url} returns from ejection: active health check passed" in log
