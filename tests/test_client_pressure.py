@@ -1,0 +1,171 @@
+"""Slow, chatty and idle clients (issue 23, items 3, 4 and part of 6): a chunked body meets its
+deadlines from its first byte, many tiny chunks cost a few writes to the backend, idle keep-alive
+connections give way at the connection cap, header names with '_' stay at the edge, and a flood of
+bad requests writes a bounded number of log lines.
+
+Real edges, real sockets; the backends are the raw ones of tests/rawserver.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from tests.rawserver import ConnReader, RecordingBackend, read_request
+from tests.support import Backend, Edge, request, wait_until
+
+H = b"Host: h\r\n"
+
+
+def read_status(s: socket.socket, limit: float = 8.0, trickle: bytes | None = None, every: float = 0.2) -> tuple:
+    """(status or None, seconds) of the first response on s, sending `trickle` every `every` s until it
+    comes (a client that is never silent for long, yet never fast)."""
+    start = time.monotonic()
+    got = b""
+    try:
+        while time.monotonic() - start < limit:
+            if trickle is not None:
+                s.sendall(trickle)
+            s.settimeout(every)
+            try:
+                data = s.recv(65536)
+            except socket.timeout:
+                continue
+            if not data:
+                break
+            got += data
+            if b"\r\n\r\n" in got:
+                break
+    except OSError:
+        pass
+    status = int(got[9:12]) if got.startswith(b"HTTP/1.1 ") else None
+    return status, time.monotonic() - start
+
+
+def served(port: int, n: int) -> None:
+    """A plain request from another client is answered by the backend."""
+    s, _, body = exchange(port, b"GET /after-%d HTTP/1.1\r\nHost: v\r\nConnection: close\r\n\r\n" % n)
+    assert (s, body) == (200, b"target=/after-%d len=0\n" % n)
+
+
+def exchange(port: int, data: bytes, timeout: float = 10.0):
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        r = ConnReader(s)
+        head = r.head()
+        assert head is not None, "closed without a response"
+        status = int(head[9:12])
+        n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        return status, head, r.exact(n)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = RecordingBackend()
+    yield b
+    b.close()
+
+
+# ------------------------------------------------------------------ chunked bodies, from the first byte
+
+@pytest.fixture(scope="module")
+def paced(backend):
+    """body_timeout 1 s and 100 kB/s: a body's deadline is 1 s + its bytes so far / 100 kB/s."""
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--body-timeout", "1",
+             "--body-min-rate", "100000")
+    yield e
+    e.stop()
+
+
+def test_a_trickled_first_chunk_is_cut_off_like_its_content_length_twin(paced):
+    """The issue's repro (streamed: over 64 KiB): `900000` declared, 70,000 bytes sent, then a byte at a
+    time. The deadline counts from the first byte: 1 s + 70 kB / 100 kB/s = 1.7 s, not never."""
+    with socket.create_connection(("127.0.0.1", paced.port), timeout=10) as s:
+        s.sendall(b"POST /trickle HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n900000\r\n"
+                  + b"c" * 70000)
+        status, took = read_status(s, trickle=b"c")
+    assert status == 408 and took < 5, (status, took)
+    served(paced.port, 1)
+
+
+def test_a_trickled_chunk_size_line_is_cut_off(paced):
+    """A size line sent a byte every 0.2 s is never silent for body_timeout; its deadline is 1 s."""
+    with socket.create_connection(("127.0.0.1", paced.port), timeout=10) as s:
+        s.sendall(b"POST /size-line HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n")
+        status, took = read_status(s, trickle=b"0")
+    assert status == 408 and took < 5, (status, took)
+    served(paced.port, 2)
+
+
+def test_a_trickled_trailer_section_is_cut_off(paced):
+    with socket.create_connection(("127.0.0.1", paced.port), timeout=10) as s:
+        s.sendall(b"POST /trailers HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-T: ")
+        status, took = read_status(s, trickle=b"t")
+    assert status == 408 and took < 5, (status, took)
+    served(paced.port, 3)
+
+
+def test_too_many_trailer_lines_are_a_400(paced, backend):
+    """Trailers are dropped, but each is read: their number is capped (400, as for any other bad
+    framing of a body -- the head was fine, so not a 431)."""
+    backend.take()
+    body = b"3\r\nabc\r\n0\r\n" + b"X-T: t\r\n" * 40 + b"\r\n"
+    status, _, _ = exchange(paced.port, b"POST /many-trailers HTTP/1.1\r\n" + H
+                            + b"Transfer-Encoding: chunked\r\n\r\n" + body)
+    assert status == 400
+    ok = b"3\r\nabc\r\n0\r\n" + b"X-T: t\r\n" * 5 + b"\r\n"
+    status, _, got = exchange(paced.port, b"POST /few-trailers HTTP/1.1\r\n" + H
+                              + b"Transfer-Encoding: chunked\r\n\r\n" + ok)
+    assert (status, got) == (200, b"target=/few-trailers len=3\n")
+    assert [r[1] for r in backend.take() if r[1] != "/health"] == ["/few-trailers"]
+
+
+def test_chunk_framing_counts_toward_max_body_size(backend):
+    """1,000 one-byte chunks are 1,000 bytes of data but 6,000 on the wire: over a 4,000-byte cap."""
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--max-body-size", "4000")
+    try:
+        body = b"1\r\na\r\n" * 1000 + b"0\r\n\r\n"
+        status, _, _ = exchange(e.port, b"POST /framing HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n" + body)
+        assert status == 413
+        served(e.port, 4)
+    finally:
+        e.stop()
+
+
+class SegmentCountingBackend(RecordingBackend):
+    """Records requests like its parent and keeps its last connection, to read the TCP segments that
+    connection received (TCP_INFO tcpi_segs_in)."""
+
+    def _serve(self, s, server):
+        self.sock = s
+        super()._serve(s, server)
+
+    def segments_in(self) -> int:
+        return struct.unpack_from("I", self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 140)[0]
+
+
+def test_many_tiny_chunks_reach_the_backend_intact_in_few_writes():
+    """Streamed (over 64 KiB): 100,000 one-byte chunks were 100,000 sendalls toward the backend (strace:
+    100,003 sendto); what a read brings is now gathered and written once (9). The backend's segment
+    count shows it: Linux's autocorking merges some small writes (113-202 segments for the 100,000 on
+    the old code), never as far as one segment per 64 KiB read (11 now)."""
+    b = SegmentCountingBackend()
+    e = Edge("--backends", b.url, "--health-interval", "30")
+    try:
+        n = 100_000
+        data = bytes(i % 251 for i in range(n))
+        body = b"".join(b"1\r\n%s\r\n" % data[i:i + 1] for i in range(n)) + b"0\r\n\r\n"
+        status, _, got = exchange(e.port, b"POST /tiny HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n"
+                                  + body, timeout=60)
+        assert (status, got) == (200, b"target=/tiny len=%d\n" % n)
+        reqs = [r for r in b.take() if r[1] == "/tiny"]
+        assert len(reqs) == 1 and reqs[0][3] == data
+        assert b.segments_in() < 60, b.segments_in()
+    finally:
+        e.stop()
+        b.close()
+
