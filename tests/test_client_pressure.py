@@ -169,3 +169,70 @@ def test_many_tiny_chunks_reach_the_backend_intact_in_few_writes():
         e.stop()
         b.close()
 
+
+# ------------------------------------------------------------------ at the connection cap, idle gives way
+
+def idle_connection(port: int, n: int, key: bytes = b"k") -> socket.socket:
+    """A keep-alive connection that sent one GET, read its answer, and went quiet."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"GET /idle-%d HTTP/1.1\r\nHost: h\r\nX-Api-Key: %s\r\n\r\n" % (n, key))
+    r = ConnReader(s)
+    head = r.head()
+    assert head is not None and head[9:12] in (b"200", b"429"), head
+    r.exact(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+    assert not r.buf
+    return s
+
+
+def closed_cleanly(s: socket.socket) -> bool:
+    """True when the edge closed s without a byte (False while it is open)."""
+    s.setblocking(False)
+    try:
+        data = s.recv(1)
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        raise AssertionError("reset, not a clean close")
+    finally:
+        s.setblocking(True)
+    assert data == b"", f"bytes on an idle connection: {data!r}"
+    return True
+
+
+def test_idle_keep_alive_connections_give_way_to_new_clients(backend):
+    """230 idle keep-alive connections at a cap of 200 (the issue's test): each new one past the cap
+    closes the longest-idle one, so 5 more clients are served (were: 503 too many connections, for
+    keepalive_timeout), and the ones closed saw a clean close, oldest first: 30 for the last 30 idle
+    ones, at least one for the new clients (each closes its connection: later ones may find room)."""
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--max-connections", "200")
+    conns = []
+    try:
+        for n in range(230):
+            conns.append(idle_connection(e.port, n))
+        for n in range(5):
+            served(e.port, 100 + n)
+        wait_until(lambda: all(closed_cleanly(s) for s in conns[:31]), timeout=10,
+                   what="the 31 longest idle closed")
+        still = [closed_cleanly(s) for s in conns[35:]]
+        assert not any(still), f"{sum(still)} of the later connections closed too"
+        s = conns[-1]                       # a kept one still serves
+        s.sendall(b"GET /again HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert ConnReader(s).head()[9:12] == b"200"
+    finally:
+        for s in conns:
+            s.close()
+        e.stop()
+
+
+def test_a_connection_idle_after_a_429_gives_way_too(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--max-connections", "3",
+             "--limit", "1/m")
+    conns = []
+    try:
+        conns = [idle_connection(e.port, n, b"spent") for n in range(3)]   # 200, then 429 twice
+        served(e.port, 200)                 # another key, on a new connection: room was made
+        wait_until(lambda: closed_cleanly(conns[0]), timeout=10, what="the longest idle closed")
+    finally:
+        for s in conns:
+            s.close()
+        e.stop()
