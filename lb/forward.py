@@ -62,13 +62,19 @@ class UpstreamFailed(Exception):
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
                   close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
-                  request_id: bytes | None = None, length: int | None = None) -> bytearray:
+                  request_id: bytes | None = None, length: int | None = None,
+                  underscores: bool = False) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
     exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
     are; from anyone else they are replaced with what the edge saw. request_id: the id the edge made
     up (the client sent none, or a malformed one), which replaces the client's X-Request-Id.
+
+    A field name with '_' is not forwarded unless `underscores` (nginx's underscores_in_headers off,
+    its default): CGI-style backends read X_Forwarded_For and X-Forwarded-For as one HTTP_X_FORWARDED_FOR,
+    so a client could slip its own beside the edge's. The edge itself never reads such a name as its
+    dashed twin (parse_request matches exact names).
     """
     out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
     tokens = req.conn_tokens   # never names Host or the framing (httpio.NOT_NOMINABLE)
@@ -76,7 +82,7 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
     for name, lname, value in req.headers:
-        if lname in replaced or (tokens and lname in tokens):
+        if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
             if lname == b"content-length" and length is not None:
                 out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
                 length = None
@@ -195,7 +201,7 @@ class Forwarder:
         try:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
-                                     length)
+                                     length, edge.cfg.allow_underscores)
                 with backend.lock:
                     backend.inflight += 1
                 try:

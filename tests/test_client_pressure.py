@@ -236,3 +236,44 @@ def test_a_connection_idle_after_a_429_gives_way_too(backend):
         for s in conns:
             s.close()
         e.stop()
+
+
+# ------------------------------------------------------------------ header names with '_'
+
+def sent_headers(backend, target: str) -> list[tuple[str, str]]:
+    return [r[2] for r in backend.take() if r[1] == target][0]
+
+
+UNDERSCORED = (b"X_Forwarded_For: 6.6.6.6\r\nX_Api_Key: other\r\nFoo_Bar: x\r\nX-Plain: kept\r\n")
+
+
+def test_header_names_with_underscores_stay_at_the_edge(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--limit", "1/m")
+    try:
+        backend.take()
+        s, _, _ = exchange(e.port, b"GET /u1 HTTP/1.1\r\nHost: h\r\n" + UNDERSCORED + b"Connection: close\r\n\r\n")
+        assert s == 200
+        names = [k for k, _ in sent_headers(backend, "/u1")]
+        assert not [k for k in names if "_" in k], names
+        assert "X-Plain" in names and names.count("X-Forwarded-For") == 1
+        # nor does the edge read X_Api_Key as X-Api-Key: another value is still the same client (its IP)
+        s, _, _ = exchange(e.port, b"GET /u2 HTTP/1.1\r\nHost: h\r\nX_Api_Key: third\r\nConnection: close\r\n\r\n")
+        assert s == 429
+    finally:
+        e.stop()
+
+
+def test_allow_underscores_forwards_them(backend, tmp_path):
+    conf = tmp_path / "edge.toml"
+    conf.write_text(f'[[backends]]\nurl = "{backend.url}"\n\n[server]\nallow_underscores = true\n')
+    for args in (("--backends", backend.url, "--allow-underscores"), ("--config", str(conf))):
+        e = Edge("--health-interval", "30", *args)
+        try:
+            backend.take()
+            s, _, _ = exchange(e.port, b"GET /u3 HTTP/1.1\r\nHost: h\r\n" + UNDERSCORED + b"Connection: close\r\n\r\n")
+            assert s == 200
+            got = sent_headers(backend, "/u3")
+            assert ("X_Forwarded_For", "6.6.6.6") in got and ("Foo_Bar", "x") in got, got
+        finally:
+            e.stop()
+
