@@ -24,6 +24,7 @@ from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
 from . import tunnel
 from .backends import Backend, PoolExhausted
+from .logs import client_fault
 from .netaddr import hostport
 from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
                      not_relayed, own_response, parse_response, send)
@@ -397,7 +398,7 @@ class Forwarder:
         """The client's streamed body failed (bad framing, too large, too slow) after its head reached
         the backend (that connection is closed): answer, count it against the backend's requests."""
         edge = self.edge
-        log.warning("client: %d %s (request body to backend %s)", status, reason, x.backend.url)
+        client_fault("client %s: %d %s (request body to backend %s)", x.client_ip, status, reason, x.backend.url)
         edge.metrics.client_failed(x.backend.url, status, monotonic() - x.start)
         data = own_response(status, reason, close=True, extra=x.extra_headers(), head_only=x.req.method == b"HEAD")
         x.bytes_sent = len(data)

@@ -25,6 +25,7 @@ from itertools import chain
 from time import monotonic
 
 from . import netaddr, tls, tunnel
+from .logs import client_fault
 from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
 from .outlier import Ejector
@@ -170,7 +171,7 @@ class Edge:
                 self._refuse(sock, 400, "plain HTTP request sent to the HTTPS port", peer_ip)
                 linger(sock, 1.0)
             else:
-                log.info("client %s: %s", peer_ip, why)
+                client_fault("client %s: %s", peer_ip, why)
             return
         try:
             self._serve(tsock, peer_ip, True, sock)
@@ -202,7 +203,7 @@ class Edge:
                     if check_tls:
                         check_tls = False
                         if reader.buf[0] == tls.HANDSHAKE:
-                            log.info("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
+                            client_fault("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
                     conns[sock] = True
                     idle.pop(sock, None)
@@ -282,7 +283,7 @@ class Edge:
 
     def _refuse(self, sock, status: int, reason: str, peer_ip: str) -> None:
         """Answer a request we could not read, then the caller closes: framing is lost."""
-        log.warning("client %s: %d %s", peer_ip, status, reason)
+        client_fault("client %s: %d %s", peer_ip, status, reason)
         self.metrics.edge_answered(status, 0.0)
         rid = new_request_id()
         access_log = self.access_log       # once: a reload may turn it off between two reads
@@ -383,7 +384,7 @@ class Edge:
                     self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = self._read_body(req, reader, cfg)
             except HttpError as e:
-                log.warning("client %s: %d %s", peer_ip, e.status, e.reason)
+                client_fault("client %s: %d %s", peer_ip, e.status, e.reason)
                 return self._answer(sock, x, e.status, e.reason, False)
             except ClientGone:
                 self.client_closed(x, reached=False)

@@ -277,3 +277,58 @@ def test_allow_underscores_forwards_them(backend, tmp_path):
         finally:
             e.stop()
 
+
+# ------------------------------------------------------------------ a flood of bad requests, a few log lines
+
+def test_client_faults_warn_once_per_window_and_count_the_rest():
+    import logging
+    from lb.logs import ClientFaults
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append((record.levelname, record.getMessage()))
+
+    logger = logging.getLogger("test-client-faults")
+    logger.propagate = False
+    h = Lines()
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    timers = []
+    f = ClientFaults(logger, every=10.0, burst=2, schedule=lambda delay, fn: timers.append((delay, fn)))
+    for i in range(100):
+        f("client %s: %d %s", "10.0.0.%d" % i, 400, "malformed request line")
+    assert h.lines[0] == ("WARNING", "client 10.0.0.0: 400 malformed request line")
+    assert [lv for lv, _ in h.lines] == ["WARNING", "INFO", "INFO"] and len(timers) == 1
+    timers.pop()[1]()                       # the window ends: one summary, and a new window
+    assert h.lines[-1] == ("WARNING", "99 more client errors in the last 10 s (97 not logged; "
+                                      "last: client 10.0.0.99: 400 malformed request line)")
+    assert len(timers) == 1
+    f("client %s: %d %s", "10.0.0.1", 408, "late")   # inside the new window: INFO, no WARNING
+    assert h.lines[-1] == ("INFO", "client 10.0.0.1: 408 late")
+    timers.pop()[1]()
+    assert h.lines[-1][0] == "WARNING" and h.lines[-1][1].startswith("1 more client errors")
+    timers.pop()[1]()                       # a quiet window: no line, and the next fault warns at once
+    n = len(h.lines)
+    assert not timers
+    f("client %s: %d %s", "10.0.0.2", 400, "again")
+    assert h.lines[n:] == [("WARNING", "client 10.0.0.2: 400 again")] and len(timers) == 1
+
+
+def test_a_flood_of_bad_requests_writes_a_few_log_lines_and_every_access_line(backend, tmp_path):
+    access = tmp_path / "access.log"
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--access-log", str(access))
+    try:
+        for _ in range(60):
+            s, _, _ = exchange(e.port, b"GET / HTTP/1.1\r\nHost: h\r\nBad Header: x\r\n\r\n")
+            assert s == 400
+        served(e.port, 300)
+        wait_until(lambda: access.exists() and access.read_text().count(" 400 ") == 60, timeout=10,
+                   what="60 refusals in the access log")
+        lines = [ln for ln in e.log().splitlines() if "malformed header line" in ln]
+        assert [ln.split()[1] for ln in lines] == ["WARNING"] + ["INFO"] * 5, lines
+    finally:
+        e.stop()
