@@ -16,7 +16,8 @@ import time
 import pytest
 
 from tests.rawserver import ConnReader, RecordingBackend, read_request
-from tests.support import Backend, Edge, request, wait_until
+from tests.support import Edge, request, wait_until
+from tests.test_tls import pki  # noqa: F401 (a fixture)
 
 H = b"Host: h\r\n"
 
@@ -235,6 +236,28 @@ def test_a_connection_idle_after_a_429_gives_way_too(backend):
     finally:
         for s in conns:
             s.close()
+        e.stop()
+
+
+
+def test_an_idle_tls_connection_gives_way_with_a_clean_close(backends, pki):
+    """Over TLS too: the client of the closed connection reads a clean end (our close_notify), not the
+    decode_error alert OpenSSL 3 sent for the EOF the edge's own shutdown caused."""
+    from tests.test_tls import https, tls_edge
+    e = tls_edge(pki, backends, "--max-connections", "3", "--admin", "127.0.0.1:0")
+    try:
+        held = [https(e.port, pki) for _ in range(3)]
+        for c in held:
+            assert request(e.port, "GET", "/", conn=c).status == 200
+        new = https(e.port, pki)
+        assert request(e.port, "GET", "/", conn=new).status == 200
+        new.close()
+        held[0].sock.settimeout(5)
+        assert held[0].sock.recv(1) == b""
+        assert request(e.port, "GET", "/", conn=held[2]).status == 200
+        text = request(e.admin_port, "GET", "/metrics").body.decode()
+        assert "lb_idle_connections_closed_total 1" in text
+    finally:
         e.stop()
 
 
