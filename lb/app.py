@@ -255,7 +255,8 @@ class App:
     def _live(self) -> dict:
         """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
         out = {("lb_client_connections", ()): self.server.active,
-               ("lb_refused_connections_total", ()): self.edge.refused_connections}
+               ("lb_refused_connections_total", ()): self.edge.refused_connections,
+               ("lb_idle_connections_closed_total", ()): self.edge.idle_closed}
         for b in self.balancer.backends:
             lab = (("backend", b.url),)
             out[("lb_backend_up", lab)] = 1 if b.up else 0

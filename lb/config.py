@@ -84,6 +84,7 @@ class Config:
     request_id_response: bool = False        # X-Request-Id on responses too (off: the spec's transparency)
     tunnel_idle_timeout: float = 300.0       # an upgraded connection (WebSocket) silent both ways is closed
     upgrades: frozenset = frozenset({"websocket"})   # Upgrade protocols tunnelled; empty: none
+    allow_underscores: bool = False          # forward request header names with '_' (nginx: underscores_in_headers)
     # limiting
     limit: str | None = None                 # "N/PERIOD"; None: limiting off
     key_limits: tuple[tuple[str, str], ...] = ()
@@ -262,7 +263,8 @@ _SECTIONS = {
                "body_min_rate": ("body_min_rate", Num(False, 1.0, 1e12, zero=True)), "send_timeout": ("send_timeout", SECONDS),
                "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
                "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list"),
-               "request_id_response": ("request_id_response", "b")},
+               "request_id_response": ("request_id_response", "b"),
+               "allow_underscores": ("allow_underscores", "b")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -400,7 +402,10 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
     a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     a("--grace", help="seconds between SIGTERM (/readyz fails at once) and closing the listener (default 0)")
-    a("--max-connections", help="concurrent client connections (default 1024)")
+    a("--max-connections", help="concurrent client connections (default 1024); at the cap the longest-idle "
+                                "keep-alive one is closed for a new one")
+    a("--allow-underscores", action="store_true",
+      help="forward request header names containing '_' (default: dropped, as nginx does)")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
     a("--body-min-rate", help="bytes/s a request body must average beyond --body-timeout (default 8192; "

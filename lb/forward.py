@@ -24,6 +24,7 @@ from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
 from . import tunnel
 from .backends import Backend, PoolExhausted
+from .logs import client_fault
 from .netaddr import hostport
 from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
                      not_relayed, own_response, parse_response, send)
@@ -62,13 +63,19 @@ class UpstreamFailed(Exception):
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
                   close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
-                  request_id: bytes | None = None, length: int | None = None) -> bytearray:
+                  request_id: bytes | None = None, length: int | None = None,
+                  underscores: bool = False) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
     exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
     are; from anyone else they are replaced with what the edge saw. request_id: the id the edge made
     up (the client sent none, or a malformed one), which replaces the client's X-Request-Id.
+
+    A field name with '_' is not forwarded unless `underscores` (nginx's underscores_in_headers off,
+    its default): CGI-style backends read X_Forwarded_For and X-Forwarded-For as one HTTP_X_FORWARDED_FOR,
+    so a client could slip its own beside the edge's. The edge itself never reads such a name as its
+    dashed twin (parse_request matches exact names).
     """
     out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
     tokens = req.conn_tokens   # never names Host or the framing (httpio.NOT_NOMINABLE)
@@ -76,7 +83,7 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
     for name, lname, value in req.headers:
-        if lname in replaced or (tokens and lname in tokens):
+        if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
             if lname == b"content-length" and length is not None:
                 out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
                 length = None
@@ -195,7 +202,7 @@ class Forwarder:
         try:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
-                                     length)
+                                     length, edge.cfg.allow_underscores)
                 with backend.lock:
                     backend.inflight += 1
                 try:
@@ -391,7 +398,7 @@ class Forwarder:
         """The client's streamed body failed (bad framing, too large, too slow) after its head reached
         the backend (that connection is closed): answer, count it against the backend's requests."""
         edge = self.edge
-        log.warning("client: %d %s (request body to backend %s)", status, reason, x.backend.url)
+        client_fault("client %s: %d %s (request body to backend %s)", x.client_ip, status, reason, x.backend.url)
         edge.metrics.client_failed(x.backend.url, status, monotonic() - x.start)
         data = own_response(status, reason, close=True, extra=x.extra_headers(), head_only=x.req.method == b"HEAD")
         x.bytes_sent = len(data)

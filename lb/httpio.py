@@ -23,6 +23,7 @@ MAX_HEADER_LINE = 8192
 MAX_HEAD = 65536
 MAX_HEADERS = 100
 MAX_CHUNK_LINE = 1024
+MAX_TRAILERS = 32           # trailer lines of a chunked request body (all dropped)
 
 # Connection-level headers: never forwarded in either direction (RFC 9110 7.6.1), nor any header that
 # Connection names. Keep-Alive and Proxy-* are the de-facto additions.
@@ -413,33 +414,71 @@ def chunk_size(line: bytes) -> int:
 
 
 def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: int = 65536):
-    """Decode a chunked request body, yielding its data as it arrives (a chunk in pieces of at most
-    `piece` bytes, never a whole declared chunk at once); trailers are read and dropped.
+    """Decode a chunked request body, yielding its data as it arrives: what one read brought is gathered
+    (many small chunks are one piece of at most `piece` bytes) and yielded before the next read would
+    wait, so a caller writes once per read, not once per chunk, and an interactive stream is not held
+    back. Trailers are read and dropped: at most MAX_TRAILERS lines.
 
+    The body is paced from its first byte: the deadline (body_deadline) counts every byte on the wire,
+    size lines and trailers included, and so does max_body (framing is bytes a client made us read).
     Raises HttpError for bad framing (400) or too much (413); EOFError and socket errors pass through
-    (the caller knows whether that is a client gone or a timeout). min_rate: see body_deadline().
+    (the caller knows whether that is a client gone or a timeout).
     """
-    total = 0
+    buf = reader.buf
+    got = 0                       # bytes of the body read so far, framing included
+    out = bytearray()             # data gathered, not yet yielded
     t0 = monotonic()
+    if min_rate:
+        body_deadline(reader, t0, 0, min_rate)
     while True:
-        size = chunk_size(reader.read_line(MAX_CHUNK_LINE))
+        if out and not buf:       # the next read may wait: pass on what we have first
+            yield bytes(out)
+            out.clear()
+        line = reader.read_line(MAX_CHUNK_LINE)
+        got += len(line) + 2
+        size = chunk_size(line)
         if size < 0:
             raise HttpError(400, "invalid chunk size")
         if size == 0:
-            while reader.read_line(MAX_HEADER_LINE):  # trailer section, ends with an empty line
-                pass
-            return
-        total += size
-        if total > max_body:
+            break
+        if got + size + 2 > max_body:
             raise HttpError(413, "request body too large")
         while size > 0:
-            data = reader.read_some(min(size, piece))
+            if out and (not buf or len(out) >= piece):
+                yield bytes(out)
+                out.clear()
+            data = reader.read_some(min(size, piece - len(out)))
             size -= len(data)
-            yield data
+            got += len(data)
+            out += data
+            if min_rate:
+                body_deadline(reader, t0, got, min_rate)
+        if out and not buf:
+            yield bytes(out)
+            out.clear()
         if reader.read_exact(2) != CRLF:
             raise HttpError(400, "chunk longer than its declared size")
+        got += 2
         if min_rate:
-            body_deadline(reader, t0, total, min_rate)
+            body_deadline(reader, t0, got, min_rate)
+    if out:
+        yield bytes(out)
+    # The trailer section, up to its empty line: each line bounded by read_line, their number here, and
+    # their bytes by max_body (400 like any other bad framing of a body: the head was fine, a 431 would
+    # tell the client to shorten its header fields).
+    trailers = 0
+    while True:
+        if min_rate:
+            body_deadline(reader, t0, got, min_rate)
+        line = reader.read_line(MAX_HEADER_LINE)
+        got += len(line) + 2
+        if not line:
+            return
+        trailers += 1
+        if trailers > MAX_TRAILERS:
+            raise HttpError(400, f"more than {MAX_TRAILERS} trailer fields")
+        if got > max_body:
+            raise HttpError(413, "request body too large")
 
 
 def iter_fixed(reader: Reader, n: int, min_rate: float = 0.0, piece: int = 65536):

@@ -47,6 +47,8 @@ FAMILIES = {
     "lb_unavailable_total": ("counter", "Requests answered 503 because no backend was healthy."),
     "lb_limiter_errors_total": ("counter", "Limiter store failures (the configured failure policy applied)."),
     "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
+    "lb_idle_connections_closed_total": ("counter", "Idle keep-alive client connections closed to make room for "
+                                                    "a new one at max_connections."),
     "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
                                     "by the failed one."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),

@@ -25,6 +25,7 @@ from itertools import chain
 from time import monotonic
 
 from . import netaddr, tls, tunnel
+from .logs import client_fault
 from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
 from .outlier import Ejector
@@ -43,8 +44,9 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing.
 
-    Concurrent connections are capped: past max_connections a new one gets a 503 and is closed at once,
-    so an attack costs us a socket for a moment, never a thread.
+    Concurrent connections are capped. At the cap a new connection closes the longest-idle keep-alive
+    one (between requests: nginx's "reusing connections") and takes its place; only when none is idle
+    does it get a 503, closed at once, so an attack costs us a socket for a moment, never a thread.
     """
 
     daemon_threads = True
@@ -56,6 +58,9 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.edge = edge
         self.active = 0
         self._active_lock = threading.Lock()
+        # Connections closed to make room whose threads have not ended yet: their slot is already the
+        # new connection's, so the cap counts active - len(evicted) (shutdown_request removes them).
+        self.evicted: set = set()
         self.address_family = netaddr.family(addr[0])
         self._fd_warned = 0.0
         super().__init__(addr, None)
@@ -80,7 +85,13 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
     def process_request(self, request, client_address):
         with self._active_lock:
-            full = self.active >= self.edge.cfg.max_connections
+            full = self.active - len(self.evicted) >= self.edge.cfg.max_connections
+            if full:
+                victim = self.edge.evict_idle()
+                if victim is not None:
+                    self.evicted.add(victim)
+                    self.edge.idle_closed += 1
+                    full = False
             if not full:
                 self.active += 1
         if full:
@@ -111,6 +122,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         super().shutdown_request(request)
         with self._active_lock:
             self.active -= 1
+            self.evicted.discard(request)
 
     def handle_error(self, request, client_address):
         log.exception("connection from %s: unexpected error", client_address[0])
@@ -132,8 +144,12 @@ class Edge:
         self.ejector = ejector or Ejector(0)          # passive health (lb/outlier.py)
         self.retry_budget = retry_budget or RetryBudget()
         self.refused_connections = 0
+        self.idle_closed = 0                # idle keep-alive connections closed to make room at the cap
         self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
+        # Keep-alive connections between requests (after one at least): socket -> (idle since, the
+        # accepted socket EdgeServer counts), the ones a new connection at the cap may close.
+        self.idle: dict[socket.socket, tuple[float, socket.socket]] = {}
         self.forwarder = Forwarder(self)     # the upstream half: lb/forward.py
         self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
         self.tunnels: dict = {}             # client socket -> backend socket, while upgraded (for the drain)
@@ -155,20 +171,22 @@ class Edge:
                 self._refuse(sock, 400, "plain HTTP request sent to the HTTPS port", peer_ip)
                 linger(sock, 1.0)
             else:
-                log.info("client %s: %s", peer_ip, why)
+                client_fault("client %s: %s", peer_ip, why)
             return
         try:
-            self._serve(tsock, peer_ip, True)
+            self._serve(tsock, peer_ip, True, sock)
         finally:
             tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
 
-    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool) -> None:
+    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool, accepted=None) -> None:
         send_timeout(sock, self.cfg.send_timeout)
         reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
         peer = peer_ip.encode()
         identifier = None
         conns = self.conns
         conns[sock] = False
+        idle = self.idle
+        accepted = accepted or sock
         # A new connection has header_timeout for its whole first head, silence included; a kept-alive
         # one may idle keepalive_timeout between requests.
         first = monotonic() + self.cfg.header_timeout
@@ -185,9 +203,10 @@ class Edge:
                     if check_tls:
                         check_tls = False
                         if reader.buf[0] == tls.HANDSHAKE:
-                            log.info("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
+                            client_fault("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
                     conns[sock] = True
+                    idle.pop(sock, None)
                     reader.timeout = None
                     reader.deadline = first or monotonic() + cfg.header_timeout
                     first = 0.0
@@ -213,8 +232,10 @@ class Edge:
                 except ClientGone:
                     return
                 conns[sock] = False
+                idle[sock] = (monotonic(), accepted)
         finally:
             conns.pop(sock, None)
+            idle.pop(sock, None)
 
     def sweep_ejections(self) -> None:
         """Ejected backends whose time is up return to the rotation: one log line and a count each."""
@@ -237,12 +258,32 @@ class Edge:
                     pass
         return n
 
+    def evict_idle(self):
+        """At the connection cap: close the keep-alive connection idle longest (its thread, blocked in
+        recv, sees EOF and ends, as in wake_idle) and return its accepted socket, or None if none is
+        idle. A request that arrived just before is still read and answered, then the connection
+        closes: the client sees a clean close, never half a response."""
+        idle = self.idle
+        while idle:
+            try:
+                sock, (_, accepted) = min(list(idle.items()), key=_since)
+            except ValueError:        # emptied by the connections' own threads meanwhile
+                return None
+            if idle.pop(sock, None) is None:
+                continue              # it went busy (or ended) just now: the next one
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RD)
+            except OSError:
+                continue              # already closed: its slot frees itself
+            return accepted
+        return None
+
     def busy(self) -> int:
         return sum(1 for b in list(self.conns.values()) if b)
 
     def _refuse(self, sock, status: int, reason: str, peer_ip: str) -> None:
         """Answer a request we could not read, then the caller closes: framing is lost."""
-        log.warning("client %s: %d %s", peer_ip, status, reason)
+        client_fault("client %s: %d %s", peer_ip, status, reason)
         self.metrics.edge_answered(status, 0.0)
         rid = new_request_id()
         access_log = self.access_log       # once: a reload may turn it off between two reads
@@ -347,7 +388,7 @@ class Edge:
                     self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = self._read_body(req, reader, cfg)
             except HttpError as e:
-                log.warning("client %s: %d %s", peer_ip, e.status, e.reason)
+                client_fault("client %s: %d %s", peer_ip, e.status, e.reason)
                 return self._answer(sock, x, e.status, e.reason, False)
             except ClientGone:
                 self.client_closed(x, reached=False)
@@ -468,6 +509,10 @@ os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
 def new_request_id() -> bytes:
     return b"%032x" % _ids.getrandbits(128)
 
+
+
+def _since(item) -> float:
+    return item[1][0]
 
 
 def route_cookie(cookie: bytes) -> str | None:

@@ -497,10 +497,21 @@ def test_metrics_parse_and_carry_what_an_sre_scrapes(backends):
         held = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)   # the one allowed connection
         assert [request(e.port, "GET", "/", {"X-Api-Key": "k"}, conn=held).status for _ in range(4)] == \
             [200, 200, 200, 429]
+        # idle after its 429, it gives way to a new connection, which (yet to send its first request,
+        # so not idle) holds the slot: the next one is refused
+        def hold_slot():
+            s = socket.create_connection(("127.0.0.1", e.port), timeout=0.3)
+            try:
+                s.recv(1)            # a refusal comes at once (held may not be marked idle yet)
+            except socket.timeout:
+                return s
+            s.close()
+        fresh = wait_until(hold_slot, timeout=5, what="the idle connection giving way")
         wait_until(lambda: raw(e.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n").startswith(b"HTTP/1.1 503"),
                    timeout=5, what="a refused connection")
         text = request(e.admin_port, "GET", "/metrics").body.decode()
         held.close()
+        fresh.close()
         fams = {f.name: f for f in text_string_to_metric_families(text)}
     finally:
         e.stop()
@@ -514,6 +525,7 @@ def test_metrics_parse_and_carry_what_an_sre_scrapes(backends):
     assert val("lb_backend_responses", code="2xx") == 3
     assert val("lb_rate_limited", rule="default", dry_run="false") == 1
     assert val("lb_refused_connections") >= 1 and val("lb_client_connections") >= 1
+    assert val("lb_idle_connections_closed") == 1
     assert val("process_resident_memory_bytes") > 1e6 and val("process_open_fds") > 3
     assert val("process_threads") >= 2 and val("process_cpu_seconds") > 0
     assert math.isclose(val("process_start_time_seconds"), time.time(), abs_tol=300)
