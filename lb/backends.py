@@ -3,32 +3,61 @@
 The pool is urllib3's HTTPConnectionPool, deliberately configured: a hard cap on connections
 (maxsize + block=True, waiting at most pool_timeout, then the caller answers 503), connect timeout,
 no retries, no redirects, and the idle expiry urllib3 lacks (a connection idle longer than
-idle_timeout is closed on checkout instead of reused: the backend may have dropped it by then).
+idle_timeout is closed on checkout instead of reused: the backend may have dropped it by then). On
+every checkout a connection with anything to read on it (the backend's close, or bytes it sent after
+its last response) is closed instead of reused: those bytes would be read as the next response.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
+import select
+import socket
+import ssl
 import threading
 from collections import deque
 from time import monotonic
 
 import urllib3
 from urllib3.exceptions import ClosedPoolError, EmptyPoolError
-from urllib3.util.connection import is_connection_dropped
 
 from .config import BackendSpec
+
+log = logging.getLogger("edge")
 
 
 class PoolExhausted(Exception):
     """Every connection to this backend is busy and none came free within pool_timeout."""
 
 
-# A connection back in the pool for less than this is reused without urllib3's is-it-dropped poll():
-# no backend's keep-alive timeout is that short (nginx 75 s, gunicorn 2 s, Node 5 s), so it has not
-# closed it for idleness; the pool is LIFO, so under load every reuse is this fresh.
-FRESH = 0.25
+def readable(conn, sock) -> bool:
+    """Whether anything waits on an idle pooled connection: bytes, EOF or an error (a non-blocking
+    poll of the socket, nginx's read event on a kept-alive upstream connection). One poll() on a poll
+    object kept with the connection: a third of a MSG_PEEK recv's CPU, which raises BlockingIOError
+    in the common case. TLS: a record OpenSSL already decrypted is invisible to poll(), so pending()
+    first; the raw socket shows the rest (a record not read yet, a close_notify, the FIN)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    watch = conn.__dict__.get("watch")
+    if watch is None or watch[0] is not sock:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        watch = conn.watch = (sock, poller)
+    return bool(watch[1].poll(0))
+
+
+def _sent_bytes(sock) -> bool:
+    """After readable(): bytes of the backend's (worth a log line) rather than its close (its keep-alive
+    timeout: nothing to say). Over TLS only a decrypted record counts: raw bytes there are as likely a
+    close_notify as data, and reading them means decrypting what is not ours."""
+    if isinstance(sock, ssl.SSLSocket):
+        return sock.pending() > 0
+    try:
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except OSError:           # reset (as good as closed), or readable no more
+        return False
 
 
 class LifoSlots:
@@ -112,26 +141,30 @@ class BackendPool(urllib3.HTTPConnectionPool):
         self.pool_timeout = pool_timeout
         self.idle_timeout = idle_timeout
         self.reuse = reuse
+        self.url = f"{self.scheme}://{host}:{port}"     # make_backend sets the backend's own spelling
 
-    def _get_conn(self, timeout=None, replayable: bool = False):
-        if not replayable:
-            conn = super()._get_conn(timeout)  # also closes a connection the peer has dropped
-        else:
-            # urllib3's _get_conn without is_connection_dropped() for a fresh connection: that check is
-            # a poll() per request, and each system call is a GIL hand-off (bench/tail_bench.py).
-            if self.pool is None:
-                raise ClosedPoolError(self, "Pool is closed.")
-            try:
-                conn = self.pool.get(block=True, timeout=timeout)
-            except queue.Empty:
-                raise EmptyPoolError(self, "Pool is empty and a new connection can't be opened due to blocking mode.") from None
-            if conn is None:
-                conn = self._new_conn()
-            elif conn.sock is not None and monotonic() - getattr(conn, "idle_since", 0.0) >= FRESH:
-                if is_connection_dropped(conn):
-                    conn.close()
-        if conn.sock is not None and monotonic() - getattr(conn, "idle_since", 0.0) > self.idle_timeout:
-            conn.close()
+    def _get_conn(self, timeout=None):
+        # urllib3's _get_conn, with our own check of a pooled connection (below) and the idle expiry.
+        if self.pool is None:
+            raise ClosedPoolError(self, "Pool is closed.")
+        try:
+            conn = self.pool.get(block=True, timeout=timeout)
+        except queue.Empty:
+            raise EmptyPoolError(self, "Pool is empty and a new connection can't be opened due to blocking mode.") from None
+        if conn is None:
+            return self._new_conn()
+        sock = conn.sock
+        if sock is not None:
+            if monotonic() - conn.idle_since > self.idle_timeout:
+                conn.close()
+            elif readable(conn, sock):
+                # Anything on an idle connection is its close or bytes no request of ours asked for (a
+                # second response, a body after a HEAD or a 204, a Content-Length too short): read as
+                # the next response, it would answer the next user with another's. Never reused.
+                if _sent_bytes(sock):
+                    log.warning("backend %s sent bytes on an idle connection (after a complete response): "
+                                "closed, not reused", self.url)
+                conn.close()
         return conn
 
     def _new_conn(self):
@@ -144,13 +177,11 @@ class BackendPool(urllib3.HTTPConnectionPool):
             conn.idle_since = monotonic()
         super()._put_conn(conn)
 
-    def acquire(self, replayable: bool = False):
-        """A connection (connected or not: check .sock). Raises PoolExhausted.
-
-        replayable: the caller retries the request once on a new connection if this one proves dead
-        (lb/forward.py: an idempotent method, the body in hand), so a fresh connection is not polled."""
+    def acquire(self):
+        """A connection (connected or not: check .sock), never one with anything to read on it.
+        Raises PoolExhausted."""
         try:
-            return self._get_conn(timeout=self.pool_timeout, replayable=replayable)
+            return self._get_conn(timeout=self.pool_timeout)
         except EmptyPoolError:
             raise PoolExhausted(f"all {self.pool.maxsize if self.pool else 0} connections busy") from None
 
@@ -234,6 +265,7 @@ def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None) -> Back
     pool = cls(spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
                connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool, **tls)
+    pool.url = spec.url
     b = Backend(spec, pool)
     b.joined_at = joined_at   # None at start: the whole pool starts together, nobody ramps
     return b

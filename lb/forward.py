@@ -152,9 +152,9 @@ def _send_streamed(up: socket.socket, head: bytes, body, chunked: bool) -> None:
         up.sendall(b"0\r\n\r\n")
 
 
-def _acquire(pool, fresh: bool = False, replayable: bool = False):
+def _acquire(pool, fresh: bool = False):
     try:
-        return pool.acquire_fresh() if fresh else pool.acquire(replayable)
+        return pool.acquire_fresh() if fresh else pool.acquire()
     except PoolExhausted as e:
         raise UpstreamFailed("pool", 503, str(e)) from None
     except ClosedPoolError:
@@ -203,8 +203,9 @@ class Forwarder:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
                                      length, edge.cfg.allow_underscores)
-                with backend.lock:
-                    backend.inflight += 1
+                counted = backend      # a retry names another backend before the finally runs
+                with counted.lock:
+                    counted.inflight += 1
                 try:
                     try:
                         conn, rh, ur = self.attempt(x, backend, head, body)
@@ -256,8 +257,8 @@ class Forwarder:
                     # whole leaves the client's body half read.
                     return self.relay(x, rh, ur, conn, sock, in_sync=not (rh.early and streamed))
                 finally:
-                    with backend.lock:
-                        backend.inflight -= 1
+                    with counted.lock:
+                        counted.inflight -= 1
         except ClientGone:
             if x.status is None:
                 edge.client_closed(x, reached=True)
@@ -313,7 +314,7 @@ class Forwarder:
         req = x.req
         pool = backend.pool
         replayable = isinstance(body, bytes)
-        conn = _acquire(pool, replayable=replayable and req.method in IDEMPOTENT)
+        conn = _acquire(pool)
         retried = False
         while True:
             reused = conn.sock is not None
@@ -511,7 +512,13 @@ class Forwarder:
         except ClientGone:
             backend.pool.release(conn, False)
             raise
-        reusable = upstream_ok and not rh.close and not ur.buf
+        reusable = upstream_ok and not rh.close
+        if reusable and ur.buf:
+            # More than the response (a second one, a body after a HEAD, 204 or 304, a Content-Length
+            # too short): never relayed, and the connection is not reused for someone else to read it.
+            log.warning("backend %s sent %d bytes after a complete response: closed, not relayed",
+                        backend.url, len(ur.buf))
+            reusable = False
         backend.pool.release(conn, reusable)
         self.observe(backend, rh.status < 500, rh.status_line)
         now = monotonic()

@@ -57,6 +57,8 @@ _HEX = b"0123456789abcdefABCDEF"
 _TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 # Control bytes other than HTAB may not appear in a head at all; CR and LF only as CRLF (checked apart).
 _CTL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Every byte but those: head.translate(None, _NOT_CTL) leaves only the controls (a third of the regex's time).
+_NOT_CTL = bytes(c for c in range(256) if not _CTL.match(bytes([c])))
 _TARGET_BAD = re.compile(rb"[\x00-\x20\x7f]")
 _VERSION = re.compile(rb"HTTP/(\d)\.(\d)\Z")
 # A Host is an authority (RFC 9110 7.2): no blanks, no path, no userinfo (nginx refuses '/' and '\\').
@@ -513,12 +515,17 @@ _KEEP_ALIVE = frozenset({b"keep-alive"})
 def parse_response(head: bytes) -> ResponseHead:
     """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x, and for
     framing a client could read differently from us: Content-Length with Transfer-Encoding (nginx's
-    answer too), differing Content-Lengths, chunked applied twice or not last but present."""
+    answer too), differing Content-Lengths, chunked applied twice or not last but present, and for
+    control bytes (but HTAB) anywhere in the head."""
     # A bare CR or LF: a client could split the lines where we did not (a header hidden inside a value
     # we relay, response splitting); nginx reads LF as a line end, we refuse, as for requests.
     crlf = head.count(CRLF)
     if head.count(b"\n") != crlf or head.count(b"\r") != crlf:
         raise UpstreamError("protocol", "bare CR or LF in the response head")
+    # NUL and the other controls but HTAB (RFC 9110 5.5): relayed, a client may cut a field at a NUL or
+    # read it otherwise than we did; nginx refuses a NUL in an upstream header too.
+    if head.translate(None, _NOT_CTL):
+        raise UpstreamError("protocol", "control character in the response head")
     lines = head.split(CRLF)
     status_line = lines[0]
     if status_line[:7] not in (b"HTTP/1.", b"http/1.") or len(status_line) < 12 or status_line[8:9] != b" ":

@@ -16,6 +16,8 @@ thread could not safely read a TLS socket while this one writes it).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import select
 import socket
 import ssl
@@ -25,6 +27,7 @@ from .httpio import Reader, not_relayed
 
 
 PIECE = 65536
+_WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"     # RFC 6455 1.3
 
 
 def requested(req, allowed: frozenset) -> bytes | None:
@@ -48,6 +51,12 @@ def take(edge, x, conn, rh, ur: Reader, sock: socket.socket, reader: Reader) -> 
     if answer is None:
         backend.pool.release(conn, False)
         return edge.forwarder.failed(sock, x, "protocol", 502, "101 without an Upgrade header", False)
+    wrong = wrong_accept(x.req, rh)
+    if wrong:
+        # Not the handshake this client asked for (a cached or replayed 101, a backend that skipped the
+        # check): a client would refuse it; the edge does not open a tunnel on it.
+        backend.pool.release(conn, False)
+        return edge.forwarder.failed(sock, x, "protocol", 502, wrong, False)
     up = conn.sock
     conn.sock = None                                  # the socket is the tunnel's now
     backend.pool.release(conn, False)                 # the slot goes back; nothing to reuse in it
@@ -56,6 +65,32 @@ def take(edge, x, conn, rh, ur: Reader, sock: socket.socket, reader: Reader) -> 
     finally:
         reader.buf.clear()
         up.close()
+
+
+def wrong_accept(req, rh) -> str | None:
+    """Why the backend's 101 does not answer this WebSocket handshake (RFC 6455 4.1: its
+    Sec-WebSocket-Accept is base64(SHA-1(the client's Sec-WebSocket-Key + the GUID))), or None when it
+    does -- or when the switch is to another protocol, which has no such proof."""
+    proto = key = accept = None
+    for _, lname, value in rh.headers:
+        if lname == b"upgrade":
+            proto = value
+        elif lname == b"sec-websocket-accept":
+            if accept is not None:
+                return "101 with two Sec-WebSocket-Accept headers"
+            accept = value
+    if proto is None or proto.strip().lower() != b"websocket":
+        return None
+    for _, lname, value in req.headers:
+        if lname == b"sec-websocket-key":
+            key = value
+    if key is None:
+        return "101 to a WebSocket handshake without a Sec-WebSocket-Key"
+    if accept is None:
+        return "101 without Sec-WebSocket-Accept"
+    if accept != base64.b64encode(hashlib.sha1(key + _WS_GUID).digest()):
+        return "101 with a wrong Sec-WebSocket-Accept"
+    return None
 
 
 def switching_head(x, rh) -> bytearray | None:

@@ -147,8 +147,8 @@ def test_keep_alive_carries_many_requests_on_one_connection(backends, edge):
 
 def test_a_reused_connection_the_backend_closed_is_retried_once_and_nothing_runs_twice(backends):
     # The backend closes every connection right after its response, unannounced: each next GET finds
-    # its pooled connection dead (the edge skips the is-it-dropped poll on a connection that fresh,
-    # lb/backends.py FRESH) and must be retried once on a new one. No 502, and the backend saw each
+    # its pooled connection dead -- seen by the pool's check when the close has arrived, else when the
+    # request fails on it, and then retried once on a new one. No 502, and the backend saw each
     # request exactly once.
     b = backends[0]
     e = Edge("--backends", b.url, "--health-interval", "30", name="edge-close-after")

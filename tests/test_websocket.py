@@ -332,3 +332,91 @@ def test_a_101_without_upgrade_is_a_502_and_nothing_is_tunnelled():
     finally:
         e.stop()
         srv.close()
+
+
+def _raw_101_backend(answer):
+    """A backend that answers each handshake with answer(its request head) and then echoes raw bytes."""
+    import socket
+    import threading
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = c.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                c.sendall(answer(data))
+                try:
+                    while chunk := c.recv(65536):
+                        c.sendall(chunk)
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[1]
+
+
+@pytest.mark.parametrize("accept, why", [
+    (b"Sec-WebSocket-Accept: dGhpcyBpcyBub3QgaXQ=\r\n", "101 with a wrong Sec-WebSocket-Accept"),
+    (b"", "101 without Sec-WebSocket-Accept"),
+    (b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n",
+     "101 with two Sec-WebSocket-Accept headers"),
+], ids=["wrong", "missing", "twice"])
+def test_a_101_whose_accept_does_not_answer_the_clients_key_is_a_502(accept, why):
+    """The 101 must prove it answers this handshake (RFC 6455 4.1); a wrong or missing
+    Sec-WebSocket-Accept is a 502 with one log line, no tunnel, and the backend connection closed."""
+    from tests.support import raw
+    srv, port = _raw_101_backend(
+        lambda _req: b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n" + accept + b"\r\n")
+    e = Edge("--backends", f"http://127.0.0.1:{port}", "--health-interval", "30")
+    try:
+        out = raw(e.port, _handshake(e.port) + b"\x81\x85\x01\x02\x03\x04dgohn", timeout=10)
+        assert out.startswith(b"HTTP/1.1 502 ") and out.count(b"HTTP/1.1") == 1, out
+        assert b"dgohn" not in out                  # nothing came back through a tunnel
+        e.wait_log("backend .* protocol: GET /echo -> 502 \\(" + re.escape(why) + "\\)")
+        assert e.log().count(why) == 1
+    finally:
+        e.stop()
+        srv.close()
+
+
+def test_a_101_whose_accept_answers_the_key_is_tunnelled():
+    """The accept computed from the client's key (here the RFC's own example, and one of ours)."""
+    import base64
+    import hashlib
+    import socket
+    from tests.support import raw
+
+    def answer(req):
+        m = re.search(rb"Sec-WebSocket-Key: (\S+)", req)
+        if m is None:           # the health check
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        key = m.group(1)
+        acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        return b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: WebSocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n"
+
+    srv, port = _raw_101_backend(answer)
+    e = Edge("--backends", f"http://127.0.0.1:{port}", "--health-interval", "30")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+            s.sendall(_handshake(e.port) + b"ping")
+            got = b""
+            while not got.endswith(b"ping"):
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 101 ") and b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in got
+        other = _handshake(e.port).replace(b"dGhlIHNhbXBsZSBub25jZQ==", b"AQIDBAUGBwgJCgsMDQ4PEA==")
+        out = raw(e.port, other, timeout=2)
+        assert out.startswith(b"HTTP/1.1 101 "), out
+    finally:
+        e.stop()
+        srv.close()

@@ -1,0 +1,126 @@
+"""Counts that return to zero: every backend's lb_backend_inflight is 0 once the edge is idle, whatever
+path its requests took -- a connect failure retried on another backend, a read timeout, a client gone
+mid-response, a WebSocket tunnel. (The drain procedure waits for inflight 0; least-request reads it.)"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+
+import pytest
+
+from tests.rawserver import ConnReader, RawServer, read_request
+from tests.support import Edge, PY, Proc, free_port, request, wait_until
+
+
+def inflight(e: Edge) -> dict[str, int]:
+    text = request(e.admin_port, "GET", "/metrics").body.decode()
+    return {m.group(1): int(float(m.group(2)))
+            for m in re.finditer(r'^lb_backend_inflight\{backend="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def all_zero(e: Edge, urls: list[str], timeout: float = 10.0) -> None:
+    """Every backend's in-flight count reaches 0 (the edge finishes a request's bookkeeping after the
+    client has its answer: poll with a deadline) -- and stays there: a drift would not come back."""
+    try:
+        wait_until(lambda: all(inflight(e).get(u) == 0 for u in urls), timeout, what="inflight 0")
+    except AssertionError:
+        raise AssertionError(f"in flight: {inflight(e)}") from None
+    got = inflight(e)
+    assert set(urls) <= set(got) and all(got[u] == 0 for u in urls), got
+
+
+def serve(handler):
+    """A RawServer whose handler(sock, method, target) answers each request of a connection."""
+    def run(s, _server):
+        r = ConnReader(s)
+        while (req := read_request(r)) is not None:
+            if handler(s, req[0], req[1]) is False:
+                return
+    return RawServer(run)
+
+
+def ok(s, method, target):
+    body = f"{target}\n".encode()
+    s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def test_connect_failures_retried_elsewhere_leave_no_count_behind():
+    # Round robin over a backend that refuses connections and one that answers: every other request
+    # fails to connect and is retried on the live one. Before: +1 left on the dead one and -1 on the
+    # live one per retry (the decrement went to whichever backend the variable named by then).
+    live = serve(ok)
+    dead = f"http://127.0.0.1:{free_port()}"
+    e = Edge("--backends", f"{dead},{live.url}", "--strategy", "round-robin", "--retries", "1",
+             "--health-interval", "30", "--eject-after", "0", "--admin", "127.0.0.1:0")
+    try:
+        for i in range(6):
+            r = request(e.port, "GET", f"/r{i}")
+            assert r.status == 200 and r.body == f"/r{i}\n".encode()
+        assert "retrying on " + live.url in e.log()
+        all_zero(e, [dead, live.url])
+    finally:
+        e.stop()
+        live.close()
+
+
+def test_a_read_timeout_and_a_client_gone_mid_response_leave_no_count_behind():
+    def handler(s, method, target):
+        if target == "/silent":
+            time.sleep(3)                      # past the edge's read timeout: a 504
+            return False
+        if target == "/stream":
+            # A body far larger than any buffer, in pieces: the client leaves in the middle of it.
+            s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (200 << 20))
+            try:
+                for _ in range(200 << 4):
+                    s.sendall(b"x" * 65536)
+                    time.sleep(0.005)
+            except OSError:
+                pass
+            return False
+        ok(s, method, target)
+
+    b = serve(handler)
+    e = Edge("--backends", b.url, "--read-timeout", "0.5", "--health-interval", "30", "--eject-after", "0",
+             "--admin", "127.0.0.1:0")
+    try:
+        assert request(e.port, "GET", "/silent").status == 504
+        all_zero(e, [b.url])
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as c:
+            c.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = 0
+            while got < 1 << 20:
+                got += len(c.recv(65536))
+            assert inflight(e)[b.url] == 1         # the streaming response is in flight
+        # The client is gone: the edge's next send to it fails and it lets go of the backend.
+        all_zero(e, [b.url], timeout=20)
+        assert request(e.port, "GET", "/after").status == 200
+        all_zero(e, [b.url])
+    finally:
+        e.stop()
+        b.close()
+
+
+def test_a_websocket_tunnel_counts_while_open_and_not_after():
+    pytest.importorskip("websockets", reason="websockets (requirements-dev.txt) is the real client")
+    from websockets.sync.client import connect
+
+    wsb = Proc([PY, "-m", "tests.ws_backend", "--port", "0"], "ws-backend")
+    port = int(wsb.wait_log(r"listening \S+:(\d+)").group(1))
+    url = f"http://127.0.0.1:{port}"
+    dead = f"http://127.0.0.1:{free_port()}"
+    # The dead one first in the rotation: the first handshake is a connect failure retried on the live one.
+    e = Edge("--backends", f"{dead},{url}", "--strategy", "round-robin", "--retries", "1",
+             "--health-interval", "30", "--eject-after", "0", "--admin", "127.0.0.1:0")
+    try:
+        for i in range(2):
+            with connect(f"ws://127.0.0.1:{e.port}/echo", proxy=None, open_timeout=10, close_timeout=5) as c:
+                c.send(f"m{i}")
+                assert c.recv(timeout=10) == f"m{i}"
+                assert inflight(e)[url] == 1        # the open tunnel is in flight to its backend
+        all_zero(e, [dead, url])
+    finally:
+        e.stop()
+        wsb.stop()
