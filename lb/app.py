@@ -424,6 +424,9 @@ class App:
         if self.stopping:
             return
         self.stopping = True
+        # From now on (the grace period too) a keep-alive client is told to close after its response:
+        # it opens a new connection (to whoever serves the port next) instead of meeting our close.
+        self.edge.closing = True
         sdnotify.notify("STOPPING=1")
         if self.cfg.grace > 0:
             time.sleep(self.cfg.grace)

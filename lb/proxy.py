@@ -132,7 +132,8 @@ class Edge:
         self.ejector = ejector or Ejector(0)          # passive health (lb/outlier.py)
         self.retry_budget = retry_budget or RetryBudget()
         self.refused_connections = 0
-        self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
+        self.draining = False               # set after SIGTERM's grace: finish what is in flight, take nothing new
+        self.closing = False                # set on SIGTERM itself: every response says Connection: close
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
         self.forwarder = Forwarder(self)     # the upstream half: lb/forward.py
         self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
@@ -382,7 +383,7 @@ class Edge:
     def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
         """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers. Closing
         while the request's body may still be arriving is a lingering close."""
-        keep = keep and not self.draining
+        keep = keep and not self.closing
         self.metrics.edge_answered(status, monotonic() - x.start, **counters)
         data = own_response(status, reason, close=not keep, extra=x.extra_headers(),
                             head_only=x.req.method == b"HEAD")
