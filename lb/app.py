@@ -26,7 +26,7 @@ from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
 from .balancer import Balancer
-from .config import BackendSpec, Config, ConfigError, load, redis_files
+from .config import BackendSpec, Config, ConfigError, admin_token, load, redis_files
 from .health import HealthChecker
 from .identity import Identifier
 from .metrics import Metrics
@@ -109,6 +109,11 @@ class App:
                      f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
                      len(cfg.keys), rules)
         self.admin = None
+        try:
+            self.admin_token = admin_token(cfg)      # None: admin writes are off (403 says how to turn them on)
+        except ConfigError as e:
+            self.server.server_close()
+            raise StartError(str(e)) from None
         self.published = self.published_ctl = None
         if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
             self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
@@ -130,8 +135,9 @@ class App:
             except OSError as e:
                 self.server.server_close()
                 raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}") from None
-            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable)",
-                     hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "")
+            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable%s)",
+                     hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "",
+                     " with the token" if self.admin_token else ": off, no token configured")
         for b in backends:
             self.health.watch(b)
 
@@ -351,6 +357,7 @@ class App:
             try:
                 limiter = self._limit_stage(new, self.edge.limiter)
                 tls = self._tls_context(new)   # a broken new pair: rejected here, the old one serves on
+                token = admin_token(new)       # a rotated token file applies from the reload on
             except (ValueError, ConfigError) as e:
                 log.error("reload rejected, the running configuration stays: %s", e)
                 sdnotify.notify("READY=1")
@@ -383,6 +390,7 @@ class App:
             self.edge.limiter = limiter
             self.edge.tls = tls                # new connections handshake with the new pair
             self.edge.identifier = Identifier(new.trusted_proxies)
+            self.admin_token = token
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
             old_log = None
             if access_log is not self.access_log:
