@@ -73,6 +73,7 @@ class Config:
     retry_budget_min: int = 10               # ...but always this many (Envoy's budget, Linkerd's floor)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
+    takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
     cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
     drain_timeout: float = 30.0              # SIGTERM: in-flight requests may finish within this
     grace: float = 0.0                       # SIGTERM: /readyz fails at once, accepting stops this much later
@@ -427,6 +428,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
+    a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "
+                                              "ports (a zero-downtime upgrade: then TERM the old one); without "
+                                              "it, a port another edge serves refuses the start")
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
     a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     a("--grace", help="seconds between SIGTERM (/readyz fails at once) and closing the listener (default 0)")

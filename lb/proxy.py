@@ -169,13 +169,15 @@ class Edge:
         peer = peer_ip.encode()
         identifier = None
         conns = self.conns
-        conns[sock] = False
+        # Busy until its first request is answered: a drain waits for a connection it accepted (the last of
+        # its accept queue, say) rather than closing it under a client about to send (wake_idle)
+        conns[sock] = True
         # A new connection has header_timeout for its whole first head, silence included; a kept-alive
         # one may idle keepalive_timeout between requests.
         first = monotonic() + self.cfg.header_timeout
         check_tls = not over_tls
         try:
-            while not self.draining:
+            while True:                        # from SIGTERM on, handle() says close after each response
                 cfg = self.cfg                 # a reload applies from the next request on
                 reader.deadline = first or None
                 try:
