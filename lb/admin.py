@@ -243,7 +243,8 @@ class Connection:
         if req.method in (b"GET", b"HEAD"):
             return self.read(req, path)
         if req.method != b"POST":
-            return self.reply(req, 405, b"the admin API takes GET, HEAD and POST\n", extra=b"Allow: GET, HEAD, POST\r\n")
+            return self.reply(req, 405, b"the admin API takes GET, HEAD and POST\n",
+                              extra=b"Allow: GET, HEAD, POST\r\n")
         return self.write(req, path)
 
     def read(self, req, path: str) -> bool:
@@ -268,20 +269,21 @@ class Connection:
             return self.reply(req, 404, b"not found: POST /backends/<route>/drain or /backends/<route>/enable\n")
         why = cross_site(req)
         if why:
-            log.warning("admin: POST %s from %s refused: %s", escape(path.encode('latin-1'), 200), self.peer, why)
+            log.warning("admin: POST %s from %s refused: %s", escape(path.encode("latin-1"), 200), self.peer, why)
             return self.reply(req, 403, f"refused: a cross-site request ({why})\n".encode())
         token = app.admin_token
         if token is None:
             return self.reply(req, 403, (ENABLE_WRITES + "\n").encode())
         if not authorized(req, token):
-            log.warning("admin: POST %s from %s refused: missing or wrong token", escape(path.encode('latin-1'), 200), self.peer)
+            log.warning("admin: POST %s from %s refused: missing or wrong token", escape(path.encode("latin-1"), 200),
+                        self.peer)
             return self.reply(req, 401, b"a token is needed: Authorization: Bearer TOKEN\n",
                               extra=b'WWW-Authenticate: Bearer realm="edge admin"\r\n')
         b = app.find_backend(parts[1])
         if b is None:
             # Reflected, attacker-chosen: bounded and escaped as the access log writes a path.
-            return self.reply(req, 404, f"no backend '{escape(parts[1].encode('latin-1'), MAX_ROUTE)}': see /status for the "
-                                        f"routes\n".encode())
+            name = escape(parts[1].encode("latin-1"), MAX_ROUTE)
+            return self.reply(req, 404, f"no backend '{name}': see /status for the routes\n".encode())
         st, failed = app.drain_everywhere(b, parts[2] == "drain")
         if failed:      # applied here (and by the others not named), not everywhere: retry the call
             st["workers_failed"] = {str(i): why for i, why in sorted(failed.items())}

@@ -61,8 +61,9 @@ class Server(EdgeServer):
         self.loop_seen = time.monotonic()
 
 
-TAKE_OVER = ("Address already in use: another edge (or another program) is serving there; to replace a running edge without dropping "
-             "a request, start the new one with --takeover, then TERM the old one (README: Zero-downtime upgrade)")
+TAKE_OVER = ("Address already in use: another edge (or another program) is serving there; to replace a "
+             "running edge without dropping a request, start the new one with --takeover, then TERM the old "
+             "one (README: Zero-downtime upgrade)")
 SHARED_ONLY = " (--takeover joins only sockets that share the port: an edge run by the same user)"
 
 

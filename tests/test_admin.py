@@ -169,3 +169,26 @@ def test_other_methods_are_405(backends, method):
         assert r.status == 405 and r.header("Allow"), r
     finally:
         e.stop()
+
+
+def test_a_reload_takes_a_rotated_token_file(backends, tmp_path):
+    import signal
+    b = backends[0]
+    token = tmp_path / "admin-token"
+    token.write_text("first-token-0123456789\n")
+    conf = tmp_path / "edge.toml"
+    conf.write_text(f'[[backends]]\nurl = "{b.url}"\n[admin]\ntoken_file = "{token}"\n')
+    e = Edge("--config", str(conf), "--admin", "127.0.0.1:0")
+    try:
+        assert drain(e, b, {"Authorization": "Bearer first-token-0123456789"}).status == 200
+        token.write_text("second-token-0123456789\n")
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: ")
+        assert drain(e, b, {"Authorization": "Bearer first-token-0123456789"}).status == 401
+        assert drain(e, b, {"Authorization": "Bearer second-token-0123456789"}).status == 200
+        token.write_text("")                            # a broken file: the reload is refused, the token kept
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reload rejected.*admin.token_file: .* is empty")
+        assert drain(e, b, {"Authorization": "Bearer second-token-0123456789"}).status == 200
+    finally:
+        e.stop()
