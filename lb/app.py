@@ -64,8 +64,8 @@ class Server(EdgeServer):
 TAKE_OVER = ("Address already in use: another edge (or another program) is serving there; to replace a "
              "running edge without dropping a request, start the new one with --takeover, then TERM the old "
              "one (README: Zero-downtime upgrade)")
-SHARED_ONLY = (" (--takeover joins only sockets that share the port: an edge run by the same user, and not a "
-               "single-process edge older than --takeover)")
+SHARED_ONLY = (" (--takeover joins only sockets that share the port: an edge run by the same user, and not "
+               "the listener or admin port of an edge older than --takeover, unless it ran --workers without --admin)")
 
 
 def refuse_if_held(flag: str, addr, cfg: Config) -> None:
