@@ -26,11 +26,11 @@ from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
 from .balancer import Balancer
-from .config import BackendSpec, Config, ConfigError, load, redis_files
+from .config import BackendSpec, Config, ConfigError, admin_token, load, redis_files
 from .health import HealthChecker
 from .identity import Identifier
 from .metrics import Metrics
-from .netaddr import hostport
+from .netaddr import held, hostport
 from .outlier import Ejector
 from .tunnel import close_all as close_tunnels
 from .proxy import Edge, EdgeServer
@@ -45,32 +45,46 @@ POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeou
 
 
 class Server(EdgeServer):
-    """The listener (IPv4 or IPv6 by the address: EdgeServer), SO_REUSEPORT for workers, and a heartbeat of the
-    accept loop (service_actions runs every pass, at least every poll interval) for the watchdog."""
+    """The listener (IPv4 or IPv6 by the address: EdgeServer), and a heartbeat of the accept loop
+    (service_actions runs every pass, at least every poll interval) for the watchdog. SO_REUSEPORT always:
+    workers share the port, and an edge started with --takeover can bind beside this one (the kernel allows
+    that only to a process of the same effective uid). Another edge started without --takeover is refused
+    before it binds (netaddr.held)."""
 
-    reuse_port = False
     loop_seen = 0.0
 
     def server_bind(self):
-        if self.reuse_port:
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
 
     def service_actions(self):
         self.loop_seen = time.monotonic()
 
 
-def make_server(addr, edge, reuse_port: bool) -> Server:
-    cls = type("Server", (Server,), {"reuse_port": reuse_port})
+TAKE_OVER = ("Address already in use: another edge (or another program) is serving there; to replace a "
+             "running edge without dropping a request, start the new one with --takeover, then TERM the old "
+             "one (README: Zero-downtime upgrade)")
+SHARED_ONLY = (" (--takeover joins only sockets that share the port: an edge run by the same user, and not "
+               "the listener or admin port of an edge older than --takeover, unless it ran --workers without --admin)")
+
+
+def refuse_if_held(flag: str, addr, cfg: Config) -> None:
+    """One instance per port unless --takeover asks to join: SO_REUSEPORT alone would let a second edge
+    bind beside the first and split the traffic (each with its own limits)."""
+    if not cfg.takeover and held(*addr[:2]):
+        raise StartError(f"{flag} {hostport(*addr[:2])}: {TAKE_OVER}")
+
+
+def make_server(addr, edge, takeover: bool = False) -> Server:
     try:
-        return cls(addr, edge)
+        return Server(addr, edge)
     except OSError as e:
-        raise StartError(f"--listen {hostport(*addr)}: {e.strerror or e}") from None
+        raise StartError(f"--listen {hostport(*addr)}: {e.strerror or e}{SHARED_ONLY if takeover else ''}") from None
 
 
 class App:
-    def __init__(self, cfg: Config, argv: list[str] | None = None, reuse_port: bool = False,
-                 worker: int | None = None, rundir: str | None = None):
+    def __init__(self, cfg: Config, argv: list[str] | None = None, worker: int | None = None,
+                 rundir: str | None = None):
         """Raises StartError naming what could not be opened or bound."""
         self.argv = argv
         self.worker = worker
@@ -98,7 +112,11 @@ class App:
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
                          ejector=self.ejector, retry_budget=self.retry_budget)
         self.edge.tls = self._tls_context(cfg)
-        self.server = make_server(cfg.listen, self.edge, reuse_port)
+        if worker is None:               # (workers: the supervisor checked, and its reserve socket holds the port)
+            refuse_if_held("--listen", cfg.listen, cfg)
+        if cfg.admin:
+            refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
+        self.server = make_server(cfg.listen, self.edge, cfg.takeover)
         log.info("listening on %s%s, %d backends (%s): %s", hostport(*self.server.server_address[:2]),
                  f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
@@ -110,6 +128,11 @@ class App:
                      f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
                      len(cfg.keys), rules)
         self.admin = None
+        try:
+            self.admin_token = admin_token(cfg)      # None: admin writes are off (403 says how to turn them on)
+        except ConfigError as e:
+            self.server.server_close()
+            raise StartError(str(e)) from None
         self.published = self.published_ctl = None
         if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
             self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
@@ -123,18 +146,26 @@ class App:
                     log.warning("backend %s DRAINED, as in the other workers (drained by the admin API before "
                                 "this worker started)", b.url)
         if cfg.admin:
-            addr = cfg.admin
-            if worker and addr[1]:
-                addr = (addr[0], addr[1] + worker)   # worker i on PORT + i: its /status and drain; any /metrics sums
+            addr = self._admin_addr(cfg, worker)
             try:
-                self.admin = start_admin(addr, self)
+                # SO_REUSEPORT as the listener: with --takeover both edges answer here until the old one exits
+                self.admin = start_admin(addr, self, reuse_port=True)
             except OSError as e:
                 self.server.server_close()
-                raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}") from None
-            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable)",
-                     hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "")
+                raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}"
+                                 f"{SHARED_ONLY if cfg.takeover else ''}") from None
+            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable%s)",
+                     hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "",
+                     " with the token" if self.admin_token else ": off, no token configured")
         for b in backends:
             self.health.watch(b)
+
+    @staticmethod
+    def _admin_addr(cfg: Config, worker: int | None):
+        addr = cfg.admin
+        if worker and addr[1]:
+            addr = (addr[0], addr[1] + worker)   # worker i on PORT + i: its /status and drain; any /metrics sums
+        return addr
 
     @staticmethod
     def _open_access_log(cfg: Config):
@@ -353,6 +384,7 @@ class App:
             try:
                 limiter = self._limit_stage(new, self.edge.limiter)
                 tls = self._tls_context(new)   # a broken new pair: rejected here, the old one serves on
+                token = admin_token(new)       # a rotated token file applies from the reload on
             except (ValueError, ConfigError) as e:
                 log.error("reload rejected, the running configuration stays: %s", e)
                 sdnotify.notify("READY=1")
@@ -385,6 +417,7 @@ class App:
             self.edge.limiter = limiter
             self.edge.tls = tls                # new connections handshake with the new pair
             self.edge.identifier = Identifier(new.trusted_proxies)
+            self.admin_token = token
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
             old_log = None
             if access_log is not self.access_log:
@@ -407,6 +440,26 @@ class App:
                 old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
             return True
 
+    def _take_queued(self) -> int:
+        """Accept what waits in the listener's queue, right before it closes: Linux resets those connections
+        when a SO_REUSEPORT listener closes (unless net.ipv4.tcp_migrate_req = 1 hands them to another
+        listener on the port), and after a --takeover the other edge serves on. Each is served like any
+        other (one request, Connection: close)."""
+        sock = self.server.socket
+        n = 0
+        try:
+            sock.setblocking(False)
+            while True:
+                try:
+                    conn, addr = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    return n
+                conn.setblocking(True)
+                self.server.process_request(conn, addr)
+                n += 1
+        except OSError:
+            return n
+
     def _drain_backend(self, b, deadline: float = 300.0) -> None:
         """A backend taken out by reload: its in-flight requests finish, then its pool is closed."""
         end = time.monotonic() + deadline
@@ -426,6 +479,9 @@ class App:
         if self.stopping:
             return
         self.stopping = True
+        # From now on (the grace period too) a keep-alive client is told to close after its response:
+        # it opens a new connection (to whoever serves the port next) instead of meeting our close.
+        self.edge.closing = True
         sdnotify.notify("STOPPING=1")
         if self.cfg.grace > 0:
             time.sleep(self.cfg.grace)
@@ -434,7 +490,10 @@ class App:
 
     def drain(self) -> None:
         """After serve_forever returned: close the listener, let in-flight requests finish, clean up."""
+        taken = self._take_queued()
         self.server.socket.close()
+        if taken:
+            log.info("took %d queued connections before closing the listener", taken)
         deadline = time.monotonic() + self.cfg.drain_timeout
         self.edge.wake_idle()
         while self.edge.busy() and time.monotonic() < deadline:

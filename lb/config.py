@@ -42,6 +42,8 @@ class BackendSpec:
 class Config:
     listen: tuple[str, int] = ("127.0.0.1", 8080)
     admin: tuple[str, int] | None = None
+    admin_token_file: str | None = None      # admin writes need this file's token (or env EDGE_ADMIN_TOKEN)
+    admin_allowed_hosts: tuple[str, ...] = ()   # Host names the admin listener answers to, beyond IPs/localhost
     strategy: str = "weighted"
     sticky: bool = False                     # Cookie route=<backend id> pins a client to a backend
     backends: tuple[BackendSpec, ...] = ()
@@ -71,6 +73,7 @@ class Config:
     retry_budget_min: int = 10               # ...but always this many (Envoy's budget, Linkerd's floor)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
+    takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
     cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
     drain_timeout: float = 30.0              # SIGTERM: in-flight requests may finish within this
     grace: float = 0.0                       # SIGTERM: /readyz fails at once, accepting stops this much later
@@ -224,6 +227,36 @@ def redis_files(c: "Config") -> dict:
             "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
 
 
+ENV_ADMIN_TOKEN = "EDGE_ADMIN_TOKEN"
+
+
+def admin_token(c: "Config") -> bytes | None:
+    """The token admin writes need: env EDGE_ADMIN_TOKEN or the first line of [admin] token_file (one
+    source, as for the Redis password: two would leave an operator guessing which one is in force).
+    None: writes are off. Raises ConfigError."""
+    env = os.environ.get(ENV_ADMIN_TOKEN)
+    if env is not None and c.admin_token_file:
+        raise ConfigError(f"admin.token_file: set it or the environment variable {ENV_ADMIN_TOKEN}, not both")
+    if c.admin_token_file:
+        path = os.path.expandvars(c.admin_token_file)      # ${CREDENTIALS_DIRECTORY}
+        try:
+            with open(path, "rb") as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"admin.token_file: cannot read {path}: {e.strerror or e}") from None
+        if not token:
+            raise ConfigError(f"admin.token_file: {path} is empty (its first line is the token)")
+    elif env is not None:
+        token = env.strip().encode()
+        if not token:
+            raise ConfigError(f"{ENV_ADMIN_TOKEN}: empty (unset it to turn admin writes off)")
+    else:
+        return None
+    if not all(0x21 <= ch <= 0x7e for ch in token):
+        raise ConfigError("admin token: printable ASCII without blanks (it travels in an Authorization header)")
+    return token
+
+
 def check_cidrs(values, key: str) -> tuple[str, ...]:
     out = []
     for v in values:
@@ -242,6 +275,9 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
 _TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s",
         "access_log_format": "s", "sticky": "b"}
 _SECTIONS = {
+    # `admin = "HOST:PORT"` at the top, or an [admin] table (TOML cannot have both under one name)
+    "admin": {"listen": ("admin", "hostport"), "token_file": ("admin_token_file", "s"),
+              "allowed_hosts": ("admin_allowed_hosts", "list")},
     "health": {"path": ("health_path", "s"), "interval": ("health_interval", SECONDS),
                "timeout": ("health_timeout", SECONDS),
                "unhealthy_threshold": ("unhealthy_threshold", STREAK),
@@ -343,7 +379,7 @@ def read_file(path: str, problems: list[str]) -> dict:
                     raise ConfigError(str(e)) from None
             elif key == "keys":
                 out["keys"] = value          # parsed in load(), once the tiers are known
-            elif key in _TOP:
+            elif key in _TOP and not (key in _SECTIONS and isinstance(value, dict)):
                 out[key] = _typed(value, _TOP[key], key)
             elif key in _SECTIONS:
                 if not isinstance(value, dict):
@@ -358,7 +394,7 @@ def read_file(path: str, problems: list[str]) -> dict:
                     except ConfigError as e:
                         problems.extend(e.problems)
             else:
-                known = ", ".join([*_TOP, "backends", "rules", "keys", *_SECTIONS])
+                known = ", ".join(dict.fromkeys([*_TOP, "backends", "rules", "keys", *_SECTIONS]))
                 raise ConfigError(f"{key}: unknown key (known at the top level: {known})")
         except ConfigError as e:
             problems.extend(e.problems)
@@ -399,6 +435,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
+    a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "
+                                              "ports (a zero-downtime upgrade: then TERM the old one); without "
+                                              "it, a port another edge serves refuses the start")
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
     a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     a("--grace", help="seconds between SIGTERM (/readyz fails at once) and closing the listener (default 0)")
@@ -624,6 +663,10 @@ def validate(c: Config) -> list[str]:
             bad.append(f"cpu_affinity: expected auto, off or a list of CPU numbers like 0,1; got {c.cpu_affinity!r}")
     check(check_tls, c)
     check(check_upgrades, c.upgrades)
+    check(admin_token, c)
+    for h in c.admin_allowed_hosts:
+        if not isinstance(h, str) or not h or any(ch in h for ch in " /:@[]"):
+            bad.append(f"admin.allowed_hosts: expected host names like \"edge-1.example.internal\", got {h!r}")
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return bad

@@ -435,7 +435,7 @@ class Forwarder:
         if x.set_cookie:
             out += x.set_cookie
 
-        client_keep = req.keep_alive and in_sync and not edge.draining
+        client_keep = req.keep_alive and in_sync and not edge.closing
         http10 = req.version == b"HTTP/1.0"
         if status == 101:
             # No tunnel here (the upgrade path is its own): this connection speaks something else now.

@@ -145,7 +145,8 @@ class Edge:
         self.retry_budget = retry_budget or RetryBudget()
         self.refused_connections = 0
         self.idle_closed = 0                # idle keep-alive connections closed to make room at the cap
-        self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
+        self.draining = False               # set after SIGTERM's grace: finish what is in flight, take nothing new
+        self.closing = False                # set on SIGTERM itself: every response says Connection: close
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
         # Keep-alive connections between requests (after one at least): socket -> (idle since, the
         # accepted socket EdgeServer counts), the ones a new connection at the cap may close.
@@ -184,7 +185,9 @@ class Edge:
         peer = peer_ip.encode()
         identifier = None
         conns = self.conns
-        conns[sock] = False
+        # Busy until its first request is answered: a drain waits for a connection it accepted (the last of
+        # its accept queue, say) rather than closing it under a client about to send (wake_idle)
+        conns[sock] = True
         idle = self.idle
         accepted = accepted or sock
         # A new connection has header_timeout for its whole first head, silence included; a kept-alive
@@ -192,7 +195,7 @@ class Edge:
         first = monotonic() + self.cfg.header_timeout
         check_tls = not over_tls
         try:
-            while not self.draining:
+            while True:                        # from SIGTERM on, handle() says close after each response
                 cfg = self.cfg                 # a reload applies from the next request on
                 reader.deadline = first or None
                 try:
@@ -427,7 +430,7 @@ class Edge:
     def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
         """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers. Closing
         while the request's body may still be arriving is a lingering close."""
-        keep = keep and not self.draining
+        keep = keep and not self.closing
         self.metrics.edge_answered(status, monotonic() - x.start, **counters)
         data = own_response(status, reason, close=not keep, extra=x.extra_headers(),
                             head_only=x.req.method == b"HEAD")

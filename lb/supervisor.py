@@ -55,13 +55,19 @@ class Worker:
 
 def run(cfg, argv) -> int:
     from . import keys  # noqa: F401  (imported before fork: one key-hash secret for every worker)
+    from .app import SHARED_ONLY, refuse_if_held
+    refuse_if_held("--listen", cfg.listen, cfg)      # a second edge must not join this port unasked
+    if cfg.admin and cfg.admin[1]:
+        for i in range(cfg.workers):                  # here, one line, rather than a worker's crash loop
+            refuse_if_held("--admin", (cfg.admin[0], cfg.admin[1] + i), cfg)
     reserve = socket.socket(family(cfg.listen[0]))
     reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     bind_options(reserve, cfg.listen[0])      # the same V6ONLY as the workers' sockets, or no sharing
     try:
         reserve.bind(cfg.listen)
     except OSError as e:
-        raise StartError(f"--listen {hostport(*cfg.listen)}: {e.strerror or e}") from None
+        raise StartError(f"--listen {hostport(*cfg.listen)}: {e.strerror or e}"
+                         f"{SHARED_ONLY if cfg.takeover else ''}") from None
     host, port = reserve.getsockname()[:2]
     cfg = replace(cfg, listen=(host, port))
     argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
@@ -241,7 +247,7 @@ def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir) -> None:
         logs.setup(worker=index)
         from .server import serve
         try:
-            code = serve(cfg, argv, reuse_port=True, worker=index, channel=wfd, rundir=rundir)
+            code = serve(cfg, argv, worker=index, channel=wfd, rundir=rundir)
         except StartError as e:
             _fail(wfd, f"cannot start: {e}")
         except Exception as e:

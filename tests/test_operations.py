@@ -551,6 +551,71 @@ def test_readyz_fails_as_soon_as_a_drain_starts_while_requests_are_still_served(
         e.stop()
 
 
+def test_from_sigterm_on_keep_alive_responses_say_connection_close_and_the_connection_closes(backends):
+    """Issue 24 (6): during --grace (and the drain after it) every response on a keep-alive connection
+    carries Connection: close and the edge closes it after, so a client opens its next connection to
+    whoever serves the port next instead of meeting the close. A client that honours it (http.client
+    reconnects by itself) sees no error while the grace lasts."""
+    import threading
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--grace", "2")
+    errors, statuses, stop = [], [], threading.Event()
+
+    def honouring_client():
+        c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)
+        while not stop.is_set():
+            try:
+                statuses.append(request(e.port, "GET", "/", conn=c).status)
+            except (OSError, http.client.HTTPException) as ex:
+                errors.append(repr(ex))
+                c.close()
+        c.close()
+
+    try:
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
+        s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+        get = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        s.sendall(get)
+        first = _read_response(s)
+        assert b" 200 " in first.split(b"\r\n")[0] and b"\r\nconnection: close" not in first.lower(), first
+        t = threading.Thread(target=honouring_client)
+        t.start()
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
+        s.sendall(get)                                  # the same connection, inside the grace period
+        second = _read_response(s)
+        assert b" 200 " in second.split(b"\r\n")[0], second
+        assert b"\r\nconnection: close\r\n" in second.lower(), second
+        s.settimeout(5)
+        assert s.recv(1) == b"", "the edge closes the connection after that response"
+        s.close()
+        time.sleep(0.5)                                 # the honouring client keeps going inside the grace
+        stop.set()
+        t.join(10)
+        assert not errors, errors[:3]
+        assert len(statuses) > 5 and set(statuses) == {200}, statuses[-5:]
+        wait_until(lambda: not e.alive(), timeout=15, what="exit after the grace period")
+    finally:
+        stop.set()
+        e.stop()
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One response with a Content-Length body off a raw socket."""
+    s.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    n = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+    while len(body) < n:
+        chunk = s.recv(65536)
+        assert chunk, data
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 # ------------------------------------------------------------------------------------------- reload
 
 def test_reload_applies_pool_and_log_settings_and_names_what_needs_a_restart(backends, tmp_path):
