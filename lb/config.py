@@ -288,8 +288,10 @@ def _typed(value, kind: str, key: str):
         return _number(value, key, kind)
     if kind == "onoff" and isinstance(value, str) and value.lower() in ("on", "off"):
         return value.lower() == "on"
-    if kind == "onoff" and not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected on or off, got {value!r}")
+    if kind == "onoff":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected on or off (true or false), got {value!r}")
+        return value
     if kind == "b":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")

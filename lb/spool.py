@@ -101,7 +101,8 @@ class Spool:
         mem = self.mem
         if self.moff < len(mem):
             end = self.moff + n
-            data = bytes(mem[self.moff:end])
+            with memoryview(mem) as view:
+                data = bytes(view[self.moff:end])   # one copy, not a slice and then its copy
             if end >= len(mem):
                 mem.clear()          # keeps its allocation (and its budget) for the next write
                 self.moff = 0

@@ -392,3 +392,15 @@ def test_a_full_disk_loses_nothing_else(backend, tmp_path):
         assert "Traceback" not in e.log()
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--proxy-buffering", "maybe"], "--proxy-buffering: expected on or off"),
+    (["--request-buffering", "1"], "--request-buffering: expected on or off"),
+    (["--max-temp-file-size", "-1"], "--max-temp-file-size: must be"),
+    (["--buffer-memory", "nan"], "--buffer-memory: expected a whole number"),
+    (["--temp-dir", "/nonexistent/edge-tmp"], "server.temp_dir: not a writable directory"),
+])
+def test_bad_buffering_settings_exit_2_with_one_line(args, needle):
+    from tests.support import config_error
+    assert needle in config_error("--backends", "http://127.0.0.1:9", *args)
