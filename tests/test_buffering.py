@@ -404,3 +404,32 @@ def test_a_full_disk_loses_nothing_else(backend, tmp_path):
 def test_bad_buffering_settings_exit_2_with_one_line(args, needle):
     from tests.support import config_error
     assert needle in config_error("--backends", "http://127.0.0.1:9", *args)
+
+
+def test_a_buffered_body_is_whole_before_the_backend_and_replayable(backend):
+    """A large chunked body is read (and validated) whole, so it reaches the backend with a
+    Content-Length, and a malformed one reaches no backend at all; a spooled body is sent again from
+    its first byte when a connect failure is retried on another backend."""
+    from tests.support import free_port
+    dead = f"http://127.0.0.1:{free_port()}"
+    e = Edge("--backends", f"{dead},{backend.url}", "--strategy", "round-robin", "--health-interval", "30",
+             "--eject-after", "0")
+    try:
+        import json
+        big = b"c" * 300_000
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(big[i:i + 50_000]), big[i:i + 50_000])
+                           for i in range(0, len(big), 50_000)) + b"0\r\n\r\n"
+        for _ in range(2):          # one of the two picks the dead backend first: retried, replayed
+            r = request(e.port, "POST", "/echo", {"Transfer-Encoding": "chunked"}, body=chunked, timeout=20)
+            info = json.loads(r.body)
+            assert r.status == 200 and info["body_len"] == len(big), r
+            names = [k.lower() for k, _ in info["headers"]]
+            assert "content-length" in names and "transfer-encoding" not in names
+        assert "retrying on " + backend.url in e.log()
+        before = backend.stats()["count"]
+        bad = chunked[:-5] + b"zz\r\nA\r\n0\r\n\r\n"
+        r = request(e.port, "POST", "/echo", {"Transfer-Encoding": "chunked"}, body=bad, timeout=20)
+        assert r.status == 400
+        assert backend.stats()["count"] == before          # not even a head reached it
+    finally:
+        e.stop()
