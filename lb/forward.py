@@ -502,7 +502,7 @@ class Forwarder:
             backend.pool.release(conn, False)
             if c is not None:
                 c.close()    # what is still buffered is never sent: the client sees the truncation
-            if c is not None and not c.n:      # nothing reached the client yet: a clean answer
+            if c is not None and not c.n and not c.partial:   # nothing reached the client yet: a clean answer
                 self.observe(backend, False, f"{kind} before the response body")
                 return self.failed(sock, x, kind, 504 if kind == "timeout" else 502,
                                    "failed before the response body", req.keep_alive and in_sync)
@@ -540,6 +540,7 @@ class _Client:
 
     __slots__ = ("sock", "n")
     buffered = False
+    partial = False          # some bytes may have left though none are counted (a TLS want-write)
 
     def __init__(self, sock):
         self.sock, self.n = sock, 0
@@ -581,7 +582,7 @@ class _Buffered(_Client):
     backend waits on the client, as with --proxy-buffering off. finish() sends what is left once the
     backend connection is back in the pool."""
 
-    __slots__ = ("spool", "piece", "streaming", "tls", "nb", "send_timeout", "last", "poll", "url")
+    __slots__ = ("spool", "piece", "streaming", "tls", "nb", "send_timeout", "last", "poll", "url", "partial")
     buffered = True
 
     def __init__(self, sock, spool: Spool, send_timeout: float, url: str):
@@ -594,6 +595,7 @@ class _Buffered(_Client):
         self.last = monotonic()   # when the client last took a byte (it gets send_timeout between two)
         self.poll = None
         self.url = url
+        self.partial = False
         self.nb = self.tls            # an SSLSocket takes no MSG_DONTWAIT: non-blocking until _blocking()
         if self.tls:
             sock.setblocking(False)
@@ -630,6 +632,8 @@ class _Buffered(_Client):
             k = self.sock.send(piece) if self.tls else self.sock.send(piece, socket.MSG_DONTWAIT)
         except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
             k = 0
+            # OpenSSL may have put some records of the piece on the wire already: never a 502 after it.
+            self.partial = self.tls
         except OSError:
             raise ClientGone() from None
         if k:
