@@ -254,7 +254,9 @@ class App:
     def _live(self) -> dict:
         """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
         out = {("lb_client_connections", ()): self.server.active,
-               ("lb_refused_connections_total", ()): self.edge.refused_connections}
+               ("lb_refused_connections_total", ()): self.edge.refused_connections,
+               ("lb_buffer_memory_bytes", ()): self.edge.buffers.used,
+               ("lb_buffer_temp_files", ()): self.edge.buffers.files}
         for b in self.balancer.backends:
             lab = (("backend", b.url),)
             out[("lb_backend_up", lab)] = 1 if b.up else 0

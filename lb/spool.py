@@ -22,12 +22,14 @@ MEMORY = 262144          # the most one spool holds in memory before its file ta
 
 
 class Budget:
-    """Buffer memory in use across the process, against a cap read per call (a reload may change it)."""
+    """Buffer memory in use across the process, against a cap read per call (a reload may change it),
+    and the temp files open (both shown on /metrics)."""
 
-    __slots__ = ("used", "lock")
+    __slots__ = ("used", "files", "lock")
 
     def __init__(self):
         self.used = 0
+        self.files = 0
         self.lock = threading.Lock()
 
     def take(self, n: int, cap: int) -> bool:
@@ -83,6 +85,8 @@ class Spool:
             if self.file is None:
                 self.file = tempfile.TemporaryFile(dir=self.temp_dir, buffering=0)
                 self.fd = self.file.fileno()
+                with self.budget.lock:
+                    self.budget.files += 1
             view = memoryview(data)
             pos = self.wpos
             while view:
@@ -129,6 +133,8 @@ class Spool:
         if self.file is not None:
             f, self.file, self.fd = self.file, None, -1
             self.rpos = self.wpos = 0
+            with self.budget.lock:
+                self.budget.files -= 1
             f.close()
 
 

@@ -152,6 +152,11 @@ def _fds_in(pid: int, directory: str) -> int:
     return n
 
 
+def _gauge(e: Edge, name: str) -> float:
+    text = request(e.admin_port, "GET", "/metrics").body.decode()
+    return float(re.search(r"(?m)^%s (\S+)$" % name, text).group(1))
+
+
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1))
@@ -223,7 +228,7 @@ def test_rss_stays_bounded_while_many_clients_read_a_large_response_slowly(backe
     n, size = 40, 16 << 20
     tmp = str(tmp_path)
     e = Edge("--backends", backend.url, "--health-interval", "30", "--pool-maxsize", "4",
-             "--buffer-memory", str(8 << 20), "--temp-dir", tmp)
+             "--buffer-memory", str(8 << 20), "--temp-dir", tmp, "--admin", "127.0.0.1:0")
     try:
         request(e.port, "GET", f"/big?bytes={1 << 20}")      # warm: threads, pool, imports
         base = _rss_kib(e.popen.pid)
@@ -239,6 +244,7 @@ def test_rss_stays_bounded_while_many_clients_read_a_large_response_slowly(backe
             time.sleep(0.1)
         timed = _timed_requests(e.port, 3)
         assert all(s == 200 for s, _ in timed), timed
+        assert _gauge(e, "lb_buffer_temp_files") == n and 0 < _gauge(e, "lb_buffer_memory_bytes") <= 8 << 20
         print(f"\nRSS: {base} KiB before, {peak} KiB peak with {n} slow readers of {size >> 20} MiB "
               f"({(peak - base) / 1024:.1f} MiB more)")
         # 8 MiB of buffers plus per-connection threads and socket buffers: far below the 640 MiB read.
@@ -248,6 +254,7 @@ def test_rss_stays_bounded_while_many_clients_read_a_large_response_slowly(backe
             r.abort()                         # the rest go away: their temp files must go too
         wait_until(lambda: _fds_in(e.popen.pid, tmp) == 0, 20, what="every temp file closed")
         assert os.listdir(tmp) == []
+        assert _gauge(e, "lb_buffer_temp_files") == 0 and _gauge(e, "lb_buffer_memory_bytes") == 0
         assert request(e.port, "GET", "/after").status == 200
     finally:
         e.stop()
