@@ -287,7 +287,9 @@ class App:
         """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
         out = {("lb_client_connections", ()): self.server.active,
                ("lb_refused_connections_total", ()): self.edge.refused_connections,
-               ("lb_idle_connections_closed_total", ()): self.edge.idle_closed}
+               ("lb_idle_connections_closed_total", ()): self.edge.idle_closed,
+               ("lb_buffer_memory_bytes", ()): self.edge.buffers.used,
+               ("lb_buffer_temp_files", ()): self.edge.buffers.files}
         for b in self.balancer.backends:
             lab = (("backend", b.url),)
             out[("lb_backend_up", lab)] = 1 if b.up else 0

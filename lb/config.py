@@ -67,6 +67,8 @@ class Config:
     pool_timeout: float = 1.0                # wait for a free pooled connection, then 503
     pool_idle_timeout: float = 30.0          # a pooled connection idle longer is closed, not reused
     no_pool: bool = False
+    proxy_buffering: bool = True             # read a response ahead of a slow client (nginx's proxy_buffering)
+    max_temp_file_size: int = 1 << 30        # a buffered response's temp file, at most; 0: memory only
     ca_file: str | None = None               # https:// backends are verified against this (default: system CAs)
     retries: int = 2                         # a connect failure is retried on another backend, N times
     retry_budget_percent: float = 20.0       # retries in flight at most this % of active requests...
@@ -85,6 +87,9 @@ class Config:
     keepalive_timeout: float = 75.0          # idle client connection (nginx's default)
     max_body_size: int = 10 * 1024 * 1024
     request_id_response: bool = False        # X-Request-Id on responses too (off: the spec's transparency)
+    request_buffering: bool = True           # a body is read whole before a backend connection is taken
+    buffer_memory: int = 64 << 20            # all buffers' memory together; past it they go to temp files
+    temp_dir: str | None = None              # where buffers' temp files go (default: the system's temp dir)
     tunnel_idle_timeout: float = 300.0       # an upgraded connection (WebSocket) silent both ways is closed
     upgrades: frozenset = frozenset({"websocket"})   # Upgrade protocols tunnelled; empty: none
     allow_underscores: bool = False          # forward request header names with '_' (nginx: underscores_in_headers)
@@ -271,7 +276,8 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
 
 # The one table of settings: file key -> (Config field, kind). A kind is a Num range (every number is
 # checked here: finite, in range, NaN/inf/negative refused with the key named), or "s" string, "b" bool,
-# "hostport", "list", "table". The numeric flags take their kind from this table too (_FLAG_KINDS).
+# "hostport", "list", "table", "onoff" (true/false in the file, on|off too: nginx's spelling). The numeric
+# and on|off flags take their kind from this table too (_FLAG_KINDS).
 _TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s",
         "access_log_format": "s", "sticky": "b"}
 _SECTIONS = {
@@ -290,7 +296,9 @@ _SECTIONS = {
                  "pool_timeout": ("pool_timeout", SECONDS), "pool_idle_timeout": ("pool_idle_timeout", SECONDS0),
                  "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", Num(True, 0, 100)),
                  "retry_budget_percent": ("retry_budget_percent", PERCENT),
-                 "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000))},
+                 "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000)),
+                 "proxy_buffering": ("proxy_buffering", "onoff"),
+                 "max_temp_file_size": ("max_temp_file_size", Num(True, 0, 2 ** 50))},
     "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
                "drain_timeout": ("drain_timeout", SECONDS0), "grace": ("grace", SECONDS0),
                "max_connections": ("max_connections", Num(True, 1, 1_000_000)),
@@ -300,7 +308,9 @@ _SECTIONS = {
                "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
                "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list"),
                "request_id_response": ("request_id_response", "b"),
-               "allow_underscores": ("allow_underscores", "b")},
+               "allow_underscores": ("allow_underscores", "b"),
+               "request_buffering": ("request_buffering", "onoff"),
+               "buffer_memory": ("buffer_memory", Num(True, 0, 2 ** 44)), "temp_dir": ("temp_dir", "s")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -318,6 +328,12 @@ _SECTIONS = {
 def _typed(value, kind: str, key: str):
     if isinstance(kind, Num):
         return _number(value, key, kind)
+    if kind == "onoff" and isinstance(value, str) and value.lower() in ("on", "off"):
+        return value.lower() == "on"
+    if kind == "onoff":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected on or off (true or false), got {value!r}")
+        return value
     if kind == "b":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -429,6 +445,11 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--pool-maxsize", help="connections per backend, a hard cap (default 64)")
     a("--pool-timeout", help="seconds to wait for a free backend connection (default 1) -> 503")
     a("--pool-idle-timeout", help="seconds a pooled connection may idle before it is discarded (default 30)")
+    a("--proxy-buffering", help="on (default): read a response ahead of a slow client (memory, then a temp "
+                                "file) so the backend connection is freed when the backend is done | off: "
+                                "the backend waits on the client")
+    a("--max-temp-file-size", help="bytes of one buffered response on disk (default 1073741824; 0: memory "
+                                   "only); past it the rest streams")
     a("--no-pool", action="store_true", help="a new TCP connection per request (to measure the win)")
     a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
     a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
@@ -452,6 +473,11 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--send-timeout", help="seconds a client may take to accept each write of a response (default 60)")
     a("--keepalive-timeout", help="seconds an idle client connection is kept (default 75)")
     a("--max-body-size", help="bytes (default 10485760) -> 413")
+    a("--request-buffering", help="on (default): a request body is read whole (memory, then a temp file) "
+                                  "before a backend connection is taken | off: bodies over 64 KiB stream")
+    a("--buffer-memory", help="bytes all request and response buffers may hold in memory together "
+                              "(default 67108864); past it they go to temp files")
+    a("--temp-dir", help="directory of the buffers' temp files (default: the system temp dir)")
     a("--tls-cert", help="PEM certificate (chain) file: the listener speaks HTTPS (with --tls-key)")
     a("--tls-key", help="PEM private key file for --tls-cert")
     a("--tls-min-version", help="TLSv1.2 (default) | TLSv1.3")
@@ -487,7 +513,7 @@ def build_argparser() -> argparse.ArgumentParser:
 
 # Numeric flags take the kind their TOML key has: one table, no twin to keep in step.
 _FLAG_KINDS = {name: kind for section in _SECTIONS.values() for name, kind in section.values()
-               if isinstance(kind, Num)}
+               if isinstance(kind, Num) or kind == "onoff"}
 
 
 def _from_flags(ns: argparse.Namespace, problems: list[str]) -> dict:
@@ -667,6 +693,8 @@ def validate(c: Config) -> list[str]:
     for h in c.admin_allowed_hosts:
         if not isinstance(h, str) or not h or any(ch in h for ch in " /:@[]"):
             bad.append(f"admin.allowed_hosts: expected host names like \"edge-1.example.internal\", got {h!r}")
+    if c.temp_dir is not None and not (os.path.isdir(c.temp_dir) and os.access(c.temp_dir, os.W_OK | os.X_OK)):
+        bad.append(f"server.temp_dir: not a writable directory: {c.temp_dir!r}")
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return bad

@@ -70,6 +70,8 @@ FAMILIES = {
     "lb_backend_inflight": ("gauge", "Requests in flight to the backend."),
     "lb_client_connections": ("gauge", "Client connections open now."),
     "lb_tunnels_open": ("gauge", "Upgraded connections (WebSocket) open now."),
+    "lb_buffer_memory_bytes": ("gauge", "Memory request and response buffers hold now (capped by buffer_memory)."),
+    "lb_buffer_temp_files": ("gauge", "Buffers' temp files open now (request bodies, responses read ahead)."),
     "lb_limiter_store_up": ("gauge", "1 when the limiter's Redis store answers, 0 while its failure policy applies."),
     "lb_workers": ("gauge", "Worker processes whose numbers are summed here."),
     "edge_build_info": ("gauge", "Always 1; the labels say which edge and Python this is."),

@@ -18,6 +18,7 @@ import os
 import random
 import re
 import socket
+import tempfile
 import time
 import socketserver
 import threading
@@ -27,6 +28,7 @@ from time import monotonic
 from . import netaddr, tls, tunnel
 from .logs import client_fault
 from .forward import SMALL_BODY, Forwarder
+from .spool import Budget, Spool, SpooledBody
 from .identity import Identifier
 from .outlier import Ejector
 from .retrybudget import RetryBudget
@@ -152,6 +154,7 @@ class Edge:
         # accepted socket EdgeServer counts), the ones a new connection at the cap may close.
         self.idle: dict[socket.socket, tuple[float, socket.socket]] = {}
         self.forwarder = Forwarder(self)     # the upstream half: lb/forward.py
+        self.buffers = Budget()             # memory of every request and response buffer (lb/spool.py)
         self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
         self.tunnels: dict = {}             # client socket -> backend socket, while upgraded (for the drain)
 
@@ -390,6 +393,8 @@ class Edge:
                 if req.expect_continue:
                     self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = self._read_body(req, reader, cfg)
+            except _NotBuffered as e:        # our disk, not the client: logged where it failed
+                return self._answer(sock, x, e.status, e.reason, False)
             except HttpError as e:
                 client_fault("client %s: %d %s", peer_ip, e.status, e.reason)
                 return self._answer(sock, x, e.status, e.reason, False)
@@ -397,12 +402,17 @@ class Edge:
                 self.client_closed(x, reached=False)
                 raise
         # 5. forward and relay (lb/forward.py)
-        return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
+        if type(body) is not SpooledBody:
+            return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
+        try:
+            return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
+        finally:
+            body.close()         # its memory back to the budget, its temp file gone: on every path
 
-    @staticmethod
-    def _read_body(req: Request, reader: Reader, cfg):
-        """The body as bytes when it is small, else an iterator of its pieces (the first already read).
-        A silence is 408, an end is ClientGone; bad framing and 413 are HttpError."""
+    def _read_body(self, req: Request, reader: Reader, cfg):
+        """The body as bytes when it is small; else (request buffering) a SpooledBody read whole, or
+        (--request-buffering off) an iterator of its pieces (the first already read). A silence is 408,
+        an end is ClientGone; bad framing and 413 are HttpError."""
         reader.timeout = cfg.body_timeout
         reader.deadline = None
         rate = cfg.body_min_rate
@@ -413,19 +423,42 @@ class Edge:
                     if rate:
                         body_deadline(reader, monotonic(), n, rate)   # the whole of it, at least at rate
                     return reader.read_exact(n)
-                return iter_fixed(reader, n, rate)
+                it = iter_fixed(reader, n, rate)
+                return self._spool_body(it, cfg) if cfg.request_buffering else it
             it = iter_chunked(reader, cfg.max_body_size, rate)
             parts, n = [], 0
             for piece in it:
                 parts.append(piece)
                 n += len(piece)
                 if n > SMALL_BODY:
+                    if cfg.request_buffering:
+                        return self._spool_body(chain(parts, it), cfg)
                     return chain(parts, it)   # too large to hold: stream the rest as it arrives
             return b"".join(parts)
         except socket.timeout:
             raise HttpError(408, "request body not received in time") from None
         except (EOFError, OSError):
             raise ClientGone() from None
+
+    def _spool_body(self, pieces, cfg) -> SpooledBody:
+        """nginx's proxy_request_buffering: the whole body, in memory then a temp file (up to
+        max_body_size, which the framing already enforces), before any backend connection is taken.
+        A temp file that cannot be written (a full disk) is a 503: the edge's trouble, worth a retry
+        elsewhere or later, not a fault of the request (507 is WebDAV's, and says the request is too
+        big to store, which it is not)."""
+        spool = Spool(self.buffers, cfg.buffer_memory, cfg.max_body_size, cfg.temp_dir)
+        try:
+            for piece in pieces:
+                if not spool.write(piece):
+                    e = spool.error
+                    why = (e.strerror or str(e)) if e is not None else "no room"
+                    log.error("request buffer: temp file in %s failed (%s): 503",
+                              cfg.temp_dir or tempfile.gettempdir(), why)
+                    raise _NotBuffered(503, f"request body could not be buffered ({why})")
+            return SpooledBody(spool)
+        except BaseException:
+            spool.close()
+            raise
 
     def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
         """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers. Closing
@@ -459,6 +492,10 @@ class Edge:
         self._done(x, 499)
 
     _send = staticmethod(send)
+
+
+class _NotBuffered(HttpError):
+    """A request body the edge could not buffer (its temp file failed): a 503, logged once, at ERROR."""
 
 
 class Exchange:
