@@ -75,8 +75,10 @@ def backend():
 @pytest.fixture(scope="module")
 def paced(backend):
     """body_timeout 1 s and 100 kB/s: a body's deadline is 1 s + its bytes so far / 100 kB/s."""
+    # Streamed (--request-buffering off), the path where a slow body holds a backend connection; buffered
+    # bodies are read by the same decoder under the same deadlines before any backend is chosen.
     e = Edge("--backends", backend.url, "--health-interval", "30", "--body-timeout", "1",
-             "--body-min-rate", "100000")
+             "--body-min-rate", "100000", "--request-buffering", "off")
     yield e
     e.stop()
 
@@ -154,7 +156,7 @@ def test_many_tiny_chunks_reach_the_backend_intact_in_few_writes():
     count shows it: Linux's autocorking merges some small writes (113-202 segments for the 100,000 on
     the old code), never as far as one segment per 64 KiB read (11 now)."""
     b = SegmentCountingBackend()
-    e = Edge("--backends", b.url, "--health-interval", "30")
+    e = Edge("--backends", b.url, "--health-interval", "30", "--request-buffering", "off")   # streamed
     try:
         n = 100_000
         data = bytes(i % 251 for i in range(n))
