@@ -27,7 +27,7 @@ import threading
 from redis.exceptions import RedisError
 
 from .algorithms import Decision
-from .redis_link import _Script
+from .redis_link import _Script, call_error
 
 _PROXY = """
 local rcall = redis.call
@@ -130,7 +130,11 @@ def _one_call(link, checks, keys, now):
         try:
             reply = node.evalsha(_Call(script, keys), keys[-1], now)
         except RedisError as e:
-            (getattr(e, "node", None) or node).failed(e)   # a redirected call names the server that failed
+            failed = getattr(e, "node", None) or node      # a redirected call names the server that failed
+            if call_error(e):                              # OOM, a script error: this call, not the server
+                failed.call_failed(e)
+            else:
+                failed.failed(e)
         else:
             if not node.up:
                 node.succeeded()

@@ -44,7 +44,7 @@ from redis.exceptions import RedisError
 
 from .algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from .memory import MemoryStore
-from .redis_link import RedisLink, _Script, link_for
+from .redis_link import RedisLink, _Script, call_error, link_for
 from .redis_url import parse
 
 log = logging.getLogger("edge")
@@ -377,7 +377,11 @@ class RedisStore:
                 reply = node.evalsha(self.script, k, now)
             except RedisError as e:
                 # a redirected call names the server that actually failed
-                (getattr(e, "node", None) or node).failed(e)
+                failed = getattr(e, "node", None) or node
+                if call_error(e):  # OOM, a script error: this call failed, the server is up
+                    failed.call_failed(e)
+                else:
+                    failed.failed(e)
             else:
                 if not node.up:
                     node.succeeded()

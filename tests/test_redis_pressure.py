@@ -1,0 +1,80 @@
+"""The Redis store under memory pressure and concurrency (issue 29, item 4), on real redis-servers:
+an OOM reply fails one call, not the store; the maxmemory policy is read and warned about; instants
+reach the scripts out of order and no algorithm admits more than its rule allows by the instant the
+script used; configurations whose arithmetic Lua and Python would do differently are refused.
+"""
+
+import logging
+
+import pytest
+import redis
+
+from limiter import build
+from limiter.compose import allow_all
+from limiter.redis_store import FailOpenDecision
+from tests.redis_server import RedisServer
+
+
+@pytest.fixture
+def full_redis():
+    """A redis-server with maxmemory 4mb (a few MB above an empty server) and noeviction: once fill()ed,
+    every write is refused (OOM) and nothing is evicted."""
+    server = RedisServer(extra=("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")).start()
+    yield server
+    server.stop()
+
+
+def fill(server):
+    """Fill it: big values until Redis refuses one, then maxmemory lowered just under what it uses, so
+    that the few hundred bytes a refused write frees cannot let the next small write in."""
+    c = server.client()
+    i = 0
+    while True:
+        i += 1
+        try:
+            c.set(f"fill:{i}", "x" * 2000)
+        except redis.exceptions.OutOfMemoryError:
+            break
+    c.config_set("maxmemory", c.info("memory")["used_memory"] - 65536)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        c.set("probe", "1")
+
+
+@pytest.mark.parametrize("algorithm", ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"])
+def test_an_oom_reply_fails_that_call_only_and_a_limited_key_stays_limited(full_redis, algorithm, caplog):
+    caplog.set_level(logging.WARNING, logger="edge")
+    lim = build(algorithm, 3, 60.0, store=full_redis.url, prefix=f"oom:{algorithm}:", timeout=1.0,
+                on_error="fail-open", deny_cache=0)  # no cache: every decision below is Redis's
+    lim.strict = True
+    assert [lim.allow("limited", 100.0).allowed for _ in range(4)] == [True, True, True, False]
+    fill(full_redis)
+    d = lim.allow("newcomer", 100.0)  # its first write is refused: this call's policy admits it
+    if algorithm == "sliding-log":
+        # its script's first command, ZREMRANGEBYSCORE, is a write that OOM never refuses (it frees),
+        # and Redis lets a script that has written go on writing: the log keeps deciding, exactly
+        assert type(d) is not FailOpenDecision and d.allowed
+    else:
+        assert type(d) is FailOpenDecision
+    assert lim.link.up, "an OOM reply opened the breaker: every key would go to the failure policy"
+    # the very next call reaches Redis, which still holds the limited key's state (a denial writes nothing)
+    for _ in range(3):
+        d = lim.allow("limited", 100.5)
+        assert not d.allowed and not getattr(d, "degraded", False), d
+    lines = [r.getMessage() for r in caplog.records if "a call failed" in r.getMessage()]
+    if algorithm != "sliding-log":
+        assert lim.link.call_errors >= 1
+        assert len(lines) == 1 and "OutOfMemoryError" in lines[0], lines
+    assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
+
+
+def test_several_limits_in_one_call_under_oom_fail_that_request_only(full_redis):
+    a = build("fixed-window", 2, 60.0, store=full_redis.url, prefix="oomm:a:", timeout=1.0, deny_cache=0)
+    b = build("token-bucket", 5, 60.0, store=full_redis.url, prefix="oomm:b:", timeout=1.0, deny_cache=0)
+    for _ in range(2):
+        assert allow_all([(a, "c", True), (b, "c", True)], 10.0)[0]
+    fill(full_redis)
+    ok, ds = allow_all([(a, "new", True), (b, "new", True)], 10.0)
+    assert ok and all(type(d) is FailOpenDecision for d in ds)
+    assert a.link.up
+    ok, ds = allow_all([(a, "c", True), (b, "c", True)], 10.5)
+    assert not ok and not getattr(ds[0], "degraded", False)
