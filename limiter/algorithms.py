@@ -86,9 +86,19 @@ def _first_true(pred, lo: float, hi: float, guess: float) -> float:
             f = m
 
 
-def _check_limit(limit):
+# Counts are exact in a double (Lua's only number type, and the Redis scripts' arithmetic) below 2^53;
+# at or above it Lua and Python round differently (a 10^18 token bucket never emptied).  Windows under a
+# millisecond put the window index of an ordinary clock above 2^53 too (3 per 0.001 ms at now = 1e12:
+# the Redis store admitted 20 of 20), and are below what a request's instant means anyway.
+MAX_COUNT = 2**53 - 1
+MIN_WINDOW = 0.001
+
+
+def _check_limit(limit, what="limit"):
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-        raise ValueError(f"limit must be a positive integer (requests per window), got {limit!r}")
+        raise ValueError(f"{what} must be a positive integer (requests per window), got {limit!r}")
+    if limit > MAX_COUNT:
+        raise ValueError(f"{what} must be at most 2^53 - 1 = {MAX_COUNT} (exact in a double), got {limit!r}")
     return limit
 
 
@@ -99,6 +109,8 @@ def _check_window(window):
         w = math.nan
     if isinstance(window, bool) or not (w > 0.0) or w == _INF:
         raise ValueError(f"window must be a positive finite number of seconds, got {window!r}")
+    if w < MIN_WINDOW:
+        raise ValueError(f"window must be at least 1 ms ({MIN_WINDOW} s), got {window!r}")
     return w
 
 
@@ -144,6 +156,8 @@ class TokenBucket(_Algorithm):
             burst = self.limit
         elif isinstance(burst, bool) or not isinstance(burst, int) or burst <= 0:
             raise ValueError(f"burst must be a positive integer (bucket capacity in requests), got {burst!r}")
+        else:
+            _check_limit(burst, "burst")
         self.capacity = burst
         self.rate = self.limit / self.window  # tokens per second
         self.per_token = self.window / self.limit  # seconds per token

@@ -143,8 +143,8 @@ def _one_call(link, checks, keys, now):
                 if lim._locals:            # this server answers again: its local counts are stale
                     lim._locals.pop(node, None)
                 new, d = lim._step(lim._state(raw[2:] or None), now)
-                if d.allowed != (raw[0] == 49):
-                    lim._drifted(key, now, raw, d)
+                if d.allowed != (raw[0] == 49):    # the script's verdict stands; what it wrote is unknown
+                    d, new = lim._drifted(key, now, raw, d), None
                 if enforce and not d.allowed:
                     admitted = False
                 decisions.append(d)
@@ -153,7 +153,7 @@ def _one_call(link, checks, keys, now):
                 # What Redis holds now: the new state if this limit spent (admitted request) or denied
                 # (a denial writes nothing that matters); the pre-state, unknown here, if it admitted a
                 # request another limit rejected.
-                lim._remember(key, new if admitted or not d.allowed else None, d, node)
+                lim._remember(key, new if new is not None and (admitted or not d.allowed) else None, d, node)
             return admitted, decisions
     return _fallback(checks, now, node)
 

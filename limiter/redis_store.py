@@ -389,7 +389,9 @@ class RedisStore:
                     self._locals.pop(node, None)
                 new, d = self._step(self._state(reply[2:] or None), now)
                 if d.allowed != (reply[0] == 49):  # b"1..."
-                    self._drifted(key, now, reply, d)
+                    if state is not None:
+                        self._denied.pop(key, None)
+                    return self._drifted(key, now, reply, d)
                 if d.remaining:
                     if state is not None:
                         self._denied.pop(key, None)
@@ -441,13 +443,19 @@ class RedisStore:
         return _new(LocalDecision, local.allow(key, now))
 
     def _drifted(self, key, now, reply, d):
+        """Lua and step() disagree: the verdict of the script, whose state is the one written, stands
+        (with step()'s durations, Remaining 0); counted, logged once, raised when strict."""
         self.drift += 1
         msg = (f"RedisStore drift: Lua {'admitted' if reply[0] == 49 else 'denied'} but {self.algorithm!r}.step "
                f"{'admitted' if d.allowed else 'denied'} key={key!r} now={now!r} reply={reply!r}")
         if self.strict:
             raise DriftError(msg)
         if self.drift == 1:
-            log.error("%s (logged once; counted in .drift)", msg)
+            log.error("%s (logged once; counted in .drift; the script's verdict stands)", msg)
+        if reply[0] == 49:
+            return _new(Decision, (True, self.limit, 0, d.reset, 0.0))
+        wait = d.retry_after or d.reset or self.algorithm.window
+        return _new(Decision, (False, self.limit, 0, max(d.reset, wait), wait))
 
     @property
     def failures(self) -> int:

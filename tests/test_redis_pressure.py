@@ -5,6 +5,7 @@ script used; configurations whose arithmetic Lua and Python would do differently
 """
 
 import logging
+import re
 
 import pytest
 import redis
@@ -78,3 +79,40 @@ def test_several_limits_in_one_call_under_oom_fail_that_request_only(full_redis)
     assert a.link.up
     ok, ds = allow_all([(a, "c", True), (b, "c", True)], 10.5)
     assert not ok and not getattr(ds[0], "degraded", False)
+
+
+# ------------------------------------------------------------------ Lua and Python must not disagree
+
+def test_when_lua_and_python_disagree_the_state_written_decides(redis_server):
+    """A window index above 2^53 (3 per 0.001 ms at now = 1e12, which the configuration now refuses, so
+    the algorithm is bent by hand): Lua's doubles and Python's ints disagree.  Before, Python's verdict
+    won and 20 of 20 were admitted at a limit of 3; the script's (whose state is what Redis holds) wins."""
+    import uuid
+    from limiter.algorithms import FixedWindow
+    from limiter.redis_store import RedisStore
+    algo = FixedWindow(3, 1.0)
+    algo.window = 1e-6
+    lim = RedisStore(algo, redis_server.url, prefix=f"drift:{uuid.uuid4().hex}:", deny_cache=0)
+    assert sum(lim.allow("k", 1e12).allowed for _ in range(20)) == 3
+    assert lim.drift > 0  # still counted (and logged once): a disagreement is a bug to look at
+
+
+@pytest.mark.parametrize("rate, words", [("9007199254740992/s", "at most 2^53 - 1"),
+                                         ("3/0.001ms", "at least 1ms"), ("1/0.5ms", "at least 1ms")])
+def test_rates_whose_arithmetic_is_not_exact_in_a_double_are_refused_naming_the_key(rate, words):
+    from limiter import parse_rate
+    from lb.config import ConfigError, check_rate
+    with pytest.raises(ValueError, match=re.escape(words)):
+        parse_rate(rate)
+    with pytest.raises(ConfigError, match=r"^limits\.keys\.acme: .*" + re.escape(words)):
+        check_rate(rate, "limits.keys.acme")
+    assert parse_rate("9007199254740991/s") == (2**53 - 1, 1.0) and parse_rate("1/1ms") == (1, 0.001)
+
+
+@pytest.mark.parametrize("kwargs, words", [(dict(limit=2**53, window=1.0), "limit must be at most"),
+                                           (dict(limit=3, window=0.0005), "window must be at least 1 ms"),
+                                           (dict(limit=3, window=1.0, burst=2**60), "burst must be at most")])
+def test_build_refuses_them_too(kwargs, words):
+    algorithm = "token-bucket" if "burst" in kwargs else "fixed-window"
+    with pytest.raises(ValueError, match=words):
+        build(algorithm, **kwargs)
