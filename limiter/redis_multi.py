@@ -2,10 +2,10 @@
 
 The script is assembled from the per-algorithm scripts each RedisStore already runs (store.lua: its
 algorithm's body with its constants baked in) -- no Lua is copied.  Each body becomes a local function
-whose `redis` is a proxy: reads go to Redis at once, writes (SET, ZADD, PEXPIRE) are queued.  After
-every body has returned its verdict, the queued writes run only if every enforcing limit admitted
-(limiter.compose's all-or-nothing rule; the sliding log's ZREMRANGEBYSCORE of expired entries runs at
-once, which changes no decision).  The reply is the bodies' replies joined by newlines, and each
+whose `redis` is a proxy: reads go to Redis at once, writes (SET, ZADD, PEXPIRE, ZREMRANGEBYSCORE) are
+queued.  After every body has returned its verdict, the queued writes run only if every enforcing limit
+admitted (limiter.compose's all-or-nothing rule; the sliding log prunes only when it admits: a prune at
+a vetoed request's instant could hide entries from a later-arriving, earlier instant).  The reply is the bodies' replies joined by newlines, and each
 limit's Decision is computed from its part by its own algorithm's step(), exactly as RedisStore.allow
 does for one.
 
@@ -32,7 +32,7 @@ from .redis_link import _Script, call_error
 _PROXY = """
 local rcall = redis.call
 local writes = {}
-local WRITES = {SET = true, ZADD = true, PEXPIRE = true}
+local WRITES = {SET = true, ZADD = true, PEXPIRE = true, ZREMRANGEBYSCORE = true}
 local proxy = {call = function(cmd, ...)
   if WRITES[cmd] then
     writes[#writes + 1] = {cmd, ...}

@@ -51,7 +51,7 @@ def test_an_oom_reply_fails_that_call_only_and_a_limited_key_stays_limited(full_
     fill(full_redis)
     d = lim.allow("newcomer", 100.0)  # its first write is refused: this call's policy admits it
     if algorithm == "sliding-log":
-        # its script's first command, ZREMRANGEBYSCORE, is a write that OOM never refuses (it frees),
+        # its script prunes (ZREMRANGEBYSCORE, a write OOM never refuses: it frees) before it adds,
         # and Redis lets a script that has written go on writing: the log keeps deciding, exactly
         assert type(d) is not FailOpenDecision and d.allowed
     else:
@@ -116,3 +116,120 @@ def test_build_refuses_them_too(kwargs, words):
     algorithm = "token-bucket" if "burst" in kwargs else "fixed-window"
     with pytest.raises(ValueError, match=words):
         build(algorithm, **kwargs)
+
+
+# -------------------------------------------------- instants out of order: 4 processes x 16 threads
+
+HAMMER = r"""
+import json, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from limiter import build
+url, prefix, start, seconds, proc = sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+algorithms = ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"]
+lims = {a: build(a, 100, 0.5, store=url, prefix=f"{prefix}{a}:", timeout=2.0) for a in algorithms}
+for lim in lims.values():
+    lim.strict = True
+admitted = {a: [] for a in algorithms}
+lock = threading.Lock()
+def hammer(tid):
+    # every thread reads the wall clock on its own, outside any lock: instants reach Redis out of order.
+    # Instants are seconds since `start` (plus 1000), distinct per thread by a few picoseconds.
+    offset = 1000.0 + (proc * 16 + tid) * 1e-11
+    mine = {a: [] for a in algorithms}
+    while time.time() < start:
+        time.sleep(0.001)
+    while True:
+        for a in algorithms:
+            now = time.time() - start
+            if now > seconds:
+                with lock:
+                    for b in algorithms:
+                        admitted[b].extend(mine[b])
+                return
+            now += offset
+            if lims[a].allow("hot", now).allowed:
+                mine[a].append(repr(now))
+ts = [threading.Thread(target=hammer, args=(i,)) for i in range(16)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(json.dumps({"admitted": admitted, "degraded": sum(l.degraded for l in lims.values())}))
+"""
+
+
+def _writes(server, prefix, stop, out):
+    """Every write our scripts made, in the order Redis made them, from MONITOR: ("SET", key, value
+    fields...) and ("ZADD", key, score).  The state written carries the instant each script judged its
+    request at (the token bucket's stamp, the windows' index, the log's expiry = instant + W)."""
+    c = server.client()
+    with c.monitor() as m:
+        out.append("ready")
+        while not stop.is_set():
+            cmd = m.next_command()["command"].split()
+            if len(cmd) > 2 and cmd[0] in ("SET", "ZADD") and cmd[1].startswith(prefix):
+                out.append((cmd[1][len(prefix):].split(":")[0], cmd[0], *cmd[2:]))
+
+
+def test_instants_out_of_order_never_admit_more_than_the_rule_by_the_instant_the_script_used(own_redis):
+    """4 processes x 16 threads on one key per algorithm, N = 100 per 0.5 s, for 1.5 s, each thread
+    reading the clock itself (instants reach Redis out of order).  Each admission is placed at the
+    instant its script judged it, read back from the state it wrote (MONITOR): its own instant, or the
+    key's newest one when it arrived late (time never runs backwards for a key).  The sliding log then
+    admits at most N in EVERY trailing window (before: up to 119 by its own instants, which is what the
+    old script judged by); the fixed window and the sliding counter at most N in each window; the token
+    bucket at most C + (b - a) * rate in any span [a, b] (GCRA)."""
+    import json
+    import subprocess
+    import sys
+    import threading
+    import time
+    from bisect import bisect_left, bisect_right
+    from tests.support import ROOT, wait_until
+
+    prefix, n, w, seconds = "ooo:", 100, 0.5, 1.5
+    writes, stop = [], threading.Event()
+    mon = threading.Thread(target=_writes, args=(own_redis, prefix, stop, writes), daemon=True)
+    mon.start()
+    wait_until(lambda: writes, 5.0)
+    start = time.time() + 1.5  # every process up and connected first
+    procs = [subprocess.Popen([sys.executable, "-c", HAMMER, str(ROOT), own_redis.url, prefix, str(start),
+                               str(seconds), str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(4)]
+    admitted = {}
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and not err, err
+        r = json.loads(out)
+        assert r["degraded"] == 0
+        for a, ts in r["admitted"].items():
+            admitted[a] = admitted.get(a, 0) + len(ts)
+    c = own_redis.client()
+    wait_until(lambda: c.set("ooo:end", 1) and sum(1 for x in writes[1:] if x[0] == "token-bucket")
+               >= admitted["token-bucket"], 10.0)  # MONITOR has handed over the last writes
+    stop.set()
+    mon.join(10)
+    worst = {}
+    for a in ("token-bucket", "fixed-window", "sliding-log", "sliding-counter"):
+        mine = [x[1:] for x in writes[1:] if x[0] == a]
+        if a == "token-bucket":  # SET "tokens stamp": one per admission, stamp = the instant used
+            us = sorted(float(x[2]) for x in mine)
+            assert len(us) == admitted[a]
+            over = max(j - i + 1 - (n + (us[j] - us[i]) * n / w) for i in range(len(us)) for j in range(i, len(us)))
+            worst[a] = round(over, 6)
+            assert over <= 1e-6, (a, over)
+        elif a == "sliding-log":  # ZADD expiry: one per admission, expiry = the instant used + W
+            es = sorted(float(x[1]) for x in mine)
+            assert len(es) == admitted[a]
+            worst[a] = max(bisect_right(es, e) - bisect_left(es, e - w + 1e-9) for e in es)
+            assert worst[a] <= n, (a, worst[a])
+        else:  # SET "k count" / "k prev cur": the window each admission was counted in
+            per = {}
+            last = None
+            for x in mine:
+                k, cur = x[1], int(x[-3])
+                if (k, cur) != last:  # a sliding-counter denial may rewrite (roll) without counting
+                    per[k] = max(per.get(k, 0), cur)
+                last = (k, cur)
+            worst[a] = max(per.values())
+            assert sum(per.values()) == admitted[a] or a == "sliding-counter"
+            assert worst[a] <= n, (a, per)
+    print("admitted", admitted, "worst window", worst)
