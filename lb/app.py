@@ -298,6 +298,7 @@ class App:
             policy = self.cfg.on_store_error
             if ok:
                 log.info("%s", line)
+                self._memory_policy(self.cfg)
             elif policy == "fail-closed":
                 log.error("%s; fail-closed: not reporting ready until it answers (requests get 503 meanwhile)",
                           line)
@@ -316,6 +317,13 @@ class App:
                        "local": "each process limits on its own while it is down"}[policy]
                 log.warning("%s; %s: starting anyway, %s", line, policy, how)
         self.ready = not self.stopping
+
+    @staticmethod
+    def _memory_policy(cfg) -> None:
+        """One line about the Redis store's maxmemory-policy (a warning when it can evict limiter keys)."""
+        said = store.memory_policy(cfg)
+        if said is not None:
+            log.log(said[0], "%s", said[1])
 
     def reopen_logs(self) -> None:
         from .server import reopen_logs
@@ -401,6 +409,7 @@ class App:
                      len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys),
                      ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
+            self._memory_policy(new)   # Redis's own configuration may have changed too
             if old_log is not None:
                 old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
             return True

@@ -233,3 +233,50 @@ def test_instants_out_of_order_never_admit_more_than_the_rule_by_the_instant_the
             assert sum(per.values()) == admitted[a] or a == "sliding-counter"
             assert worst[a] <= n, (a, per)
     print("admitted", admitted, "worst window", worst)
+
+
+# ------------------------------------------------------------- maxmemory-policy, read at start and reload
+
+@pytest.mark.parametrize("policy, warned", [("allkeys-lru", "evicts any key"), ("volatile-ttl", "keys with a TTL"),
+                                            ("noeviction", None)])
+def test_the_edge_reads_maxmemory_policy_and_warns_when_it_can_evict_limiter_keys(policy, warned):
+    from lb.config import load
+    from lb.store import memory_policy
+    server = RedisServer(extra=("--maxmemory", "64mb", "--maxmemory-policy", policy)).start()
+    try:
+        level, line = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))
+    finally:
+        server.stop()
+    assert f"maxmemory 67108864 bytes, maxmemory-policy {policy}" in line
+    if warned:
+        assert level == logging.WARNING and warned in line and "fresh quota" in line, line
+    else:
+        assert level == logging.INFO and "no limiter key is evicted" in line, line
+
+
+def test_config_renamed_away_is_said_once_not_fatal():
+    from lb.config import load
+    from lb.store import memory_policy
+    server = RedisServer(extra=("--rename-command", "CONFIG", "")).start()
+    try:
+        level, line = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))
+    finally:
+        server.stop()
+    assert level == logging.WARNING and "cannot read maxmemory-policy" in line and "noeviction" in line, line
+
+
+def test_the_edge_logs_the_policy_at_start_and_on_reload():
+    import signal
+    from tests.support import Edge
+    server = RedisServer(extra=("--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru")).start()
+    try:
+        edge = Edge("--backends", "http://127.0.0.1:9", "--limit", "5/s", "--store", server.url)
+        try:
+            edge.wait_log(r"maxmemory-policy volatile-lru evicts keys with a TTL")
+            server.client().config_set("maxmemory-policy", "noeviction")
+            edge.signal(signal.SIGHUP)
+            edge.wait_log(r"maxmemory-policy noeviction: no limiter key is evicted")
+        finally:
+            edge.stop()
+    finally:
+        server.stop()
