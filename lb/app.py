@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from limiter import redis_url
+from limiter.memory import MemoryStore
 
 from . import fanout, metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
@@ -264,11 +265,33 @@ class App:
             out[("lb_backend_inflight", lab)] = b.inflight
             out.setdefault(("lb_requests_total", lab), 0)
         stage = self.edge.limiter
+        self._key_tables(stage, out)
         for lim in (getattr(stage, "limiters", None) or {}).values():
             link = getattr(lim, "link", None)
             if link is not None:
                 out[("lb_limiter_store_up", (("store", redis_url.redact(self.cfg.store)),))] = 1 if link.up else 0
         return out
+
+    @staticmethod
+    def _key_tables(stage, out: dict) -> None:
+        """lb_limiter_keys / lb_limiter_table_full_total by rule: the built-in rule's limiters (default,
+        overrides, tiers; one limiter may serve several) and each [[rules]] table's."""
+        from .rules import BUILTIN
+        if stage is None:
+            return
+        groups = {BUILTIN: [getattr(stage, "default", None), *getattr(stage, "overrides", {}).values(),
+                            *getattr(stage, "tiers", {}).values()]}
+        for r in getattr(stage, "rules", ()):
+            groups.setdefault(r.name, []).append(r.limiter)
+        for rule, lims in groups.items():
+            lims = list({id(x): x for x in lims if x is not None and hasattr(x, "full")}.values())
+            if not lims:
+                continue
+            lab = (("rule", rule),)
+            out[("lb_limiter_table_full_total", lab)] = sum(x.full for x in lims)
+            tables = [x for x in lims if isinstance(x, MemoryStore)]
+            if tables:
+                out[("lb_limiter_keys", lab)] = sum(len(x) for x in tables)
 
     def render_metrics(self) -> str:
         others = ()
