@@ -28,8 +28,7 @@ emptied (a reused slot keeps probe chains whole), so a lookup stops at a never-u
 unlike the memory store, a new key can be refused while reclaimable slots exist elsewhere (open
 addressing keeps a lookup to at most 2 x PROBE slots).  Filling a table with distinct live keys, the
 first refusal came at 72.6% full (100,000 slots; 69.0% of 10,000) with two homes, taking the free slot
-nearer its home; with one home, as before, at 38.3% (45.4%).  Past that, refusals are scattered and
-the table fills to 99.6%.  One log line when
+nearer its home; with one home, as before, at 38.3% (45.4%) (bench/shm_bench.py --fill).  One log line when
 it happens (then at most one a minute per process); counted in `.full` (lb_limiter_table_full_total).
 """
 
