@@ -124,11 +124,14 @@ HAMMER = r"""
 import json, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from limiter import build
-url, prefix, start, seconds, proc = sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+url, prefix, seconds, proc = sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
 algorithms = ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"]
 lims = {a: build(a, 100, 0.5, store=url, prefix=f"{prefix}{a}:", timeout=2.0) for a in algorithms}
 for lim in lims.values():
     lim.strict = True
+    lim.allow("warm-up", 1.0)  # connected, scripts loaded
+print("ready", flush=True)
+start = float(sys.stdin.readline())  # the parent's go, once every process is ready
 admitted = {a: [] for a in algorithms}
 lock = threading.Lock()
 def hammer(tid):
@@ -165,7 +168,7 @@ def _writes(server, prefix, stop, out):
         out.append("ready")
         while not stop.is_set():
             cmd = m.next_command()["command"].split()
-            if len(cmd) > 2 and cmd[0] in ("SET", "ZADD") and cmd[1].startswith(prefix):
+            if len(cmd) > 2 and cmd[0] in ("SET", "ZADD") and cmd[1].startswith(prefix) and cmd[1].endswith("{hot}"):
                 out.append((cmd[1][len(prefix):].split(":")[0], cmd[0], *cmd[2:]))
 
 
@@ -190,10 +193,15 @@ def test_instants_out_of_order_never_admit_more_than_the_rule_by_the_instant_the
     mon = threading.Thread(target=_writes, args=(own_redis, prefix, stop, writes), daemon=True)
     mon.start()
     wait_until(lambda: writes, 5.0)
-    start = time.time() + 1.5  # every process up and connected first
-    procs = [subprocess.Popen([sys.executable, "-c", HAMMER, str(ROOT), own_redis.url, prefix, str(start),
-                               str(seconds), str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", HAMMER, str(ROOT), own_redis.url, prefix, str(seconds), str(i)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(4)]
+    for p in procs:  # every process up, connected and its scripts loaded before anyone starts
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    start = time.time() + 0.2
+    for p in procs:
+        p.stdin.write(f"{start!r}\n")
+        p.stdin.flush()
     admitted = {}
     for p in procs:
         out, err = p.communicate(timeout=60)
