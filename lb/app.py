@@ -321,7 +321,6 @@ class App:
             policy = self.cfg.on_store_error
             if ok:
                 log.info("%s", line)
-                self._memory_policy(self.cfg)
             elif policy == "fail-closed":
                 log.error("%s; fail-closed: not reporting ready until it answers (requests get 503 meanwhile)",
                           line)
@@ -339,14 +338,15 @@ class App:
                 how = {"fail-open": "requests are allowed while it is down",
                        "local": "each process limits on its own while it is down"}[policy]
                 log.warning("%s; %s: starting anyway, %s", line, policy, how)
+        if ok and not self.stopping:
+            self._memory_policy(self.cfg)
         self.ready = not self.stopping
 
     @staticmethod
     def _memory_policy(cfg) -> None:
-        """One line about the Redis store's maxmemory-policy (a warning when it can evict limiter keys)."""
-        said = store.memory_policy(cfg)
-        if said is not None:
-            log.log(said[0], "%s", said[1])
+        """One line per Redis server about its maxmemory-policy (a warning when it can evict limiter keys)."""
+        for level, line in store.memory_policy(cfg):
+            log.log(level, "%s", line)
 
     def reopen_logs(self) -> None:
         from .server import reopen_logs

@@ -252,7 +252,7 @@ def test_the_edge_reads_maxmemory_policy_and_warns_when_it_can_evict_limiter_key
     from lb.store import memory_policy
     server = RedisServer(extra=("--maxmemory", "64mb", "--maxmemory-policy", policy)).start()
     try:
-        level, line = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))
+        [(level, line)] = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))
     finally:
         server.stop()
     assert f"maxmemory 67108864 bytes, maxmemory-policy {policy}" in line
@@ -267,7 +267,7 @@ def test_config_renamed_away_is_said_once_not_fatal():
     from lb.store import memory_policy
     server = RedisServer(extra=("--rename-command", "CONFIG", "")).start()
     try:
-        level, line = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))
+        [(level, line)] = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))
     finally:
         server.stop()
     assert level == logging.WARNING and "cannot read maxmemory-policy" in line and "noeviction" in line, line
