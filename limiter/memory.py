@@ -33,7 +33,7 @@ expiry.  Amortised O(log n), paid only on insertion:
   table is full (then at most one a minute).  No live state is ever evicted, so a key-rotating flood can
   fill the table and be refused, but can never make the store forget a limited key.  Size max_keys
   for the clients you expect within one expiry horizon (a window; for the sliding counter two);
-  ~100-150 bytes per key plus ~90 for its heap entry.
+  ~90-140 bytes per key plus ~80 for its heap entry (docs/limiter.md).
 """
 
 from __future__ import annotations
