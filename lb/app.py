@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from limiter import redis_url
+from limiter.memory import MemoryStore
 
 from . import fanout, metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
@@ -299,11 +300,33 @@ class App:
             out[("lb_backend_inflight", lab)] = b.inflight
             out.setdefault(("lb_requests_total", lab), 0)
         stage = self.edge.limiter
+        self._key_tables(stage, out)
         for lim in (getattr(stage, "limiters", None) or {}).values():
             link = getattr(lim, "link", None)
             if link is not None:
                 out[("lb_limiter_store_up", (("store", redis_url.redact(self.cfg.store)),))] = 1 if link.up else 0
         return out
+
+    @staticmethod
+    def _key_tables(stage, out: dict) -> None:
+        """lb_limiter_keys / lb_limiter_table_full_total by rule: the built-in rule's limiters (default,
+        overrides, tiers; one limiter may serve several) and each [[rules]] table's."""
+        from .rules import BUILTIN
+        if stage is None:
+            return
+        groups = {BUILTIN: [getattr(stage, "default", None), *getattr(stage, "overrides", {}).values(),
+                            *getattr(stage, "tiers", {}).values()]}
+        for r in getattr(stage, "rules", ()):
+            groups.setdefault(r.name, []).append(r.limiter)
+        for rule, lims in groups.items():
+            lims = list({id(x): x for x in lims if x is not None and hasattr(x, "full")}.values())
+            if not lims:
+                continue
+            lab = (("rule", rule),)
+            out[("lb_limiter_table_full_total", lab)] = sum(x.full for x in lims)
+            tables = [x for x in lims if isinstance(x, MemoryStore)]
+            if tables:
+                out[("lb_limiter_keys", lab)] = sum(len(x) for x in tables)
 
     def render_metrics(self) -> str:
         others = ()
@@ -350,7 +373,15 @@ class App:
                 how = {"fail-open": "requests are allowed while it is down",
                        "local": "each process limits on its own while it is down"}[policy]
                 log.warning("%s; %s: starting anyway, %s", line, policy, how)
+        if ok and not self.stopping:
+            self._memory_policy(self.cfg)
         self.ready = not self.stopping
+
+    @staticmethod
+    def _memory_policy(cfg) -> None:
+        """One line per Redis server about its maxmemory-policy (a warning when it can evict limiter keys)."""
+        for level, line in store.memory_policy(cfg):
+            log.log(level, "%s", line)
 
     def reopen_logs(self) -> None:
         from .server import reopen_logs
@@ -438,6 +469,7 @@ class App:
                      len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys),
                      ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
+            self._memory_policy(new)   # Redis's own configuration may have changed too
             if old_log is not None:
                 old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
             return True

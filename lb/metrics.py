@@ -73,6 +73,10 @@ FAMILIES = {
     "lb_buffer_memory_bytes": ("gauge", "Memory request and response buffers hold now (capped by buffer_memory)."),
     "lb_buffer_temp_files": ("gauge", "Buffers' temp files open now (request bodies, responses read ahead)."),
     "lb_limiter_store_up": ("gauge", "1 when the limiter's Redis store answers, 0 while its failure policy applies."),
+    "lb_limiter_keys": ("gauge", "Keys holding state in a rule's in-process key table (the memory store; at most "
+                                 "max_keys per limiter, summed over workers), by rule."),
+    "lb_limiter_table_full_total": ("counter", "New keys refused (503) because the key table held only states "
+                                               "that would decide differently from a fresh key, by rule."),
     "lb_workers": ("gauge", "Worker processes whose numbers are summed here."),
     "edge_build_info": ("gauge", "Always 1; the labels say which edge and Python this is."),
     "process_cpu_seconds_total": ("counter", "User and system CPU time, summed over the edge's processes."),

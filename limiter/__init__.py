@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from .algorithms import ALGORITHMS, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from .algorithms import ALGORITHMS, MAX_COUNT, MIN_WINDOW, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from .memory import MemoryStore
 from .redis_url import SCHEMES as REDIS_SCHEMES
 
@@ -74,7 +74,11 @@ def parse_rate(text: str) -> tuple[int, float]:
     count = int(m.group(1))
     if count <= 0:
         raise ValueError(f"rate {text!r}: the request count must be a positive integer")
+    if count > MAX_COUNT:
+        raise ValueError(f"rate {text!r}: the request count must be at most 2^53 - 1 = {MAX_COUNT}")
     period = float(m.group(2) or 1.0) * _UNITS[m.group(3)]
     if period <= 0.0:
         raise ValueError(f"rate {text!r}: the period must be positive")
+    if period < MIN_WINDOW:
+        raise ValueError(f"rate {text!r}: the period must be at least 1ms")
     return count, period
