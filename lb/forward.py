@@ -205,9 +205,9 @@ class Forwarder:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
                                      length, edge.cfg.allow_underscores)
-                counted = backend      # a retry names another backend before the finally runs
-                with counted.lock:
-                    counted.inflight += 1
+                x.counted = backend      # uncount() takes back this count, whichever backend a retry names next
+                with backend.lock:
+                    backend.inflight += 1
                 try:
                     try:
                         conn, rh, ur = self.attempt(x, backend, head, body)
@@ -259,8 +259,7 @@ class Forwarder:
                     # whole leaves the client's body half read.
                     return self.relay(x, rh, ur, conn, sock, in_sync=not (rh.early and streamed))
                 finally:
-                    with counted.lock:
-                        counted.inflight -= 1
+                    uncount(x)
         except ClientGone:
             if x.status is None:
                 edge.client_closed(x, reached=True)
@@ -540,13 +539,24 @@ class Forwarder:
         x.upstream_seconds = now - x.upstream_start
         if c is not None:
             if c.buffered:
-                c.finish()   # the backend is done and its connection free: the rest is the client's pace
+                # The backend is done and its connection free: the rest is the client's pace, and no
+                # longer the backend's load (least-request, the drain's in-flight count).
+                uncount(x)
+                c.finish()
             x.bytes_sent = c.n
         edge.metrics.backend_done(backend.url, status, now - start, x.upstream_seconds)
         edge._done(x, status)
         if not in_sync:
             linger(sock)    # the client may still be sending the body the backend refused
         return client_keep
+
+
+def uncount(x) -> None:
+    """The request no longer loads its backend: its in-flight count goes back, once."""
+    b, x.counted = x.counted, None
+    if b is not None:
+        with b.lock:
+            b.inflight -= 1
 
 
 class _Client:

@@ -506,7 +506,7 @@ class Exchange:
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name", "rid_header")
+                 "tunnel", "key_name", "rid_header", "counted")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
@@ -528,6 +528,7 @@ class Exchange:
         self.upstream_start = 0.0
         self.upstream_seconds = None
         self.tries = 1               # backends tried: more than 1 after a connect failure was retried
+        self.counted = None          # the backend whose in-flight count this request holds (lb/forward.py)
 
     def extra_headers(self) -> bytes:
         """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""
