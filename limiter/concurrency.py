@@ -1,0 +1,159 @@
+"""Concurrent requests per key, at most N (nginx's limit_conn): a slot taken before, given back after.
+
+    table = InFlight(limit=2)                  # this process; RedisInFlight(2, url): every edge
+    slot = table.acquire("client-key")          # None: the key already has N in flight
+    ...                                         # the request
+    table.release(slot)                         # exactly once, on every path (the caller's finally)
+
+Not a rate: nothing here reads a clock except RedisInFlight's safety net.  The memory table holds only
+keys with a request in flight (an entry is deleted at zero), so it is bounded by the connections.
+
+Redis: one sorted set per key, a member per request in flight, scored by the instant it stops counting
+(now + ttl).  Acquiring is one script (drop the expired members, count, add); releasing removes the
+member.  The score is the safety net INCR/DECR lacks: an edge that dies (kill -9, a lost network)
+without releasing leaves members that stop counting ttl seconds after they were taken, one by one,
+even on a key that never goes idle (an INCR counter's TTL would be renewed by every other request and
+the leaked count kept forever).  The price: a request held longer than ttl stops counting; the edge
+sets ttl above its longest request (response_timeout + 60 s by default; a tunnel can outlive it).
+A failure of Redis is decided by the store's failure policy, as for the rate limits: fail-open (and
+local) admit without a slot, fail-closed refuses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+from time import time
+
+log = logging.getLogger("edge")
+
+
+def _check_limit(limit):
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise ValueError(f"in-flight limit must be a positive integer, got {limit!r}")
+    return limit
+
+
+class InFlight:
+    """Requests in flight per key in this process (one lock: a dict update, never held across I/O)."""
+
+    __slots__ = ("limit", "_counts", "_lock")
+
+    def __init__(self, limit: int):
+        self.limit = _check_limit(limit)
+        self._counts: dict = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, key):
+        with self._lock:
+            n = self._counts.get(key, 0)
+            if n >= self.limit:
+                return None
+            self._counts[key] = n + 1
+        return key
+
+    def release(self, slot) -> None:
+        with self._lock:
+            n = self._counts.get(slot, 0) - 1
+            if n > 0:
+                self._counts[slot] = n
+            else:
+                self._counts.pop(slot, None)
+
+    def count(self, key) -> int:
+        return self._counts.get(key, 0)
+
+    def __len__(self):
+        return len(self._counts)
+
+
+_ACQUIRE = """
+local now = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= LIMIT then return 0 end
+redis.call('ZADD', KEYS[1], now + TTL, ARGV[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil(TTL * 1000) + 1000)
+return 1
+"""
+_RELEASE = "redis.call('ZREM', KEYS[1], ARGV[2])\nreturn 1\n"
+
+
+class _Script3:
+    """A script called with one key and two arguments (now, member): text, sha, head (as redis_link's)."""
+
+    def __init__(self, text: str):
+        import hashlib
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+        self.head = b"*6\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % self.sha.encode()
+
+    def pack(self, key: bytes, now: float, member: bytes) -> bytes:
+        n = repr(float(now)).encode()
+        return b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (self.head, len(key), key, len(n), n,
+                                                              len(member), member)
+
+
+class RedisInFlight:
+    """Requests in flight per key across every edge on one Redis (see the module's docstring)."""
+
+    def __init__(self, limit: int, url: str, *, prefix: str = "edge:inflight:", ttl: float = 360.0,
+                 timeout: float = 0.05, on_error: str = "fail-open", retry_interval: float = 0.5,
+                 password_file=None, ca_file=None, cert_file=None, key_file=None, clock=time, **_ignored):
+        from redis.exceptions import RedisError   # limiter imports redis only when a Redis store is used
+
+        from .redis_link import link_for
+        from .redis_url import parse
+        self._error = RedisError
+        self.limit = _check_limit(limit)
+        if not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        self.prefix, self.ttl, self.on_error, self.clock = prefix, float(ttl), on_error, clock
+        target = parse(url, password_file=password_file, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
+        self.link = link_for(target, timeout, 64, retry_interval)
+        consts = {"LIMIT": str(self.limit), "TTL": repr(self.ttl)}
+        text = _ACQUIRE
+        for k, v in consts.items():
+            text = text.replace(k, v)
+        self._acquire, self._release = _Script3(text), _Script3(_RELEASE)
+        self._ids = itertools.count()
+        self._me = b"%d-%s-" % (os.getpid(), os.urandom(4).hex().encode())
+        self.degraded = 0
+
+    def _call(self, node, script, key: bytes, member: bytes) -> bytes:
+        from .redis_batch import Call
+        cmd = script.pack(key, self.clock(), member)
+        if node.batcher is not None:
+            return node.batcher.call(script, cmd)
+        c = Call(script, cmd)
+        node._flight((c,))
+        if c.error is not None:
+            raise c.error
+        return c.reply
+
+    def acquire(self, key):
+        k = f"{self.prefix}{{{key}}}".encode()
+        node = self.link.route(k)
+        member = self._me + str(next(self._ids)).encode()
+        if node.up or node.may_try():
+            try:
+                reply = self._call(node, self._acquire, k, member)
+            except self._error as e:
+                (getattr(e, "node", None) or node).failed(e)
+            else:
+                if not node.up:
+                    node.succeeded()
+                return (node, k, member) if reply == 1 or reply == b"1" else None
+        self.degraded += 1
+        return None if self.on_error == "fail-closed" else (None, k, member)   # admitted, no slot held
+
+    def release(self, slot) -> None:
+        node, k, member = slot
+        if node is None:
+            return
+        try:
+            self._call(node, self._release, k, member)
+        except self._error as e:   # the member's score ends it at ttl; one line, the request is done
+            log.warning("in-flight slot not released in Redis (it expires in %gs): %s", self.ttl, e)
