@@ -197,3 +197,28 @@ def test_a_cost_above_the_limit_is_refused(backends, tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[[rules]]\nname = "x"\nkey = "ip"\nlimit = "3/s"\ncost = 4\n')
     assert "could never be admitted" in config_error("--config", str(path), "--backends", backends[0].url)
+
+
+def test_two_edges_on_redis_share_the_in_flight_limit(backends, redis_server):
+    common = ("--backends", backends[0].url, "--max-in-flight", "1", "--store", redis_server.url,
+              "--redis-timeout", "1.0")
+    edges = [Edge(*common, name=f"edge-inflight-{i}") for i in range(2)]
+    try:
+        out = [None, None]
+        go = threading.Barrier(2)
+
+        def one(i):
+            go.wait()
+            time.sleep(0.2 * i)   # the second starts while the first is at the backend (not a sync: a stagger)
+            out[i] = request(edges[i].port, "GET", "/slow?ms=1500", {"X-Api-Key": "shared"}).status
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        assert out == [200, 429]
+        assert redis_server.client().zcard("edge:inflight:default:{key:shared}") == 0   # given back
+    finally:
+        for e in edges:
+            e.stop()
