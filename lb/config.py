@@ -647,10 +647,6 @@ def _validate_shaping(c: Config) -> None:
         what = "limits.max_delay" if c.max_delay else f"rules ({costly[0]}).cost"
         raise ConfigError(f"{what}: needs the memory store (the Redis scripts charge 1 and never hold a "
                           f"request); remove it or use store = \"memory\"")
-    concurrent = bool(c.max_in_flight) or any(r.max_in_flight for r in c.rules)
-    if concurrent and c.store == "memory" and c.workers > 1:
-        raise ConfigError("limits.max_in_flight: with --workers N the memory store's in-flight counts would "
-                          "be per worker (N times the limit); use a Redis store, or --workers 1")
 
 
 def _validate_limits(c: Config) -> None:

@@ -146,8 +146,10 @@ class LimitStage:
             if key not in cache and key in old:
                 cache[key] = old[key]
             if key not in cache:
-                if store in ("memory", "shm"):   # shm: refused by the configuration (per worker)
-                    cache[key] = InFlight(n)
+                if store in ("memory", "shm"):
+                    from limiter import concurrency     # --workers: the table the supervisor shared
+                    cache[key] = (concurrency.ShmInFlight(n, name=key) if concurrency.SHARED is not None
+                                  else InFlight(n))
                 else:
                     from limiter.concurrency import RedisInFlight
                     cache[key] = RedisInFlight(n, store, prefix=f"edge:inflight:{rule}:", ttl=inflight_ttl,

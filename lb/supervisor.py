@@ -67,6 +67,9 @@ def run(cfg, argv) -> int:
     argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
     if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
         _share_limits(cfg)                 # before any fork: the workers must inherit the same mapping
+    if cfg.store == "memory":              # in-flight counts across workers (also for a reload that adds them)
+        from limiter import concurrency
+        concurrency.share(min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections)))
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
     workers = [Worker(i) for i in range(cfg.workers)]
     by_pid: dict[int, Worker] = {}

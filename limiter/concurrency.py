@@ -17,14 +17,26 @@ the leaked count kept forever).  The price: a request held longer than ttl stops
 sets ttl above its longest request (response_timeout + 60 s by default; a tunnel can outlive it).
 A failure of Redis is decided by the store's failure policy, as for the rate limits: fail-open (and
 local) admit without a slot, fail-closed refuses.
+
+Workers (--workers N, no Redis): SharedTable, an anonymous shared mmap the supervisor creates before it
+forks (as limiter.shm's Arena), of rows (key digest, pid, count): a worker counts its own requests in
+its own row, and a key's count is the sum of its rows.  A worker killed with requests in flight leaves
+its rows behind; they are reclaimed when they would refuse a request: a row whose pid no longer exists
+is cleared then (the supervisor starts a replacement under a new pid).  One lock for the table (a thread
+lock, then an fcntl record lock: the kernel drops a dead process's), held for a scan of PROBE rows.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import itertools
 import logging
 import math
+import mmap
 import os
+import struct
+import tempfile
 import threading
 from time import time
 
@@ -157,3 +169,129 @@ class RedisInFlight:
             self._call(node, self._release, k, member)
         except self._error as e:   # the member's score ends it at ttl; one line, the request is done
             log.warning("in-flight slot not released in Redis (it expires in %gs): %s", self.ttl, e)
+
+
+
+# ------------------------------------------------------------------------------ across worker processes
+
+_ROW = struct.Struct("=16sii")   # digest, pid, count
+_EMPTY = bytes(16)
+PROBE = 32                       # rows a key may use, from its home row
+
+
+class SharedTable:
+    """The rows every worker's ShmInFlight counts in: create it in the parent, before fork."""
+
+    def __init__(self, rows: int = 65536):
+        self.rows = max(PROBE, rows)
+        self.mem = mmap.mmap(-1, self.rows * _ROW.size)   # anonymous MAP_SHARED: the same bytes after fork
+        fd, path = tempfile.mkstemp(prefix="edge-inflight-lock-")
+        os.unlink(path)
+        os.ftruncate(fd, 1)
+        self.lock_fd = fd
+        self.tlock = threading.Lock()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self):
+        self.tlock = threading.Lock()     # a lock held by another thread of the parent stays behind
+
+    def close(self):
+        self.mem.close()
+        os.close(self.lock_fd)
+
+
+SHARED: SharedTable | None = None   # set by the supervisor before it forks the workers
+
+
+def share(rows: int) -> SharedTable:
+    global SHARED
+    SHARED = SharedTable(rows)
+    return SHARED
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShmInFlight:
+    """Requests in flight per key, summed over the worker processes sharing a SharedTable."""
+
+    def __init__(self, limit: int, table: SharedTable | None = None, name: str = ""):
+        self.limit = _check_limit(limit)
+        self.table = table or SHARED
+        if self.table is None:
+            raise ValueError("the shared in-flight table must be created before fork (limiter.concurrency.share)")
+        self._id = name.encode() + b"\0"
+        self.full = 0
+
+    def _where(self, key):
+        digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=16).digest()
+        return digest, int.from_bytes(digest[:8], "little") % self.table.rows
+
+    def _rows(self, home):
+        rows = self.table.rows
+        for i in range(PROBE):
+            yield ((home + i) % rows) * _ROW.size
+
+    def acquire(self, key):
+        t = self.table
+        digest, home = self._where(key)
+        me = os.getpid()
+        with t.tlock:
+            fcntl.lockf(t.lock_fd, fcntl.LOCK_EX, 1, 0)
+            try:
+                mem = t.mem
+                total, mine, free, others = 0, None, None, []
+                for off in self._rows(home):
+                    tag, pid, n = _ROW.unpack_from(mem, off)
+                    if tag == digest:
+                        total += n
+                        if pid == me:
+                            mine = (off, n)
+                        else:
+                            others.append((off, pid, n))
+                    elif tag == _EMPTY and free is None:
+                        free = off
+                if total >= self.limit:
+                    for off, pid, n in others:      # a dead worker's rows: reclaimed when they would refuse
+                        if not _alive(pid):
+                            _ROW.pack_into(mem, off, _EMPTY, 0, 0)
+                            total -= n
+                            if free is None:
+                                free = off
+                    if total >= self.limit:
+                        return None
+                if mine is not None:
+                    _ROW.pack_into(mem, mine[0], digest, me, mine[1] + 1)
+                    return mine[0]
+                if free is None:                    # PROBE rows of other keys in flight: refuse, counted
+                    self.full += 1
+                    return None
+                _ROW.pack_into(mem, free, digest, me, 1)
+                return free
+            finally:
+                fcntl.lockf(t.lock_fd, fcntl.LOCK_UN, 1, 0)
+
+    def release(self, slot) -> None:
+        t = self.table
+        with t.tlock:
+            fcntl.lockf(t.lock_fd, fcntl.LOCK_EX, 1, 0)
+            try:
+                tag, pid, n = _ROW.unpack_from(t.mem, slot)
+                if n > 1:
+                    _ROW.pack_into(t.mem, slot, tag, pid, n - 1)
+                else:
+                    _ROW.pack_into(t.mem, slot, _EMPTY, 0, 0)
+            finally:
+                fcntl.lockf(t.lock_fd, fcntl.LOCK_UN, 1, 0)
+
+    def count(self, key) -> int:
+        digest, home = self._where(key)
+        return sum(n for off in self._rows(home) for tag, _, n in [_ROW.unpack_from(self.table.mem, off)]
+                   if tag == digest)

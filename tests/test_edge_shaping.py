@@ -187,7 +187,6 @@ match = { path_prefix = "/export" }
     (("--limit", "10/s", "--limit-status", "401"), "limits.status"),
     (("--limit", "10/s", "--max-delay", "1", "--store", "redis://127.0.0.1:1/0"), "max_delay: needs the memory"),
     (("--limit", "10/s", "--max-delay", "-1"), "--max-delay"),
-    (("--max-in-flight", "2", "--workers", "2"), "per worker"),
 ])
 def test_settings_that_cannot_be_exact_are_refused_with_one_line(backends, args, said):
     assert said in config_error("--backends", backends[0].url, *args)
@@ -222,3 +221,14 @@ def test_two_edges_on_redis_share_the_in_flight_limit(backends, redis_server):
     finally:
         for e in edges:
             e.stop()
+
+
+def test_workers_share_the_in_flight_limit(backends):
+    e = Edge("--backends", backends[0].url, "--max-in-flight", "1", "--workers", "2", name="edge-workers")
+    try:
+        e.wait_log(r"all 2 workers ready", timeout=20)
+        for _ in range(3):    # whichever worker each connection lands on (counted per worker: 2 admitted, mostly)
+            got = at_once(e.port, 4, "/slow?ms=1000")
+            assert sorted(s for s, _, _ in got) == [200, 429, 429, 429], got
+    finally:
+        e.stop()

@@ -94,3 +94,32 @@ def test_redis_down_applies_the_failure_policy():
     opened.release(slot)                             # nothing held, nothing to give back
     closed = RedisInFlight(1, "redis://127.0.0.1:1/0", timeout=0.05, on_error="fail-closed", prefix="x:")
     assert closed.acquire("k") is None
+
+
+def test_the_shared_table_counts_across_processes_and_reclaims_a_dead_workers_slots():
+    import os
+
+    from limiter.concurrency import SharedTable, ShmInFlight
+    table = SharedTable(1024)
+    try:
+        lim = ShmInFlight(3, table, name="t")
+        mine = [lim.acquire("k"), lim.acquire("k")]
+        assert None not in mine
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                                 # a worker: takes the third slot, is refused the fourth,
+            got = (lim.acquire("k") is not None, lim.acquire("k") is None)
+            os.write(w, b"%d%d" % got)
+            os._exit(0)                              # ... and dies without giving its slot back
+        assert os.read(r, 2) == b"11"
+        os.waitpid(pid, 0)                           # reaped, as the supervisor reaps a dead worker
+        assert lim.count("k") == 3
+        again = lim.acquire("k")                     # would refuse: the dead worker's row is reclaimed
+        assert again is not None and lim.count("k") == 3
+        assert lim.acquire("k") is None
+        for s in mine + [again]:
+            lim.release(s)
+        assert lim.count("k") == 0
+        assert ShmInFlight(3, table, name="other").acquire("k") is not None   # names are apart
+    finally:
+        table.close()
