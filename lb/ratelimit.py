@@ -293,7 +293,9 @@ class LimitStage:
             elif enforce:
                 release(taken)
                 v.status, v.reason = self.status_code, "too many requests in flight"
-                v.headers = b"Retry-After: 1\r\n"
+                # the binding limit is this one (the rates were not asked): its N, none left, again in 1 s
+                v.headers = b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: 0\r\nX-RateLimit-Reset: 1\r\n" \
+                            b"Retry-After: 1\r\n" % table.limit
                 v.rejected, v.limited_by = (name,), name + ":in_flight"
                 return False
             else:

