@@ -64,6 +64,7 @@ def test_fifteen_at_once_at_ten_per_second_with_one_second_of_delay_are_all_admi
         got = at_once(e.port, 15)
         assert [s for s, _, _ in got] == [200] * 15, got
         took = sorted(t for _, t, _ in got)
+        print(f"\n15 at once at 10/s, --max-delay 1: answered after (s) {' '.join(f'{t:.2f}' for t in took)}")
         # 10 at once, 5 held 0.1..0.5 s (fewer, and shorter, if the 15 arrived spread out: loose bounds)
         assert took[-1] >= 0.2, took
         assert took[-1] < 5.0, took
