@@ -200,6 +200,8 @@ class App:
             "ready": self.not_ready() is None,
             "draining": self.stopping,
             "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": redis_url.redact(self.cfg.store),
+            "shaping": {"max_delay": self.cfg.max_delay, "held": self.edge.holds.n, "max_delayed": self.cfg.max_delayed,
+                        "max_in_flight": self.cfg.max_in_flight, "status": self.cfg.limit_status},
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
