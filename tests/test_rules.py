@@ -546,3 +546,19 @@ def test_delay_mode_in_the_stage_holds_and_dry_run_rules_never_hold():
     assert [v.status for v in vs] == [0, 0, 0, 0, 429]
     assert [v.delay for v in vs[:4]] == pytest.approx([0.0, 0.0, 0.5, 1.0])
     assert "shadow:dry_run" in vs[2].limited_by
+
+
+def test_a_rule_cost_and_delay_with_another_limit_are_all_or_nothing_in_both_stores(store):
+    """Two limits in one request (one script call on Redis): the cost is charged, a held request's delay
+    is reported, and a refusal spends nothing."""
+    st = stage("10/s", [{"name": "export", "key": "api-key", "limit": "4/s", "cost": 2, "algorithm": "fixed-window",
+                         "match": {"path_prefix": "/export"}}], max_delay=0.5, **store)
+    vs = [st.check(req(path="/export", X_Api_Key="k"), "192.0.2.1", now=T0 + 0.1) for _ in range(5)]
+    # 4 units per window: two now, two in the next window (0.9 s away: beyond 0.5 s, refused)
+    assert [v.status for v in vs] == [0, 0, 429, 429, 429]
+    # the built-in 10/s spent only for the two admitted: 8 left at the same instant, the 9th held 0.1 s
+    plain = [st.check(req(path="/", X_Api_Key="k"), "192.0.2.1", now=T0 + 0.1) for _ in range(9)]
+    assert [v.status for v in plain] == [0] * 9
+    assert [v.delay for v in plain] == pytest.approx([0.0] * 8 + [0.1])
+    later = st.check(req(path="/export", X_Api_Key="k"), "192.0.2.1", now=T0 + 0.6)
+    assert later.status == 0 and later.delay == pytest.approx(0.4)      # held until the next window
