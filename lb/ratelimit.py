@@ -175,7 +175,6 @@ class LimitStage:
                                 inflight_for(s.max_in_flight, s.name) if s.max_in_flight else None)
                            for s in rules)
         self.inflight = inflight_for(max_in_flight) if max_in_flight else None
-        self.concurrent = self.inflight is not None or any(r.inflight is not None for r in self.rules)
         self.max_delay, self.max_delayed = max_delay, max_delayed
         self.status_code = status
         self.ietf = ietf_headers
