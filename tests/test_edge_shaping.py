@@ -231,7 +231,8 @@ def test_workers_share_the_in_flight_limit(backends):
     try:
         e.wait_log(r"all 2 workers ready", timeout=20)
         for _ in range(3):    # whichever worker each connection lands on (counted per worker: 2 admitted, mostly)
-            got = at_once(e.port, 4, "/slow?ms=1000")
+            # 2.5 s at the backend: long enough that a loaded machine still sends all four inside it
+            got = at_once(e.port, 4, "/slow?ms=2500")
             assert sorted(s for s, _, _ in got) == [200, 429, 429, 429], got
     finally:
         e.stop()
