@@ -122,7 +122,8 @@ class App:
                  f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
         if self.edge.limiter is not None:
-            rules = "".join(f", rule {r.name} {r.limit} by {r.key}{' (dry run)' if r.dry_run else ''}"
+            rules = "".join(f", rule {r.name} {r.limit or ''}{f' max_in_flight {r.max_in_flight}' if r.max_in_flight else ''}"
+                            f" by {r.key}{' (dry run)' if r.dry_run else ''}"
                             for r in cfg.rules)
             log.info("limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s",
                      cfg.limit or "off", cfg.algorithm, redis_url.redact(cfg.store), "" if cfg.store == "memory" else
@@ -195,7 +196,7 @@ class App:
         return server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ciphers, cfg.tls_min_version)
 
     def _limit_stage(self, cfg: Config, old):
-        if not (cfg.limit or cfg.rules or cfg.keys):
+        if not (cfg.limit or cfg.rules or cfg.keys or cfg.max_in_flight):
             return None
         from limiter import shm
 
@@ -211,7 +212,10 @@ class App:
             reuse = old.limiters      # same algorithm, store and options: unchanged rates keep their counters
         stage = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, store, reuse=reuse, rules=cfg.rules,
                            keys=cfg.keys, unknown_keys=cfg.unknown_keys, exempt=cfg.exempt,
-                           ietf_headers=cfg.ietf_headers, ipv6_prefix=cfg.ipv6_prefix, **opts)
+                           ietf_headers=cfg.ietf_headers, ipv6_prefix=cfg.ipv6_prefix, max_delay=cfg.max_delay,
+                           max_delayed=cfg.max_delayed, max_in_flight=cfg.max_in_flight, status=cfg.limit_status,
+                           # a request in flight longer than this stops counting in Redis (its safety net)
+                           inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0, **opts)
         self.metrics.declare_rules(stage.declared)
         return stage
 
@@ -229,6 +233,8 @@ class App:
             "ready": self.not_ready() is None,
             "draining": self.stopping,
             "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": redis_url.redact(self.cfg.store),
+            "shaping": {"max_delay": self.cfg.max_delay, "held": self.edge.holds.n, "max_delayed": self.cfg.max_delayed,
+                        "max_in_flight": self.cfg.max_in_flight, "status": self.cfg.limit_status},
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],

@@ -119,6 +119,10 @@ class Config:
     ietf_headers: bool = False               # also RateLimit-Policy / RateLimit (IETF draft)
     max_keys: int = 100_000                  # keys holding state in memory, per limiter (per rule and rate)
     ipv6_prefix: int = 64                    # IPv6 clients are limited per /N (0 or 128: per address)
+    max_delay: float = 0.0                   # hold an over-limit request up to this long instead of refusing it
+    max_delayed: int = 256                   # requests held at once (a connection thread each); past it, refused
+    max_in_flight: int = 0                   # concurrent requests per identity (nginx limit_conn); 0 off
+    limit_status: int = 429                  # the status of a rate-limit (and in-flight) rejection
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
     access_log_format: str = "text"          # text | json
@@ -137,6 +141,10 @@ STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
 UNKNOWN_KEYS = ("as-ip", "reject")
 ACCESS_LOG_FORMATS = ("text", "json")
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
+# A rejection's status: 4xx/5xx codes that need no header of their own (not 401's WWW-Authenticate, 405's
+# Allow, 407, 416's Content-Range, 426's Upgrade) and do not speak of the request's framing (408, 411,
+# 413, 414, 431) -- nginx's limit_req_status takes any 400-599, which lets a typo send a 401.
+REJECT_STATUSES = frozenset({400, 403, 404, 410, 429, 500, 502, 503, 504})
 
 
 # ---------------------------------------------------------------------------------------- parsers
@@ -321,7 +329,11 @@ _SECTIONS = {
                "api_keys_file": ("api_keys_file", "s"), "unknown_keys": ("unknown_keys", "s"),
                "exempt": ("exempt", "list"), "ietf_headers": ("ietf_headers", "b"),
                "tiers": ("tiers", "table"), "max_keys": ("max_keys", Num(True, 1, 100_000_000)),
-               "ipv6_prefix": ("ipv6_prefix", Num(True, 0, 128))},
+               "ipv6_prefix": ("ipv6_prefix", Num(True, 0, 128)),
+               "max_delay": ("max_delay", Num(False, MS, 60.0, zero=True)),
+               "max_delayed": ("max_delayed", Num(True, 1, 100_000)),
+               "max_in_flight": ("max_in_flight", Num(True, 0, 1_000_000)),
+               "status": ("limit_status", Num(True, 400, 599))},
 }
 
 
@@ -498,6 +510,12 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
     a("--ipv6-prefix", help="IPv6 clients are limited per prefix of this length (default 64; 0 or 128: "
                             "per address)")
+    a("--max-delay", help="seconds an over-limit request may be held (its slot reserved) instead of refused "
+                          "(default 0: off; nginx's limit_req delay); on Redis: token-bucket and fixed-window")
+    a("--max-in-flight", help="concurrent requests per client identity (default 0: off; nginx's limit_conn) "
+                              "-> 429 with Retry-After: 1")
+    a("--limit-status", help="status of a rate-limit rejection (default 429; e.g. 503): "
+                             + ", ".join(map(str, sorted(REJECT_STATUSES))))
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
     a("--admin", help="HOST:PORT for /metrics and /status (default off)")
     a("--request-id-response", action="store_true",
@@ -679,6 +697,7 @@ def validate(c: Config) -> list[str]:
         bad.append(f"limits.on_store_error: {c.on_store_error!r} is not one of {', '.join(STORE_ERROR_POLICIES)}")
     check(check_cidrs, c.trusted_proxies, "trusted_proxies")
     check(_validate_limits, c)
+    check(_validate_shaping, c)
     # workers > 1 with the memory store: the workers share one table in shared memory (limiter.shm)
     if c.cpu_affinity not in ("auto", "off"):
         try:
@@ -698,6 +717,23 @@ def validate(c: Config) -> list[str]:
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return bad
+
+
+def _validate_shaping(c: Config) -> None:
+    """Delay mode, costs, in-flight limits and the rejection status: where each can be exact."""
+    if c.limit_status not in REJECT_STATUSES:
+        raise ConfigError(f"limits.status: {c.limit_status} is not one of {', '.join(map(str, sorted(REJECT_STATUSES)))}")
+    if c.store != "memory":      # what the Redis scripts implement (limiter.shaping.REDIS_SUPPORT)
+        from limiter.shaping import redis_refusal
+        if c.max_delay and (c.limit or c.keys):
+            why = redis_refusal(c.algorithm, 1, c.max_delay)
+            if why:
+                raise ConfigError(f"limits.max_delay: {why}")
+        for r in c.rules:
+            if r.limit:
+                why = redis_refusal(r.algorithm or c.algorithm, r.cost, 0.0 if r.dry_run else c.max_delay)
+                if why:
+                    raise ConfigError(f"rules ({r.name}): {why}")
 
 
 def _validate_limits(c: Config) -> None:
@@ -724,4 +760,5 @@ def _validate_limits(c: Config) -> None:
         else:
             check_cidrs([e[3:] if e.startswith("ip:") else e], "limits.exempt")
     for r in c.rules:
-        check_rate(r.limit, f"rules ({r.name}).limit")
+        if r.limit is not None:
+            check_rate(r.limit, f"rules ({r.name}).limit")

@@ -44,6 +44,8 @@ FAMILIES = {
                                          "refused by two rules counts under both -- requests answered 429: "
                                          "lb_edge_responses_total)."),
     "lb_rate_limit_exempt_total": ("counter", "Requests let through unlimited by [limits] exempt."),
+    "lb_delayed_total": ("counter", "Over-limit requests held (--max-delay) and then forwarded."),
+    "lb_delayed_refused_total": ("counter", "Over-limit requests refused because max_delayed were already held."),
     "lb_unavailable_total": ("counter", "Requests answered 503 because no backend was healthy."),
     "lb_limiter_errors_total": ("counter", "Limiter store failures (the configured failure policy applied)."),
     "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
@@ -69,6 +71,7 @@ FAMILIES = {
     "lb_upstream_active": ("gauge", "Requests being forwarded now (the retry budget's base)."),
     "lb_backend_inflight": ("gauge", "Requests in flight to the backend."),
     "lb_client_connections": ("gauge", "Client connections open now."),
+    "lb_delayed_in_flight": ("gauge", "Requests being held by delay mode now."),
     "lb_tunnels_open": ("gauge", "Upgraded connections (WebSocket) open now."),
     "lb_buffer_memory_bytes": ("gauge", "Memory request and response buffers hold now (capped by buffer_memory)."),
     "lb_buffer_temp_files": ("gauge", "Buffers' temp files open now (request bodies, responses read ahead)."),

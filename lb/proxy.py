@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import random
 import re
@@ -31,6 +32,8 @@ from .forward import SMALL_BODY, Forwarder
 from .spool import Budget, Spool, SpooledBody
 from .identity import Identifier
 from .outlier import Ejector
+from .ratelimit import Holds
+from .ratelimit import release as release_slots
 from .retrybudget import RetryBudget
 from .httpio import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
                      own_response, parse_request, send, send_timeout)
@@ -157,6 +160,7 @@ class Edge:
         self.buffers = Budget()             # memory of every request and response buffer (lb/spool.py)
         self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
         self.tunnels: dict = {}             # client socket -> backend socket, while upgraded (for the drain)
+        self.holds = Holds()                # requests held by delay mode (--max-delay) now
 
     # -- the connection loop ------------------------------------------------------------------------
 
@@ -319,6 +323,9 @@ class Edge:
                 self.metrics.edge_answered(499, monotonic() - x.start)
                 self._done(x, 499)
             raise
+        finally:
+            if x.slots is not None:  # in-flight slots (--max-in-flight): given back on every path, here only
+                release_slots(x.slots)
 
     def _handle(self, x: "Exchange", req: Request, reader: Reader, sock: socket.socket, peer: bytes,
                 peer_trusted: bool, peer_ip: str) -> bool:
@@ -351,6 +358,10 @@ class Edge:
                 self.metrics.limit_outcome(v.rejected, v.dry, v.exempt)
             if v.status:
                 return self._answer(sock, x, v.status, v.reason, keep_if_early and v.status != 400)
+            x.slots = v.slots
+            if v.delay and not self.holds.hold(v.delay, self.limiter.max_delayed, self.metrics):
+                x.rl += b"Retry-After: %d\r\n" % math.ceil(v.delay)   # held requests at their cap
+                return self._answer(sock, x, self.limiter.status_code, "too many requests held", keep_if_early)
         else:
             try:
                 x.key = Identifier.label(req.api_key, ip)
@@ -506,13 +517,14 @@ class Exchange:
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name", "rid_header", "counted")
+                 "tunnel", "key_name", "rid_header", "counted", "slots")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
         self.proto = proto           # the scheme the client used: X-Forwarded-Proto
         self.key = ""                # who, as logs may show it (never a raw API key)
         self.key_name = None         # a known API key's configured name (lb/keys.py)
+        self.slots = None            # in-flight slots to give back (lb/ratelimit.py: release)
         self.limited_by = ""         # the rules that rejected (or, dry-run, would have)
         self.upgrade = None          # the Upgrade value forwarded, for an allowed upgrade (lb/tunnel.py)
         self.tunnel = None           # (bytes client->backend, bytes backend->client, why it ended) after a 101

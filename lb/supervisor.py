@@ -73,6 +73,9 @@ def run(cfg, argv) -> int:
     argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
     if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
         _share_limits(cfg)                 # before any fork: the workers must inherit the same mapping
+    if cfg.store == "memory":              # in-flight counts across workers (also for a reload that adds them)
+        from limiter import concurrency
+        concurrency.share(min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections)))
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
     workers = [Worker(i) for i in range(cfg.workers)]
     by_pid: dict[int, Worker] = {}
@@ -272,13 +275,15 @@ def _share_limits(cfg) -> None:
     default, per-key limits, key tiers and every [[rules]] table, each with its algorithm; a sliding log
     holds its limit's worth of instants)."""
     from limiter import ALGORITHMS, parse_rate, shm
-    limits = [(cfg.algorithm, r) for r in (cfg.limit, *(rate for _, rate in cfg.key_limits),
-                                           *(k.limit for k in cfg.keys)) if r]
-    limits += [(s.algorithm or cfg.algorithm, s.limit) for s in cfg.rules]
+    from limiter.shaping import shaped
+    limits = [(cfg.algorithm, r, 1, cfg.max_delay) for r in (cfg.limit, *(rate for _, rate in cfg.key_limits),
+                                                             *(k.limit for k in cfg.keys)) if r]
+    limits += [(s.algorithm or cfg.algorithm, s.limit, s.cost, 0.0 if s.dry_run else cfg.max_delay)
+               for s in cfg.rules if s.limit]
     need = 24
-    for algorithm, rate in limits:
+    for algorithm, rate, cost, delay in limits:   # delay mode: a sliding log holds its reservations too
         n, period = parse_rate(rate)
-        need = max(need, shm.state_size(ALGORITHMS[algorithm](n, period)))
+        need = max(need, shm.state_size(shaped(ALGORITHMS[algorithm](n, period), cost, delay)))
     slots = max(1024, min(cfg.max_keys, (64 << 20) // (need + 24)))
     arena = shm.create(slots, need)
     log.info("limits shared by %d workers in %d KiB of shared memory (%d keys, %d bytes of state each)",

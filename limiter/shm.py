@@ -74,7 +74,7 @@ def _codec(algorithm) -> _Codec:
     if isinstance(algorithm, SlidingCounter):
         return _Codec("=qqq", lambda v: v, lambda s: s)
     if isinstance(algorithm, SlidingLog):
-        n = algorithm.limit
+        n = getattr(algorithm, "max_entries", algorithm.limit)   # delay mode logs ahead (limiter.shaping)
         pad = (0.0,) * n
         return _Codec(f"=q{n}d", lambda v: list(v[1:1 + v[0]]), lambda s: (len(s), *s, *pad[len(s):]))
     raise ValueError(f"no shared-memory layout for {algorithm!r}")

@@ -420,3 +420,30 @@ def test_a_101_whose_accept_answers_the_key_is_tunnelled():
     finally:
         e.stop()
         srv.close()
+def test_a_tunnel_holds_its_in_flight_slot_until_it_closes(wsb):
+    """--max-in-flight counts an open WebSocket as the request in flight it is (nginx's limit_conn), and
+    the slot comes back when the tunnel closes."""
+    e = Edge("--backends", wsb.url, "--health-interval", "30", "--max-in-flight", "1")
+    try:
+        async def session():
+            async with ws(e.port) as c:
+                await c.send("hi")
+                assert await c.recv() == "hi"
+                with pytest.raises(InvalidStatus) as refused:        # a second one from the same client
+                    async with ws(e.port):
+                        pass
+                assert refused.value.response.status_code == 429
+                assert refused.value.response.headers["Retry-After"] == "1"
+            # closed: the slot is given back (the edge's thread ends the tunnel a moment after the close)
+            for _ in range(100):
+                try:
+                    async with ws(e.port) as c:
+                        await c.send("again")
+                        return await c.recv()
+                except InvalidStatus:
+                    await asyncio.sleep(0.05)
+            return None
+
+        assert run(session()) == "again"
+    finally:
+        e.stop()
