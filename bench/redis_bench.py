@@ -9,7 +9,7 @@
      backend directly (so the added latency is the difference).  A paced client on one keep-alive
      connection with http.client (wrk.loadgen, the constant-rate generator, is not on this branch).
   3. Accuracy: two edges, one client alternating at 2x the limit (the same measurement as
-     tests/test_edge_redis.py): admitted rate with local counters vs with Redis.
+     tests/acceptance/test_m7_distributed_counters.py): admitted rate with local counters vs with Redis.
 
     python3 bench/redis_bench.py [--calls 5000] [--rate 200] [--seconds 10] [--no-edge]
     python3 bench/redis_bench.py --commandstats    # only: server-side µs per call (INFO commandstats)
@@ -243,25 +243,28 @@ def accuracy(url: str, backend: Backend):
     return limit, {n: admitted_per_second(s, t0, t0 + 10.0) for n, s in res.items()}
 
 
-def abuse(url: str, factor: float = 10.0, limit: int = 100, window: float = 1.0, seconds: float = 20.0):
+def abuse(url: str, factor: float = 10.0, limit: int = 100, window: float = 1.0, seconds: float = 20.0,
+          edges: int = 1):
     """Script calls per admitted request for one client at `factor` x its limit, with and without the
     denial cache: `seconds` of simulated time (injected instants, evenly spaced), EVALSHA calls counted by
-    the server (INFO commandstats), so the figure is what Redis actually executed."""
+    the server (INFO commandstats), so the figure is what Redis actually executed.  edges > 1: that many
+    stores on one prefix (edges, each with its own cache), the client's requests taking turns."""
     import redis
     r = redis.Redis.from_url(url)
     rows = []
     for a in ALGORITHMS:
         for cache in (10_000, 0):
-            lim = build(a, limit, window, store=url, prefix=f"abuse:{uuid.uuid4().hex[:6]}:", timeout=1.0,
-                        deny_cache=cache)
+            prefix = f"abuse:{uuid.uuid4().hex[:6]}:"
+            lims = [build(a, limit, window, store=url, prefix=prefix, timeout=1.0, deny_cache=cache)
+                    for _ in range(edges)]
             rate = factor * limit / window
             n = int(seconds * rate)
             t0 = 1_000_000.0
-            lim.allow("warm-up", t0)
+            lims[0].allow("warm-up", t0)
             r.config_resetstat()
-            admitted = sum(lim.allow("abuser", t0 + i / rate).allowed for i in range(n))
+            admitted = sum(lims[i % edges].allow("abuser", t0 + i / rate).allowed for i in range(n))
             calls = int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
-            rows.append((a, "on" if cache else "off", n, admitted, calls, lim.answered_locally))
+            rows.append((a, "on" if cache else "off", n, admitted, calls, sum(x.answered_locally for x in lims)))
     return rows
 
 
@@ -371,6 +374,7 @@ def main():
     ap.add_argument("--no-edge", action="store_true", help="only the per-decision table")
     ap.add_argument("--commandstats", action="store_true", help="only the server-side µs per call")
     ap.add_argument("--abuse", action="store_true", help="only: script calls per admitted request at 10x")
+    ap.add_argument("--edges", type=int, default=1, help="--abuse: edges (stores) the client alternates between")
     ap.add_argument("--topologies", action="store_true", help="only: one Redis vs Sentinel vs Cluster")
     ap.add_argument("--saturation", action="store_true", help="only: the edge at saturation, memory vs Redis")
     ap.add_argument("--rounds", type=int, default=3, help="--saturation: interleaved rounds")
@@ -421,11 +425,11 @@ def main():
                           f"{per:.1f} |")
             return
         if args.abuse:
-            print("## One client at 10x its limit (100/s), 20 s of injected instants: script calls that "
-                  "reached Redis (INFO commandstats)\n")
+            print(f"## One client at 10x its limit (100/s), 20 s of injected instants, {args.edges} edge(s) taking "
+                  "turns: script calls that reached Redis (INFO commandstats)\n")
             print("| algorithm | denial cache | requests | admitted | EVALSHA calls | calls per admitted | "
                   "answered locally |\n|---|---|---:|---:|---:|---:|---:|")
-            for a, cache, n, admitted, calls, local in abuse(server.url):
+            for a, cache, n, admitted, calls, local in abuse(server.url, edges=args.edges):
                 print(f"| {a} | {cache} | {n} | {admitted} | {calls} | {calls / admitted:.2f} | {local} |")
             return
         if args.commandstats:

@@ -3,6 +3,7 @@
 per-process memory store: µs per decision in one process, the paths taking turns, best of 5 rounds.
 
     python3 bench/shm_bench.py [--calls 50000]
+    python3 bench/shm_bench.py --fill      # only: how full the table is when it first refuses a new key
 
 Also: 2 forked processes deciding at once on one arena (the workers' case), decisions/s in total.
 """
@@ -59,10 +60,31 @@ def two_processes(arena, calls: int) -> float:
     return 2 * calls / (time.time() - start)
 
 
+def fill(slots: int) -> tuple[float, float]:
+    """Distinct live keys into an arena of `slots`: (% full at the first refusal, % full after `slots`
+    more attempts)."""
+    import logging
+    logging.getLogger("edge").disabled = True   # the "table full" line, once per table
+    arena = shm.Arena(slots, 24)
+    lim = build("fixed-window", 5, 60.0, store="shm", shm_arena=arena)
+    i = 0
+    while lim.allow(f"k{i}", 100.0).allowed:
+        i += 1
+    held = i + sum(lim.allow(f"j{j}", 100.0).allowed for j in range(slots))
+    return 100 * i / arena.slots, 100 * held / arena.slots
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=50_000)
+    ap.add_argument("--fill", action="store_true", help="only: how full a table is at its first refusal")
     args = ap.parse_args()
+    if args.fill:
+        print("| slots | full at the first refusal of a new key | full after as many attempts again |\n|---:|---:|---:|")
+        for slots in (10_000, 100_000):
+            first, last = fill(slots)
+            print(f"| {slots:,} | {first:.1f}% | {last:.1f}% |")
+        return
     best, arena = per_decision(args.calls)
     print(f"## µs per decision, one thread, 1,000 keys, {args.calls} calls per round, best of 5\n")
     print("| algorithm | memory store | shared-memory store | ratio |\n|---|---:|---:|---:|")

@@ -20,17 +20,18 @@ import time
 from dataclasses import replace
 
 from limiter import redis_url
+from limiter.memory import MemoryStore
 
 from . import fanout, metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
 from .balancer import Balancer
-from .config import BackendSpec, Config, ConfigError, load, redis_files
+from .config import BackendSpec, Config, ConfigError, admin_token, load, redis_files
 from .health import HealthChecker
 from .identity import Identifier
 from .metrics import Metrics
-from .netaddr import hostport
+from .netaddr import held, hostport
 from .outlier import Ejector
 from .tunnel import close_all as close_tunnels
 from .proxy import Edge, EdgeServer
@@ -45,32 +46,46 @@ POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeou
 
 
 class Server(EdgeServer):
-    """The listener (IPv4 or IPv6 by the address: EdgeServer), SO_REUSEPORT for workers, and a heartbeat of the
-    accept loop (service_actions runs every pass, at least every poll interval) for the watchdog."""
+    """The listener (IPv4 or IPv6 by the address: EdgeServer), and a heartbeat of the accept loop
+    (service_actions runs every pass, at least every poll interval) for the watchdog. SO_REUSEPORT always:
+    workers share the port, and an edge started with --takeover can bind beside this one (the kernel allows
+    that only to a process of the same effective uid). Another edge started without --takeover is refused
+    before it binds (netaddr.held)."""
 
-    reuse_port = False
     loop_seen = 0.0
 
     def server_bind(self):
-        if self.reuse_port:
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
 
     def service_actions(self):
         self.loop_seen = time.monotonic()
 
 
-def make_server(addr, edge, reuse_port: bool) -> Server:
-    cls = type("Server", (Server,), {"reuse_port": reuse_port})
+TAKE_OVER = ("Address already in use: another edge (or another program) is serving there; to replace a "
+             "running edge without dropping a request, start the new one with --takeover, then TERM the old "
+             "one (README: Zero-downtime upgrade)")
+SHARED_ONLY = (" (--takeover joins only sockets that share the port: an edge run by the same user, and not "
+               "the listener or admin port of an edge older than --takeover, unless it ran --workers without --admin)")
+
+
+def refuse_if_held(flag: str, addr, cfg: Config) -> None:
+    """One instance per port unless --takeover asks to join: SO_REUSEPORT alone would let a second edge
+    bind beside the first and split the traffic (each with its own limits)."""
+    if not cfg.takeover and held(*addr[:2]):
+        raise StartError(f"{flag} {hostport(*addr[:2])}: {TAKE_OVER}")
+
+
+def make_server(addr, edge, takeover: bool = False) -> Server:
     try:
-        return cls(addr, edge)
+        return Server(addr, edge)
     except OSError as e:
-        raise StartError(f"--listen {hostport(*addr)}: {e.strerror or e}") from None
+        raise StartError(f"--listen {hostport(*addr)}: {e.strerror or e}{SHARED_ONLY if takeover else ''}") from None
 
 
 class App:
-    def __init__(self, cfg: Config, argv: list[str] | None = None, reuse_port: bool = False,
-                 worker: int | None = None, rundir: str | None = None):
+    def __init__(self, cfg: Config, argv: list[str] | None = None, worker: int | None = None,
+                 rundir: str | None = None):
         """Raises StartError naming what could not be opened or bound."""
         self.argv = argv
         self.worker = worker
@@ -91,24 +106,35 @@ class App:
         self.retry_budget = RetryBudget(cfg.retry_budget_percent, cfg.retry_budget_min)
         self.metrics.retry_budget = self.retry_budget
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
-                                    rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold)
+                                    rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold,
+                                    ejector=self.ejector, metrics=self.metrics)
         self.access_log = self._open_access_log(cfg)
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
                          ejector=self.ejector, retry_budget=self.retry_budget)
         self.edge.tls = self._tls_context(cfg)
-        self.server = make_server(cfg.listen, self.edge, reuse_port)
+        if worker is None:               # (workers: the supervisor checked, and its reserve socket holds the port)
+            refuse_if_held("--listen", cfg.listen, cfg)
+        if cfg.admin:
+            refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
+        self.server = make_server(cfg.listen, self.edge, cfg.takeover)
         log.info("listening on %s%s, %d backends (%s): %s", hostport(*self.server.server_address[:2]),
                  f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,
                  ", ".join(f"{b.url}={b.weight}" for b in backends))
         if self.edge.limiter is not None:
-            rules = "".join(f", rule {r.name} {r.limit} by {r.key}{' (dry run)' if r.dry_run else ''}"
+            rules = "".join(f", rule {r.name} {r.limit or ''}{f' max_in_flight {r.max_in_flight}' if r.max_in_flight else ''}"
+                            f" by {r.key}{' (dry run)' if r.dry_run else ''}"
                             for r in cfg.rules)
             log.info("limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s",
                      cfg.limit or "off", cfg.algorithm, redis_url.redact(cfg.store), "" if cfg.store == "memory" else
                      f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
                      len(cfg.keys), rules)
         self.admin = None
+        try:
+            self.admin_token = admin_token(cfg)      # None: admin writes are off (403 says how to turn them on)
+        except ConfigError as e:
+            self.server.server_close()
+            raise StartError(str(e)) from None
         self.published = self.published_ctl = None
         if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
             self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
@@ -122,18 +148,26 @@ class App:
                     log.warning("backend %s DRAINED, as in the other workers (drained by the admin API before "
                                 "this worker started)", b.url)
         if cfg.admin:
-            addr = cfg.admin
-            if worker and addr[1]:
-                addr = (addr[0], addr[1] + worker)   # worker i on PORT + i: its /status and drain; any /metrics sums
+            addr = self._admin_addr(cfg, worker)
             try:
-                self.admin = start_admin(addr, self)
+                # SO_REUSEPORT as the listener: with --takeover both edges answer here until the old one exits
+                self.admin = start_admin(addr, self, reuse_port=True)
             except OSError as e:
                 self.server.server_close()
-                raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}") from None
-            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable)",
-                     hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "")
+                raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}"
+                                 f"{SHARED_ONLY if cfg.takeover else ''}") from None
+            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable%s)",
+                     hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "",
+                     " with the token" if self.admin_token else ": off, no token configured")
         for b in backends:
             self.health.watch(b)
+
+    @staticmethod
+    def _admin_addr(cfg: Config, worker: int | None):
+        addr = cfg.admin
+        if worker and addr[1]:
+            addr = (addr[0], addr[1] + worker)   # worker i on PORT + i: its /status and drain; any /metrics sums
+        return addr
 
     @staticmethod
     def _open_access_log(cfg: Config):
@@ -162,7 +196,7 @@ class App:
         return server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ciphers, cfg.tls_min_version)
 
     def _limit_stage(self, cfg: Config, old):
-        if not (cfg.limit or cfg.rules or cfg.keys):
+        if not (cfg.limit or cfg.rules or cfg.keys or cfg.max_in_flight):
             return None
         from limiter import shm
 
@@ -178,7 +212,10 @@ class App:
             reuse = old.limiters      # same algorithm, store and options: unchanged rates keep their counters
         stage = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, store, reuse=reuse, rules=cfg.rules,
                            keys=cfg.keys, unknown_keys=cfg.unknown_keys, exempt=cfg.exempt,
-                           ietf_headers=cfg.ietf_headers, **opts)
+                           ietf_headers=cfg.ietf_headers, ipv6_prefix=cfg.ipv6_prefix, max_delay=cfg.max_delay,
+                           max_delayed=cfg.max_delayed, max_in_flight=cfg.max_in_flight, status=cfg.limit_status,
+                           # a request in flight longer than this stops counting in Redis (its safety net)
+                           inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0, **opts)
         self.metrics.declare_rules(stage.declared)
         return stage
 
@@ -196,6 +233,8 @@ class App:
             "ready": self.not_ready() is None,
             "draining": self.stopping,
             "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": redis_url.redact(self.cfg.store),
+            "shaping": {"max_delay": self.cfg.max_delay, "held": self.edge.holds.n, "max_delayed": self.cfg.max_delayed,
+                        "max_in_flight": self.cfg.max_in_flight, "status": self.cfg.limit_status},
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
@@ -254,7 +293,10 @@ class App:
     def _live(self) -> dict:
         """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
         out = {("lb_client_connections", ()): self.server.active,
-               ("lb_refused_connections_total", ()): self.edge.refused_connections}
+               ("lb_refused_connections_total", ()): self.edge.refused_connections,
+               ("lb_idle_connections_closed_total", ()): self.edge.idle_closed,
+               ("lb_buffer_memory_bytes", ()): self.edge.buffers.used,
+               ("lb_buffer_temp_files", ()): self.edge.buffers.files}
         for b in self.balancer.backends:
             lab = (("backend", b.url),)
             out[("lb_backend_up", lab)] = 1 if b.up else 0
@@ -264,11 +306,33 @@ class App:
             out[("lb_backend_inflight", lab)] = b.inflight
             out.setdefault(("lb_requests_total", lab), 0)
         stage = self.edge.limiter
+        self._key_tables(stage, out)
         for lim in (getattr(stage, "limiters", None) or {}).values():
             link = getattr(lim, "link", None)
             if link is not None:
                 out[("lb_limiter_store_up", (("store", redis_url.redact(self.cfg.store)),))] = 1 if link.up else 0
         return out
+
+    @staticmethod
+    def _key_tables(stage, out: dict) -> None:
+        """lb_limiter_keys / lb_limiter_table_full_total by rule: the built-in rule's limiters (default,
+        overrides, tiers; one limiter may serve several) and each [[rules]] table's."""
+        from .rules import BUILTIN
+        if stage is None:
+            return
+        groups = {BUILTIN: [getattr(stage, "default", None), *getattr(stage, "overrides", {}).values(),
+                            *getattr(stage, "tiers", {}).values()]}
+        for r in getattr(stage, "rules", ()):
+            groups.setdefault(r.name, []).append(r.limiter)
+        for rule, lims in groups.items():
+            lims = list({id(x): x for x in lims if x is not None and hasattr(x, "full")}.values())
+            if not lims:
+                continue
+            lab = (("rule", rule),)
+            out[("lb_limiter_table_full_total", lab)] = sum(x.full for x in lims)
+            tables = [x for x in lims if isinstance(x, MemoryStore)]
+            if tables:
+                out[("lb_limiter_keys", lab)] = sum(len(x) for x in tables)
 
     def render_metrics(self) -> str:
         others = ()
@@ -315,7 +379,15 @@ class App:
                 how = {"fail-open": "requests are allowed while it is down",
                        "local": "each process limits on its own while it is down"}[policy]
                 log.warning("%s; %s: starting anyway, %s", line, policy, how)
+        if ok and not self.stopping:
+            self._memory_policy(self.cfg)
         self.ready = not self.stopping
+
+    @staticmethod
+    def _memory_policy(cfg) -> None:
+        """One line per Redis server about its maxmemory-policy (a warning when it can evict limiter keys)."""
+        for level, line in store.memory_policy(cfg):
+            log.log(level, "%s", line)
 
     def reopen_logs(self) -> None:
         from .server import reopen_logs
@@ -351,6 +423,7 @@ class App:
             try:
                 limiter = self._limit_stage(new, self.edge.limiter)
                 tls = self._tls_context(new)   # a broken new pair: rejected here, the old one serves on
+                token = admin_token(new)       # a rotated token file applies from the reload on
             except (ValueError, ConfigError) as e:
                 log.error("reload rejected, the running configuration stays: %s", e)
                 sdnotify.notify("READY=1")
@@ -383,6 +456,7 @@ class App:
             self.edge.limiter = limiter
             self.edge.tls = tls                # new connections handshake with the new pair
             self.edge.identifier = Identifier(new.trusted_proxies)
+            self.admin_token = token
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
             old_log = None
             if access_log is not self.access_log:
@@ -401,9 +475,30 @@ class App:
                      len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys),
                      ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
+            self._memory_policy(new)   # Redis's own configuration may have changed too
             if old_log is not None:
                 old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
             return True
+
+    def _take_queued(self) -> int:
+        """Accept what waits in the listener's queue, right before it closes: Linux resets those connections
+        when a SO_REUSEPORT listener closes (unless net.ipv4.tcp_migrate_req = 1 hands them to another
+        listener on the port), and after a --takeover the other edge serves on. Each is served like any
+        other (one request, Connection: close)."""
+        sock = self.server.socket
+        n = 0
+        try:
+            sock.setblocking(False)
+            while True:
+                try:
+                    conn, addr = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    return n
+                conn.setblocking(True)
+                self.server.process_request(conn, addr)
+                n += 1
+        except OSError:
+            return n
 
     def _drain_backend(self, b, deadline: float = 300.0) -> None:
         """A backend taken out by reload: its in-flight requests finish, then its pool is closed."""
@@ -424,6 +519,9 @@ class App:
         if self.stopping:
             return
         self.stopping = True
+        # From now on (the grace period too) a keep-alive client is told to close after its response:
+        # it opens a new connection (to whoever serves the port next) instead of meeting our close.
+        self.edge.closing = True
         sdnotify.notify("STOPPING=1")
         if self.cfg.grace > 0:
             time.sleep(self.cfg.grace)
@@ -432,7 +530,10 @@ class App:
 
     def drain(self) -> None:
         """After serve_forever returned: close the listener, let in-flight requests finish, clean up."""
+        taken = self._take_queued()
         self.server.socket.close()
+        if taken:
+            log.info("took %d queued connections before closing the listener", taken)
         deadline = time.monotonic() + self.cfg.drain_timeout
         self.edge.wake_idle()
         while self.edge.busy() and time.monotonic() < deadline:

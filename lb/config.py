@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from limiter import redis_url
 
-from . import logs
+from . import __version__, logs
 from .netaddr import hostport, network, split_hostport
 
 
@@ -42,6 +42,8 @@ class BackendSpec:
 class Config:
     listen: tuple[str, int] = ("127.0.0.1", 8080)
     admin: tuple[str, int] | None = None
+    admin_token_file: str | None = None      # admin writes need this file's token (or env EDGE_ADMIN_TOKEN)
+    admin_allowed_hosts: tuple[str, ...] = ()   # Host names the admin listener answers to, beyond IPs/localhost
     strategy: str = "weighted"
     sticky: bool = False                     # Cookie route=<backend id> pins a client to a backend
     backends: tuple[BackendSpec, ...] = ()
@@ -65,12 +67,15 @@ class Config:
     pool_timeout: float = 1.0                # wait for a free pooled connection, then 503
     pool_idle_timeout: float = 30.0          # a pooled connection idle longer is closed, not reused
     no_pool: bool = False
+    proxy_buffering: bool = True             # read a response ahead of a slow client (nginx's proxy_buffering)
+    max_temp_file_size: int = 1 << 30        # a buffered response's temp file, at most; 0: memory only
     ca_file: str | None = None               # https:// backends are verified against this (default: system CAs)
     retries: int = 2                         # a connect failure is retried on another backend, N times
     retry_budget_percent: float = 20.0       # retries in flight at most this % of active requests...
     retry_budget_min: int = 10               # ...but always this many (Envoy's budget, Linkerd's floor)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
+    takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
     cpu_affinity: str = "auto"               # auto: each process on one CPU; off; or a CPU list "0,2"
     drain_timeout: float = 30.0              # SIGTERM: in-flight requests may finish within this
     grace: float = 0.0                       # SIGTERM: /readyz fails at once, accepting stops this much later
@@ -81,8 +86,13 @@ class Config:
     send_timeout: float = 60.0               # between two writes to a client (nginx's send_timeout)
     keepalive_timeout: float = 75.0          # idle client connection (nginx's default)
     max_body_size: int = 10 * 1024 * 1024
+    request_id_response: bool = False        # X-Request-Id on responses too (off: the spec's transparency)
+    request_buffering: bool = True           # a body is read whole before a backend connection is taken
+    buffer_memory: int = 64 << 20            # all buffers' memory together; past it they go to temp files
+    temp_dir: str | None = None              # where buffers' temp files go (default: the system's temp dir)
     tunnel_idle_timeout: float = 300.0       # an upgraded connection (WebSocket) silent both ways is closed
     upgrades: frozenset = frozenset({"websocket"})   # Upgrade protocols tunnelled; empty: none
+    allow_underscores: bool = False          # forward request header names with '_' (nginx: underscores_in_headers)
     # limiting
     limit: str | None = None                 # "N/PERIOD"; None: limiting off
     key_limits: tuple[tuple[str, str], ...] = ()
@@ -108,6 +118,11 @@ class Config:
     exempt: tuple[str, ...] = ()             # CIDRs / "key:NAME" never limited
     ietf_headers: bool = False               # also RateLimit-Policy / RateLimit (IETF draft)
     max_keys: int = 100_000                  # keys holding state in memory, per limiter (per rule and rate)
+    ipv6_prefix: int = 64                    # IPv6 clients are limited per /N (0 or 128: per address)
+    max_delay: float = 0.0                   # hold an over-limit request up to this long instead of refusing it
+    max_delayed: int = 256                   # requests held at once (a connection thread each); past it, refused
+    max_in_flight: int = 0                   # concurrent requests per identity (nginx limit_conn); 0 off
+    limit_status: int = 429                  # the status of a rate-limit (and in-flight) rejection
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
     access_log_format: str = "text"          # text | json
@@ -126,6 +141,10 @@ STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
 UNKNOWN_KEYS = ("as-ip", "reject")
 ACCESS_LOG_FORMATS = ("text", "json")
 ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
+# A rejection's status: 4xx/5xx codes that need no header of their own (not 401's WWW-Authenticate, 405's
+# Allow, 407, 416's Content-Range, 426's Upgrade) and do not speak of the request's framing (408, 411,
+# 413, 414, 431) -- nginx's limit_req_status takes any 400-599, which lets a typo send a 401.
+REJECT_STATUSES = frozenset({400, 403, 404, 410, 429, 500, 502, 503, 504})
 
 
 # ---------------------------------------------------------------------------------------- parsers
@@ -221,6 +240,36 @@ def redis_files(c: "Config") -> dict:
             "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
 
 
+ENV_ADMIN_TOKEN = "EDGE_ADMIN_TOKEN"
+
+
+def admin_token(c: "Config") -> bytes | None:
+    """The token admin writes need: env EDGE_ADMIN_TOKEN or the first line of [admin] token_file (one
+    source, as for the Redis password: two would leave an operator guessing which one is in force).
+    None: writes are off. Raises ConfigError."""
+    env = os.environ.get(ENV_ADMIN_TOKEN)
+    if env is not None and c.admin_token_file:
+        raise ConfigError(f"admin.token_file: set it or the environment variable {ENV_ADMIN_TOKEN}, not both")
+    if c.admin_token_file:
+        path = os.path.expandvars(c.admin_token_file)      # ${CREDENTIALS_DIRECTORY}
+        try:
+            with open(path, "rb") as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"admin.token_file: cannot read {path}: {e.strerror or e}") from None
+        if not token:
+            raise ConfigError(f"admin.token_file: {path} is empty (its first line is the token)")
+    elif env is not None:
+        token = env.strip().encode()
+        if not token:
+            raise ConfigError(f"{ENV_ADMIN_TOKEN}: empty (unset it to turn admin writes off)")
+    else:
+        return None
+    if not all(0x21 <= ch <= 0x7e for ch in token):
+        raise ConfigError("admin token: printable ASCII without blanks (it travels in an Authorization header)")
+    return token
+
+
 def check_cidrs(values, key: str) -> tuple[str, ...]:
     out = []
     for v in values:
@@ -235,10 +284,14 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
 
 # The one table of settings: file key -> (Config field, kind). A kind is a Num range (every number is
 # checked here: finite, in range, NaN/inf/negative refused with the key named), or "s" string, "b" bool,
-# "hostport", "list", "table". The numeric flags take their kind from this table too (_FLAG_KINDS).
+# "hostport", "list", "table", "onoff" (true/false in the file, on|off too: nginx's spelling). The numeric
+# and on|off flags take their kind from this table too (_FLAG_KINDS).
 _TOP = {"listen": "hostport", "admin": "hostport", "strategy": "s", "demo": "b", "access_log": "s",
         "access_log_format": "s", "sticky": "b"}
 _SECTIONS = {
+    # `admin = "HOST:PORT"` at the top, or an [admin] table (TOML cannot have both under one name)
+    "admin": {"listen": ("admin", "hostport"), "token_file": ("admin_token_file", "s"),
+              "allowed_hosts": ("admin_allowed_hosts", "list")},
     "health": {"path": ("health_path", "s"), "interval": ("health_interval", SECONDS),
                "timeout": ("health_timeout", SECONDS),
                "unhealthy_threshold": ("unhealthy_threshold", STREAK),
@@ -251,7 +304,9 @@ _SECTIONS = {
                  "pool_timeout": ("pool_timeout", SECONDS), "pool_idle_timeout": ("pool_idle_timeout", SECONDS0),
                  "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", Num(True, 0, 100)),
                  "retry_budget_percent": ("retry_budget_percent", PERCENT),
-                 "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000))},
+                 "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000)),
+                 "proxy_buffering": ("proxy_buffering", "onoff"),
+                 "max_temp_file_size": ("max_temp_file_size", Num(True, 0, 2 ** 50))},
     "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
                "drain_timeout": ("drain_timeout", SECONDS0), "grace": ("grace", SECONDS0),
                "max_connections": ("max_connections", Num(True, 1, 1_000_000)),
@@ -259,7 +314,11 @@ _SECTIONS = {
                "keepalive_timeout": ("keepalive_timeout", SECONDS),
                "body_min_rate": ("body_min_rate", Num(False, 1.0, 1e12, zero=True)), "send_timeout": ("send_timeout", SECONDS),
                "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
-               "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list")},
+               "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list"),
+               "request_id_response": ("request_id_response", "b"),
+               "allow_underscores": ("allow_underscores", "b"),
+               "request_buffering": ("request_buffering", "onoff"),
+               "buffer_memory": ("buffer_memory", Num(True, 0, 2 ** 44)), "temp_dir": ("temp_dir", "s")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -269,13 +328,24 @@ _SECTIONS = {
                "trusted_proxies": ("trusted_proxies", "list"), "keys": ("key_limits", "table"),
                "api_keys_file": ("api_keys_file", "s"), "unknown_keys": ("unknown_keys", "s"),
                "exempt": ("exempt", "list"), "ietf_headers": ("ietf_headers", "b"),
-               "tiers": ("tiers", "table"), "max_keys": ("max_keys", Num(True, 1, 100_000_000))},
+               "tiers": ("tiers", "table"), "max_keys": ("max_keys", Num(True, 1, 100_000_000)),
+               "ipv6_prefix": ("ipv6_prefix", Num(True, 0, 128)),
+               "max_delay": ("max_delay", Num(False, MS, 60.0, zero=True)),
+               "max_delayed": ("max_delayed", Num(True, 1, 100_000)),
+               "max_in_flight": ("max_in_flight", Num(True, 0, 1_000_000)),
+               "status": ("limit_status", Num(True, 400, 599))},
 }
 
 
 def _typed(value, kind: str, key: str):
     if isinstance(kind, Num):
         return _number(value, key, kind)
+    if kind == "onoff" and isinstance(value, str) and value.lower() in ("on", "off"):
+        return value.lower() == "on"
+    if kind == "onoff":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected on or off (true or false), got {value!r}")
+        return value
     if kind == "b":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -337,7 +407,7 @@ def read_file(path: str, problems: list[str]) -> dict:
                     raise ConfigError(str(e)) from None
             elif key == "keys":
                 out["keys"] = value          # parsed in load(), once the tiers are known
-            elif key in _TOP:
+            elif key in _TOP and not (key in _SECTIONS and isinstance(value, dict)):
                 out[key] = _typed(value, _TOP[key], key)
             elif key in _SECTIONS:
                 if not isinstance(value, dict):
@@ -352,7 +422,7 @@ def read_file(path: str, problems: list[str]) -> dict:
                     except ConfigError as e:
                         problems.extend(e.problems)
             else:
-                known = ", ".join([*_TOP, "backends", "rules", "keys", *_SECTIONS])
+                known = ", ".join(dict.fromkeys([*_TOP, "backends", "rules", "keys", *_SECTIONS]))
                 raise ConfigError(f"{key}: unknown key (known at the top level: {known})")
         except ConfigError as e:
             problems.extend(e.problems)
@@ -366,6 +436,7 @@ def build_argparser() -> argparse.ArgumentParser:
                                 argument_default=argparse.SUPPRESS)
     a = p.add_argument
     a("--config", help="TOML file; flags override it")
+    a("--version", action="version", version=f"edge {__version__}")
     a("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8080; port 0 picks a free one)")
     a("--backends", help="URL[=WEIGHT],... e.g. http://127.0.0.1:9001=3,http://127.0.0.1:9002")
     a("--strategy", help="round-robin | weighted (default; equal weights = round robin) | least-request")
@@ -386,16 +457,27 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--pool-maxsize", help="connections per backend, a hard cap (default 64)")
     a("--pool-timeout", help="seconds to wait for a free backend connection (default 1) -> 503")
     a("--pool-idle-timeout", help="seconds a pooled connection may idle before it is discarded (default 30)")
+    a("--proxy-buffering", help="on (default): read a response ahead of a slow client (memory, then a temp "
+                                "file) so the backend connection is freed when the backend is done | off: "
+                                "the backend waits on the client")
+    a("--max-temp-file-size", help="bytes of one buffered response on disk (default 1073741824; 0: memory "
+                                   "only); past it the rest streams")
     a("--no-pool", action="store_true", help="a new TCP connection per request (to measure the win)")
     a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
     a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
     a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
+    a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "
+                                              "ports (a zero-downtime upgrade: then TERM the old one); without "
+                                              "it, a port another edge serves refuses the start")
     a("--cpu-affinity", help="auto (default: each process pinned to one CPU) | off | CPU list, e.g. 0,1")
     a("--drain-timeout", help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     a("--grace", help="seconds between SIGTERM (/readyz fails at once) and closing the listener (default 0)")
-    a("--max-connections", help="concurrent client connections (default 1024)")
+    a("--max-connections", help="concurrent client connections (default 1024); at the cap the longest-idle "
+                                "keep-alive one is closed for a new one")
+    a("--allow-underscores", action="store_true",
+      help="forward request header names containing '_' (default: dropped, as nginx does)")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
     a("--body-min-rate", help="bytes/s a request body must average beyond --body-timeout (default 8192; "
@@ -403,6 +485,11 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--send-timeout", help="seconds a client may take to accept each write of a response (default 60)")
     a("--keepalive-timeout", help="seconds an idle client connection is kept (default 75)")
     a("--max-body-size", help="bytes (default 10485760) -> 413")
+    a("--request-buffering", help="on (default): a request body is read whole (memory, then a temp file) "
+                                  "before a backend connection is taken | off: bodies over 64 KiB stream")
+    a("--buffer-memory", help="bytes all request and response buffers may hold in memory together "
+                              "(default 67108864); past it they go to temp files")
+    a("--temp-dir", help="directory of the buffers' temp files (default: the system temp dir)")
     a("--tls-cert", help="PEM certificate (chain) file: the listener speaks HTTPS (with --tls-key)")
     a("--tls-key", help="PEM private key file for --tls-cert")
     a("--tls-min-version", help="TLSv1.2 (default) | TLSv1.3")
@@ -421,8 +508,19 @@ def build_argparser() -> argparse.ArgumentParser:
                       "(the password: better in env EDGE_REDIS_PASSWORD or [limits] redis_password_file)")
     a("--redis-timeout", help="seconds per Redis call before --on-store-error applies (default 0.05)")
     a("--on-store-error", help="fail-open (default: allow) | fail-closed (503) | local (in-process limiter)")
+    a("--ipv6-prefix", help="IPv6 clients are limited per prefix of this length (default 64; 0 or 128: "
+                            "per address)")
+    a("--max-delay", help="seconds an over-limit request may be held (its slot reserved) instead of refused "
+                          "(default 0: off; nginx's limit_req delay); on Redis: token-bucket and fixed-window")
+    a("--max-in-flight", help="concurrent requests per client identity (default 0: off; nginx's limit_conn) "
+                              "-> 429 with Retry-After: 1")
+    a("--limit-status", help="status of a rate-limit rejection (default 429; e.g. 503): "
+                             + ", ".join(map(str, sorted(REJECT_STATUSES))))
     a("--trusted-proxies", help="CIDR,... whose X-Forwarded-For is believed (default none)")
     a("--admin", help="HOST:PORT for /metrics and /status (default off)")
+    a("--request-id-response", action="store_true",
+      help="send the request id (X-Request-Id) back on every response, replacing a backend's own (default "
+           "off: it goes to the backend and the access log only)")
     a("--access-log", help="file path, or - for stderr (default off)")
     a("--access-log-format", help="text (default) | json: one JSON object per line")
     a("--check", action="store_true", help="validate the configuration, print one line per problem, "
@@ -433,7 +531,7 @@ def build_argparser() -> argparse.ArgumentParser:
 
 # Numeric flags take the kind their TOML key has: one table, no twin to keep in step.
 _FLAG_KINDS = {name: kind for section in _SECTIONS.values() for name, kind in section.values()
-               if isinstance(kind, Num)}
+               if isinstance(kind, Num) or kind == "onoff"}
 
 
 def _from_flags(ns: argparse.Namespace, problems: list[str]) -> dict:
@@ -599,6 +697,7 @@ def validate(c: Config) -> list[str]:
         bad.append(f"limits.on_store_error: {c.on_store_error!r} is not one of {', '.join(STORE_ERROR_POLICIES)}")
     check(check_cidrs, c.trusted_proxies, "trusted_proxies")
     check(_validate_limits, c)
+    check(_validate_shaping, c)
     # workers > 1 with the memory store: the workers share one table in shared memory (limiter.shm)
     if c.cpu_affinity not in ("auto", "off"):
         try:
@@ -609,9 +708,32 @@ def validate(c: Config) -> list[str]:
             bad.append(f"cpu_affinity: expected auto, off or a list of CPU numbers like 0,1; got {c.cpu_affinity!r}")
     check(check_tls, c)
     check(check_upgrades, c.upgrades)
+    check(admin_token, c)
+    for h in c.admin_allowed_hosts:
+        if not isinstance(h, str) or not h or any(ch in h for ch in " /:@[]"):
+            bad.append(f"admin.allowed_hosts: expected host names like \"edge-1.example.internal\", got {h!r}")
+    if c.temp_dir is not None and not (os.path.isdir(c.temp_dir) and os.access(c.temp_dir, os.W_OK | os.X_OK)):
+        bad.append(f"server.temp_dir: not a writable directory: {c.temp_dir!r}")
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     return bad
+
+
+def _validate_shaping(c: Config) -> None:
+    """Delay mode, costs, in-flight limits and the rejection status: where each can be exact."""
+    if c.limit_status not in REJECT_STATUSES:
+        raise ConfigError(f"limits.status: {c.limit_status} is not one of {', '.join(map(str, sorted(REJECT_STATUSES)))}")
+    if c.store != "memory":      # what the Redis scripts implement (limiter.shaping.REDIS_SUPPORT)
+        from limiter.shaping import redis_refusal
+        if c.max_delay and (c.limit or c.keys):
+            why = redis_refusal(c.algorithm, 1, c.max_delay)
+            if why:
+                raise ConfigError(f"limits.max_delay: {why}")
+        for r in c.rules:
+            if r.limit:
+                why = redis_refusal(r.algorithm or c.algorithm, r.cost, 0.0 if r.dry_run else c.max_delay)
+                if why:
+                    raise ConfigError(f"rules ({r.name}): {why}")
 
 
 def _validate_limits(c: Config) -> None:
@@ -622,7 +744,7 @@ def _validate_limits(c: Config) -> None:
     names = {k.name for k in c.keys}
     for k, _ in c.key_limits:
         try:
-            ident = kind_name(k)
+            ident = kind_name(k, c.ipv6_prefix)
         except ValueError as e:
             raise ConfigError(f"limits.keys: {k!r}: {e}") from None
         if c.keys and ident.startswith("key:") and ident[4:] not in names:
@@ -638,4 +760,5 @@ def _validate_limits(c: Config) -> None:
         else:
             check_cidrs([e[3:] if e.startswith("ip:") else e], "limits.exempt")
     for r in c.rules:
-        check_rate(r.limit, f"rules ({r.name}).limit")
+        if r.limit is not None:
+            check_rate(r.limit, f"rules ({r.name}).limit")

@@ -16,6 +16,7 @@ forwarded and who is blamed when something breaks.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 from time import monotonic
@@ -24,6 +25,8 @@ from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
 from . import tunnel
 from .backends import Backend, PoolExhausted
+from .logs import client_fault
+from .spool import Spool, SpooledBody
 from .netaddr import hostport
 from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
                      not_relayed, own_response, parse_response, send)
@@ -62,13 +65,19 @@ class UpstreamFailed(Exception):
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
                   close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
-                  request_id: bytes | None = None, length: int | None = None) -> bytearray:
+                  request_id: bytes | None = None, length: int | None = None,
+                  underscores: bool = False) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
     exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
     are; from anyone else they are replaced with what the edge saw. request_id: the id the edge made
     up (the client sent none, or a malformed one), which replaces the client's X-Request-Id.
+
+    A field name with '_' is not forwarded unless `underscores` (nginx's underscores_in_headers off,
+    its default): CGI-style backends read X_Forwarded_For and X-Forwarded-For as one HTTP_X_FORWARDED_FOR,
+    so a client could slip its own beside the edge's. The edge itself never reads such a name as its
+    dashed twin (parse_request matches exact names).
     """
     out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
     tokens = req.conn_tokens   # never names Host or the framing (httpio.NOT_NOMINABLE)
@@ -76,7 +85,7 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
     for name, lname, value in req.headers:
-        if lname in replaced or (tokens and lname in tokens):
+        if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
             if lname == b"content-length" and length is not None:
                 out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
                 length = None
@@ -176,7 +185,7 @@ class Forwarder:
         """
         edge = self.edge
         req = x.req
-        streamed = not isinstance(body, bytes)
+        streamed = not isinstance(body, (bytes, SpooledBody))   # a spooled body is whole, like bytes
         if streamed:
             length = None if req.chunked else req.content_length
         else:
@@ -195,10 +204,10 @@ class Forwarder:
         try:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
-                                     length)
-                counted = backend      # a retry names another backend before the finally runs
-                with counted.lock:
-                    counted.inflight += 1
+                                     length, edge.cfg.allow_underscores)
+                x.counted = backend      # uncount() takes back this count, whichever backend a retry names next
+                with backend.lock:
+                    backend.inflight += 1
                 try:
                     try:
                         conn, rh, ur = self.attempt(x, backend, head, body)
@@ -250,8 +259,7 @@ class Forwarder:
                     # whole leaves the client's body half read.
                     return self.relay(x, rh, ur, conn, sock, in_sync=not (rh.early and streamed))
                 finally:
-                    with counted.lock:
-                        counted.inflight -= 1
+                    uncount(x)
         except ClientGone:
             if x.status is None:
                 edge.client_closed(x, reached=True)
@@ -306,7 +314,7 @@ class Forwarder:
         cfg = self.edge.cfg
         req = x.req
         pool = backend.pool
-        replayable = isinstance(body, bytes)
+        replayable = isinstance(body, (bytes, SpooledBody))
         conn = _acquire(pool)
         retried = False
         while True:
@@ -325,8 +333,12 @@ class Forwarder:
                 pool.release(conn, False)
                 raise UpstreamFailed(*classify(e, reused)) from None   # nothing was sent: retryable
             try:
-                if replayable:
+                if type(body) is bytes:
                     up.sendall(head + body if body else head)
+                elif replayable:
+                    up.sendall(head)            # a buffered body, from its first byte on every try
+                    for piece in body.pieces():
+                        up.sendall(piece)
                 else:
                     _send_streamed(up, head, body, req.chunked)
             except (HttpError, ClientGone):
@@ -392,7 +404,7 @@ class Forwarder:
         """The client's streamed body failed (bad framing, too large, too slow) after its head reached
         the backend (that connection is closed): answer, count it against the backend's requests."""
         edge = self.edge
-        log.warning("client: %d %s (request body to backend %s)", status, reason, x.backend.url)
+        client_fault("client %s: %d %s (request body to backend %s)", x.client_ip, status, reason, x.backend.url)
         edge.metrics.client_failed(x.backend.url, status, monotonic() - x.start)
         data = own_response(status, reason, close=True, extra=x.extra_headers(), head_only=x.req.method == b"HEAD")
         x.bytes_sent = len(data)
@@ -412,7 +424,7 @@ class Forwarder:
         out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
         tokens = rh.conn_tokens
         limiting = bool(x.rl)
-        skip = not_relayed(x.rl)
+        skip = not_relayed(x.rl, x.rid_header)
         cl = rh.content_length
         for name, lname, value in rh.headers:
             if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
@@ -421,13 +433,14 @@ class Forwarder:
                     cl = None
                 continue
             out += name + b": " + value + b"\r\n"
-        out += b"X-Request-Id: " + x.request_id + b"\r\n"
+        if x.rid_header:         # --request-id-response: ours, in place of the backend's
+            out += x.rid_header
         if limiting:
             out += x.rl
         if x.set_cookie:
             out += x.set_cookie
 
-        client_keep = req.keep_alive and in_sync and not edge.draining
+        client_keep = req.keep_alive and in_sync and not edge.closing
         http10 = req.version == b"HTTP/1.0"
         if status == 101:
             # No tunnel here (the upgrade path is its own): this connection speaks something else now.
@@ -479,7 +492,12 @@ class Forwarder:
                 send(sock, out)
                 upstream_ok = True
             else:
-                c = _Client(sock)
+                if _buffered(edge.cfg, rh):
+                    c = _Buffered(sock, Spool(edge.buffers, edge.cfg.buffer_memory, edge.cfg.max_temp_file_size,
+                                              edge.cfg.temp_dir), edge.cfg.send_timeout, backend.url)
+                    ur = c.reader(ur)
+                else:
+                    c = _Client(sock)
                 if mode == "length":
                     upstream_ok = _relay_length(rh.content_length, out, ur, c)
                 elif mode == "chunked":
@@ -490,7 +508,9 @@ class Forwarder:
             kind = ("timeout" if isinstance(e, socket.timeout) else
                     "protocol" if isinstance(e, (UpstreamError, HttpError)) else "reset")
             backend.pool.release(conn, False)
-            if c is not None and not c.n:      # nothing reached the client yet: a clean answer
+            if c is not None:
+                c.close()    # what is still buffered is never sent: the client sees the truncation
+            if c is not None and not c.n and not c.partial:   # nothing reached the client yet: a clean answer
                 self.observe(backend, False, f"{kind} before the response body")
                 return self.failed(sock, x, kind, 504 if kind == "timeout" else 502,
                                    "failed before the response body", req.keep_alive and in_sync)
@@ -503,6 +523,8 @@ class Forwarder:
             return False
         except ClientGone:
             backend.pool.release(conn, False)
+            if c is not None:
+                c.close()
             raise
         reusable = upstream_ok and not rh.close
         if reusable and ur.buf:
@@ -518,12 +540,25 @@ class Forwarder:
         now = monotonic()
         x.upstream_seconds = now - x.upstream_start
         if c is not None:
+            if c.buffered:
+                # The backend is done and its connection free: the rest is the client's pace, and no
+                # longer the backend's load (least-request, the drain's in-flight count).
+                uncount(x)
+                c.finish()
             x.bytes_sent = c.n
         edge.metrics.backend_done(backend.url, status, now - start, x.upstream_seconds)
         edge._done(x, status)
         if not in_sync:
             linger(sock)    # the client may still be sending the body the backend refused
         return client_keep
+
+
+def uncount(x) -> None:
+    """The request no longer loads its backend: its in-flight count goes back, once."""
+    b, x.counted = x.counted, None
+    if b is not None:
+        with b.lock:
+            b.inflight -= 1
 
 
 def ack_now(sock) -> None:
@@ -543,6 +578,8 @@ class _Client:
     backend still gets a clean 502; after it, only a close can show the truncation)."""
 
     __slots__ = ("sock", "n")
+    buffered = False
+    partial = False          # some bytes may have left though none are counted (a TLS want-write)
 
     def __init__(self, sock):
         self.sock, self.n = sock, 0
@@ -550,6 +587,186 @@ class _Client:
     def send(self, data) -> None:
         send(self.sock, data)
         self.n += len(data)
+
+    def close(self) -> None:
+        pass
+
+
+def _buffered(cfg, rh) -> bool:
+    """Whether this response is read ahead of the client (nginx's rules): not an event stream, and the
+    backend's X-Accel-Buffering (yes/no) overrides --proxy-buffering. Asked only of bodies that do not
+    leave with their head, so a small response pays nothing for it."""
+    on = cfg.proxy_buffering
+    for _, lname, value in rh.headers:
+        if lname == b"x-accel-buffering":
+            v = value.lower()
+            if v == b"no":
+                return False
+            if v == b"yes":
+                on = True
+        elif lname == b"content-type" and value[:17].lower() == b"text/event-stream":
+            return False
+    return on
+
+
+_TLS_PIECE = 16384       # one TLS record: a send that would block is retried with the same bytes
+
+
+class _Buffered(_Client):
+    """The client socket when a response is buffered: what the client takes at once goes at once
+    (non-blocking sends, so the first byte leaves as without buffering); the rest waits in a Spool
+    while the backend is read on. Before each read of the backend (_PumpReader.fill) the client is fed
+    whatever it can take, so a slow backend never holds back what already arrived. When the spool is
+    full (memory budget and --max-temp-file-size spent, or the disk failed) the rest streams: the
+    backend waits on the client, as with --proxy-buffering off. finish() sends what is left once the
+    backend connection is back in the pool."""
+
+    __slots__ = ("spool", "piece", "streaming", "tls", "nb", "send_timeout", "last", "poll", "url", "partial")
+    buffered = True
+
+    def __init__(self, sock, spool: Spool, send_timeout: float, url: str):
+        super().__init__(sock)
+        self.spool = spool
+        self.piece = b""          # bytes being written; after a TLS want-write, retried exactly as they are
+        self.streaming = False
+        self.tls = type(sock) is not socket.socket
+        self.send_timeout = send_timeout
+        self.last = monotonic()   # when the client last took a byte (it gets send_timeout between two)
+        self.poll = None
+        self.url = url
+        self.partial = False
+        self.nb = self.tls            # an SSLSocket takes no MSG_DONTWAIT: non-blocking until _blocking()
+        if self.tls:
+            sock.setblocking(False)
+
+    def reader(self, ur: Reader) -> Reader:
+        """ur, as a reader that feeds the client while it waits for the backend (same buffer)."""
+        pr = _PumpReader(ur.sock)
+        pr.buf, pr.timeout, pr.deadline, pr.applied, pr.send_bound = ur.buf, ur.timeout, ur.deadline, ur.applied, \
+            ur.send_bound
+        pr.client, pr.origin = self, ur
+        return pr
+
+    def send(self, data) -> None:
+        if self.streaming:
+            self._blocking(data)
+        elif not self.piece and not len(self.spool):
+            self.piece = data
+            self._push()
+        elif not self.spool.write(data):
+            self.streaming = True
+            if self.spool.error is not None:
+                log.warning("response buffer: temp file failed (%s); streaming the rest of a response from "
+                            "backend %s", self.spool.error.strerror or self.spool.error, self.url)
+            self._blocking(data)
+
+    def _push(self) -> None:
+        """One non-blocking send of the next piece, as much as the client takes now."""
+        piece = self.piece
+        if not piece:
+            piece = self.spool.read(_TLS_PIECE if self.tls else PIECE)
+            if not piece:
+                return
+        try:
+            k = self.sock.send(piece) if self.tls else self.sock.send(piece, socket.MSG_DONTWAIT)
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            k = 0
+            # OpenSSL may have put some records of the piece on the wire already: never a 502 after it.
+            self.partial = self.tls
+        except OSError:
+            raise ClientGone() from None
+        if k:
+            self.n += k
+            self.last = monotonic()
+        self.piece = b"" if k >= len(piece) else (memoryview(piece)[k:] if k else piece)
+
+    def pending(self) -> bool:
+        return bool(self.piece) or len(self.spool) > 0
+
+    def pump(self, up, timeout: float | None) -> None:
+        """Until the backend has bytes to read: feed the client. The client gets send_timeout between
+        two bytes taken (ClientGone, as a blocked send would); a backend silent for `timeout` is a
+        socket.timeout, as its recv would be."""
+        if getattr(up, "pending", None) and up.pending():
+            return                          # a TLS backend: a record already decrypted, readable now
+        p = self.poll
+        if p is None:
+            p = self.poll = select.poll()
+            p.register(up, select.POLLIN)
+            p.register(self.sock, select.POLLOUT)
+        ufd = up.fileno()
+        start = monotonic()
+        while self.pending():
+            now = monotonic()
+            wait = self.send_timeout - (now - self.last)
+            if timeout is not None:
+                wait = min(wait, timeout - (now - start))
+            if wait <= 0:
+                if now - self.last >= self.send_timeout:
+                    raise ClientGone()
+                raise socket.timeout("timed out")
+            readable = False
+            for fd, ev in p.poll(wait * 1000):
+                if fd == ufd:
+                    readable = True
+                else:
+                    self._push()            # POLLERR/POLLHUP too: the send says what happened
+            if readable:
+                return
+
+    def _blocking(self, data=None) -> None:
+        """Back to blocking sends (bounded by send_timeout): what is pending, then data."""
+        if self.nb:
+            self.nb = False
+            self.sock.settimeout(self.send_timeout)
+        if self.piece:
+            send(self.sock, self.piece)
+            self.n += len(self.piece)
+            self.piece = b""
+        spool = self.spool
+        while True:
+            chunk = spool.read(PIECE)
+            if not chunk:
+                break
+            send(self.sock, chunk)
+            self.n += len(chunk)
+        if data is not None:
+            send(self.sock, data)
+            self.n += len(data)
+
+    def finish(self) -> None:
+        try:
+            self._blocking()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.spool.close()
+        if self.nb:
+            self.nb = False
+            try:
+                self.sock.settimeout(self.send_timeout)
+            except OSError:
+                pass
+
+
+class _PumpReader(Reader):
+    """A backend Reader whose every wait for bytes also feeds a buffered client (_Buffered.pump)."""
+
+    __slots__ = ("client", "origin")
+
+    def fill(self) -> bool:
+        c = self.client
+        if c.pending():
+            t = self.timeout
+            if self.deadline is not None:
+                left = self.deadline - monotonic()
+                t = left if t is None or left < t else t
+            c.pump(self.sock, t)
+        try:
+            return Reader.fill(self)
+        finally:
+            self.origin.applied = self.applied     # the connection's own reader knows the socket's timeout
 
 
 def _relay_length(n: int, out: bytearray, ur: Reader, c: _Client) -> bool:

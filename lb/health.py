@@ -4,6 +4,8 @@
 (HAProxy's names); one lost probe never flaps it. Each transition is one log line. A thread per backend
 means a hung backend delays only its own probes, and each probe's timeout is shorter than the interval.
 The first probe runs at once -- at start and when a reload adds a backend -- not an interval later.
+`rise` passes in a row also end a passive ejection early (lb/outlier.py probe_passed): one log line and
+a return counted, as when the ejection's time is up.
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:
 
 
 class HealthChecker:
-    def __init__(self, path: str, interval: float, timeout: float, rise: int, fall: int):
+    def __init__(self, path: str, interval: float, timeout: float, rise: int, fall: int,
+                 ejector=None, metrics=None):
         self.path, self.interval, self.timeout, self.rise, self.fall = path, interval, timeout, rise, fall
+        self.ejector = ejector      # lb/outlier.py: passed probes end its ejections
+        self.metrics = metrics      # counts those returns, as the sweep's
         self._stops: dict[Backend, threading.Event] = {}
 
     def watch(self, b: Backend) -> None:
@@ -108,5 +113,12 @@ class HealthChecker:
             elif change == "UP":
                 log.warning("backend %s UP: %d consecutive passed probes of %s (last: %s)",
                             b.url, b.pass_streak, self.path, why)
+            ej = self.ejector
+            if ok and b.ejected and ej is not None and ej.probe_passed(b, self.rise, monotonic()):
+                log.warning("backend %s returns from ejection: active health check passed (%d consecutive "
+                            "passed probes of %s; ejected %d times)%s", b.url, b.pass_streak, self.path,
+                            b.times_ejected, "" if b.in_rotation else f"; still out: {b.state}")
+                if self.metrics is not None:
+                    self.metrics.ejection(b.url, returned=True)
             if stop.wait(self.interval):
                 return

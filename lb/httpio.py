@@ -23,6 +23,7 @@ MAX_HEADER_LINE = 8192
 MAX_HEAD = 65536
 MAX_HEADERS = 100
 MAX_CHUNK_LINE = 1024
+MAX_TRAILERS = 32           # trailer lines of a chunked request body (all dropped)
 
 # Connection-level headers: never forwarded in either direction (RFC 9110 7.6.1), nor any header that
 # Connection names. Keep-Alive and Proxy-* are the de-facto additions.
@@ -30,14 +31,20 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"tra
                         b"trailer", b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
 
 # A response's fields the edge never relays as the backend wrote them (relay(), and the 101 of a tunnel):
-# hop-by-hop ones, the framing (the edge writes its own), X-Request-Id, and -- when the edge limits -- its
-# rate-limit fields, which replace the backend's (plus any X-RateLimit-* name: a prefix, checked apart).
-NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"x-request-id"}
+# hop-by-hop ones, the framing (the edge writes its own), and -- only where the edge writes its own --
+# X-Request-Id (--request-id-response) and the rate-limit fields, which replace the backend's (plus any
+# X-RateLimit-* name: a prefix, checked apart). Otherwise the backend's X-Request-Id passes untouched.
+NOT_RELAYED = HOP_BY_HOP | {b"content-length"}
 _NOT_RELAYED_IETF = NOT_RELAYED | {b"ratelimit", b"ratelimit-policy"}
+_NOT_RELAYED_RID = NOT_RELAYED | {b"x-request-id"}
+_NOT_RELAYED_RID_IETF = _NOT_RELAYED_IETF | {b"x-request-id"}
 
 
-def not_relayed(rl: bytes) -> frozenset:
-    """NOT_RELAYED, with the IETF RateLimit fields when the edge writes those ([limits] ietf_headers)."""
+def not_relayed(rl: bytes, rid: bytes = b"") -> frozenset:
+    """NOT_RELAYED, with the IETF RateLimit fields when the edge writes those ([limits] ietf_headers) and
+    X-Request-Id when it writes its own (rid: the exchange's X-Request-Id line, empty when it writes none)."""
+    if rid:
+        return _NOT_RELAYED_RID_IETF if b"\nRateLimit: " in rl else _NOT_RELAYED_RID
     return _NOT_RELAYED_IETF if b"\nRateLimit: " in rl else NOT_RELAYED
 
 
@@ -360,6 +367,10 @@ def parse_request(head: bytes) -> Request:
                 raise HttpError(417, "unsupported expectation")
             r.expect_continue = True
         elif lname == b"x-api-key":
+            # One key per request: the limiter must count the key the backend will read (Go's Header.Get
+            # and Python's email.message take the first of several, a last-wins limiter the last).
+            if r.api_key is not None:
+                raise HttpError(400, "more than one X-Api-Key header")
             r.api_key = value
         elif lname == b"x-request-id":
             r.request_id = value
@@ -405,33 +416,71 @@ def chunk_size(line: bytes) -> int:
 
 
 def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: int = 65536):
-    """Decode a chunked request body, yielding its data as it arrives (a chunk in pieces of at most
-    `piece` bytes, never a whole declared chunk at once); trailers are read and dropped.
+    """Decode a chunked request body, yielding its data as it arrives: what one read brought is gathered
+    (many small chunks are one piece of at most `piece` bytes) and yielded before the next read would
+    wait, so a caller writes once per read, not once per chunk, and an interactive stream is not held
+    back. Trailers are read and dropped: at most MAX_TRAILERS lines.
 
+    The body is paced from its first byte: the deadline (body_deadline) counts every byte on the wire,
+    size lines and trailers included, and so does max_body (framing is bytes a client made us read).
     Raises HttpError for bad framing (400) or too much (413); EOFError and socket errors pass through
-    (the caller knows whether that is a client gone or a timeout). min_rate: see body_deadline().
+    (the caller knows whether that is a client gone or a timeout).
     """
-    total = 0
+    buf = reader.buf
+    got = 0                       # bytes of the body read so far, framing included
+    out = bytearray()             # data gathered, not yet yielded
     t0 = monotonic()
+    if min_rate:
+        body_deadline(reader, t0, 0, min_rate)
     while True:
-        size = chunk_size(reader.read_line(MAX_CHUNK_LINE))
+        if out and not buf:       # the next read may wait: pass on what we have first
+            yield bytes(out)
+            out.clear()
+        line = reader.read_line(MAX_CHUNK_LINE)
+        got += len(line) + 2
+        size = chunk_size(line)
         if size < 0:
             raise HttpError(400, "invalid chunk size")
         if size == 0:
-            while reader.read_line(MAX_HEADER_LINE):  # trailer section, ends with an empty line
-                pass
-            return
-        total += size
-        if total > max_body:
+            break
+        if got + size + 2 > max_body:
             raise HttpError(413, "request body too large")
         while size > 0:
-            data = reader.read_some(min(size, piece))
+            if out and (not buf or len(out) >= piece):
+                yield bytes(out)
+                out.clear()
+            data = reader.read_some(min(size, piece - len(out)))
             size -= len(data)
-            yield data
+            got += len(data)
+            out += data
+            if min_rate:
+                body_deadline(reader, t0, got, min_rate)
+        if out and not buf:
+            yield bytes(out)
+            out.clear()
         if reader.read_exact(2) != CRLF:
             raise HttpError(400, "chunk longer than its declared size")
+        got += 2
         if min_rate:
-            body_deadline(reader, t0, total, min_rate)
+            body_deadline(reader, t0, got, min_rate)
+    if out:
+        yield bytes(out)
+    # The trailer section, up to its empty line: each line bounded by read_line, their number here, and
+    # their bytes by max_body (400 like any other bad framing of a body: the head was fine, a 431 would
+    # tell the client to shorten its header fields).
+    trailers = 0
+    while True:
+        if min_rate:
+            body_deadline(reader, t0, got, min_rate)
+        line = reader.read_line(MAX_HEADER_LINE)
+        got += len(line) + 2
+        if not line:
+            return
+        trailers += 1
+        if trailers > MAX_TRAILERS:
+            raise HttpError(400, f"more than {MAX_TRAILERS} trailer fields")
+        if got > max_body:
+            raise HttpError(413, "request body too large")
 
 
 def iter_fixed(reader: Reader, n: int, min_rate: float = 0.0, piece: int = 65536):

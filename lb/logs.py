@@ -14,6 +14,7 @@ import os
 import re
 import stat
 import sys
+import threading
 import time
 
 # scheme://[user[:password]@]host: the userinfo's password part (or a lone token, Redis's AUTH-only form).
@@ -114,3 +115,66 @@ def reopen_stderr() -> bool:
     os.dup2(fd, 2)
     os.close(fd)
     return True
+
+
+# -- lines a client can cause -----------------------------------------------------------------------
+
+class ClientFaults:
+    """Log lines whose number a client decides (malformed requests, bad handshakes): a flood of them
+    must not fill the disk, while one now and then is still seen. The first of a quiet spell is a
+    WARNING at once; the next `burst` within `every` seconds are INFO lines; the rest are only counted,
+    and when the window ends one WARNING says how many there were and the last one (then a new window
+    opens, so at most one WARNING per `every` seconds). The access log still has every request.
+
+    schedule(delay, fn) runs fn later (a timer thread; injected in the tests).
+    """
+
+    def __init__(self, logger: logging.Logger, every: float = 10.0, burst: int = 5, schedule=None):
+        self.log, self.every, self.burst = logger, every, burst
+        self.schedule = schedule or _timer
+        self.lock = threading.Lock()
+        self.open = False          # a window is running (its summary is scheduled)
+        self.count = 0             # faults in this window (after the one that opened it)
+        self.last = ""
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self.lock = threading.Lock()       # a worker starts with no window (the timer stayed behind)
+        self.open, self.count, self.last = False, 0, ""
+
+    def __call__(self, msg: str, *args) -> None:
+        with self.lock:
+            if not self.open:
+                self.open = True
+                self.count = 0
+                self.schedule(self.every, self.flush)
+                level = logging.WARNING
+            else:
+                self.count += 1
+                self.last = msg % args if args else msg
+                if self.count > self.burst:
+                    return
+                level = logging.INFO
+        self.log.log(level, msg, *args)
+
+    def flush(self) -> None:
+        """The window's end: its summary if there was anything after the first, and a new window."""
+        with self.lock:
+            n, last = self.count, self.last
+            self.count = 0
+            if not n:
+                self.open = False
+                return
+            self.schedule(self.every, self.flush)
+        self.log.warning("%d more client errors in the last %g s (%d not logged; last: %s)", n, self.every,
+                         max(0, n - self.burst), last)
+
+
+def _timer(delay: float, fn) -> None:
+    t = threading.Timer(delay, fn)
+    t.daemon = True
+    t.start()
+
+
+# The edge's client-caused lines (lb/proxy.py, lb/forward.py): one window for all of them.
+client_fault = ClientFaults(logging.getLogger("edge"))

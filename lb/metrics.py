@@ -29,11 +29,11 @@ import threading
 import time
 from bisect import bisect_left
 
+from . import __version__
 from .fanout import serve_unix
 
 # Seconds. Proxy latencies live between ~0.2 ms and a backend's timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-VERSION = "0.3.0"
 
 FAMILIES = {
     "lb_requests_total": ("counter", "Requests sent to each backend (answered or failed)."),
@@ -44,9 +44,13 @@ FAMILIES = {
                                          "refused by two rules counts under both -- requests answered 429: "
                                          "lb_edge_responses_total)."),
     "lb_rate_limit_exempt_total": ("counter", "Requests let through unlimited by [limits] exempt."),
+    "lb_delayed_total": ("counter", "Over-limit requests held (--max-delay) and then forwarded."),
+    "lb_delayed_refused_total": ("counter", "Over-limit requests refused because max_delayed were already held."),
     "lb_unavailable_total": ("counter", "Requests answered 503 because no backend was healthy."),
     "lb_limiter_errors_total": ("counter", "Limiter store failures (the configured failure policy applied)."),
     "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
+    "lb_idle_connections_closed_total": ("counter", "Idle keep-alive client connections closed to make room for "
+                                                    "a new one at max_connections."),
     "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
                                     "by the failed one."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
@@ -67,8 +71,15 @@ FAMILIES = {
     "lb_upstream_active": ("gauge", "Requests being forwarded now (the retry budget's base)."),
     "lb_backend_inflight": ("gauge", "Requests in flight to the backend."),
     "lb_client_connections": ("gauge", "Client connections open now."),
+    "lb_delayed_in_flight": ("gauge", "Requests being held by delay mode now."),
     "lb_tunnels_open": ("gauge", "Upgraded connections (WebSocket) open now."),
+    "lb_buffer_memory_bytes": ("gauge", "Memory request and response buffers hold now (capped by buffer_memory)."),
+    "lb_buffer_temp_files": ("gauge", "Buffers' temp files open now (request bodies, responses read ahead)."),
     "lb_limiter_store_up": ("gauge", "1 when the limiter's Redis store answers, 0 while its failure policy applies."),
+    "lb_limiter_keys": ("gauge", "Keys holding state in a rule's in-process key table (the memory store; at most "
+                                 "max_keys per limiter, summed over workers), by rule."),
+    "lb_limiter_table_full_total": ("counter", "New keys refused (503) because the key table held only states "
+                                               "that would decide differently from a fresh key, by rule."),
     "lb_workers": ("gauge", "Worker processes whose numbers are summed here."),
     "edge_build_info": ("gauge", "Always 1; the labels say which edge and Python this is."),
     "process_cpu_seconds_total": ("counter", "User and system CPU time, summed over the edge's processes."),
@@ -239,7 +250,7 @@ class Metrics:
             (c if FAMILIES[n][0] == "counter" else g).append([n, list(map(list, l)), v])
         g += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "gauge"]
         c += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "counter"]
-        g.append(["edge_build_info", [["version", VERSION], ["python", sys.version.split()[0]]], 1])
+        g.append(["edge_build_info", [["version", __version__], ["python", sys.version.split()[0]]], 1])
         rb = self.retry_budget
         if rb is not None:
             c.append(["lb_retry_budget_exhausted_total", [], rb.refused])

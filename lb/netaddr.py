@@ -43,6 +43,26 @@ def bind_options(sock: socket.socket, host: str) -> None:
             pass    # an IPv6-only kernel: [::] serves IPv6 only
 
 
+def held(host: str, port: int) -> bool:
+    """True when a socket already holds HOST:PORT, listening or bound (--workers' reserve): a bind without
+    SO_REUSEPORT fails then, whatever the holder set, so every edge listener can set SO_REUSEPORT (for
+    --takeover) and a second edge still learns it is not alone. SO_REUSEADDR: connections a stopped edge
+    left in TIME_WAIT do not hold the port."""
+    if not port:
+        return False                     # port 0: a free one is picked
+    s = socket.socket(family(host))
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bind_options(s, host)
+        s.bind((host, port))
+        return False
+    except OSError as e:
+        import errno
+        return e.errno == errno.EADDRINUSE
+    finally:
+        s.close()
+
+
 def client_ip(addr: str) -> str:
     """The peer as the client knows itself: an IPv4 client of a dual-stack listener is a.b.c.d."""
     if addr.startswith("::ffff:") and "." in addr:

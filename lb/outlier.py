@@ -6,8 +6,12 @@
 MAX_EJECTION_TIME or `eject_for`, whichever is larger. Never more than `max_percent` of the pool is out
 at once (rounded down: at 50%, a pool of one is never ejected, as nginx ignores max_fails for a lone
 server).
-When the time is up it returns with a clean slate. Active health checks are independent: an ejected
-backend is still probed, and a DOWN one is still out whatever this says.
+When the time is up it returns with a clean slate -- or sooner, when the active health checks pass it
+`rise` times in a row after its ejection (probe_passed: the evidence that brings a DOWN backend back ends
+an ejection too, as Envoy's successful_active_health_check_uneject_host does; a backend killed under
+traffic and restarted rejoins within rise x interval, the spec's milestone 3, not after the rest of a
+30-300 s ejection). Passive ejection only takes out a backend the health checks still call UP: a DOWN
+one is out already, and its failures neither count nor eject it.
 
 A small state machine over the backends' fields with the clock passed in: observe() one result,
 sweep() for returns. It logs nothing; the caller logs one line per ejection and return and counts them.
@@ -40,6 +44,9 @@ class Ejector:
         if not self.eject_after:
             return None
         with self._lock:
+            if not b.up:            # DOWN: the active checks have it out; UP again, it starts clean
+                b.fail_run = 0
+                return None
             b.fail_run += 1
             if b.ejected or b.fail_run < self.eject_after:
                 return None
@@ -54,6 +61,7 @@ class Ejector:
             b.ejected = True
             b.ejected_until = now + duration
             b.fail_run = 0
+            b.pass_streak = 0       # the probes that may end it early (probe_passed) count from here
             self.ejected += 1
         b.refresh(now)
         return duration
@@ -74,6 +82,21 @@ class Ejector:
         for b in back:
             b.refresh(now)
         return back
+
+    def probe_passed(self, b, rise: int, now: float) -> bool:
+        """An active health check passed (lb/health.py record() has counted it in b.pass_streak): the
+        `rise`-th pass in a row since its ejection returns an ejected backend at once. True if it did."""
+        if not b.ejected or b.pass_streak < rise:
+            return False
+        with self._lock:
+            if not b.ejected:       # the sweep returned it meanwhile
+                return False
+            b.ejected = False
+            b.fail_run = 0
+            b.returned_at = now     # its multiplier decays from here, as after a sweep
+            self.ejected -= 1
+        b.refresh(now)
+        return True
 
     def forget(self, b) -> None:
         """A backend removed by reload while ejected: it no longer counts against the cap."""

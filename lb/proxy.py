@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import random
 import re
 import socket
+import tempfile
 import time
 import socketserver
 import threading
@@ -25,9 +27,13 @@ from itertools import chain
 from time import monotonic
 
 from . import netaddr, tls, tunnel
+from .logs import client_fault
 from .forward import SMALL_BODY, Forwarder
+from .spool import Budget, Spool, SpooledBody
 from .identity import Identifier
 from .outlier import Ejector
+from .ratelimit import Holds
+from .ratelimit import release as release_slots
 from .retrybudget import RetryBudget
 from .httpio import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
                      own_response, parse_request, send, send_timeout)
@@ -43,8 +49,9 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing.
 
-    Concurrent connections are capped: past max_connections a new one gets a 503 and is closed at once,
-    so an attack costs us a socket for a moment, never a thread.
+    Concurrent connections are capped. At the cap a new connection closes the longest-idle keep-alive
+    one (between requests: nginx's "reusing connections") and takes its place; only when none is idle
+    does it get a 503, closed at once, so an attack costs us a socket for a moment, never a thread.
     """
 
     daemon_threads = True
@@ -56,6 +63,9 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.edge = edge
         self.active = 0
         self._active_lock = threading.Lock()
+        # Connections closed to make room whose threads have not ended yet: their slot is already the
+        # new connection's, so the cap counts active - len(evicted) (shutdown_request removes them).
+        self.evicted: set = set()
         self.address_family = netaddr.family(addr[0])
         self._fd_warned = 0.0
         super().__init__(addr, None)
@@ -80,7 +90,13 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
     def process_request(self, request, client_address):
         with self._active_lock:
-            full = self.active >= self.edge.cfg.max_connections
+            full = self.active - len(self.evicted) >= self.edge.cfg.max_connections
+            if full:
+                victim = self.edge.evict_idle()
+                if victim is not None:
+                    self.evicted.add(victim)
+                    self.edge.idle_closed += 1
+                    full = False
             if not full:
                 self.active += 1
         if full:
@@ -111,6 +127,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         super().shutdown_request(request)
         with self._active_lock:
             self.active -= 1
+            self.evicted.discard(request)
 
     def handle_error(self, request, client_address):
         log.exception("connection from %s: unexpected error", client_address[0])
@@ -132,11 +149,18 @@ class Edge:
         self.ejector = ejector or Ejector(0)          # passive health (lb/outlier.py)
         self.retry_budget = retry_budget or RetryBudget()
         self.refused_connections = 0
-        self.draining = False               # set on SIGTERM: finish what is in flight, take nothing new
+        self.idle_closed = 0                # idle keep-alive connections closed to make room at the cap
+        self.draining = False               # set after SIGTERM's grace: finish what is in flight, take nothing new
+        self.closing = False                # set on SIGTERM itself: every response says Connection: close
         self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
+        # Keep-alive connections between requests (after one at least): socket -> (idle since, the
+        # accepted socket EdgeServer counts), the ones a new connection at the cap may close.
+        self.idle: dict[socket.socket, tuple[float, socket.socket]] = {}
         self.forwarder = Forwarder(self)     # the upstream half: lb/forward.py
+        self.buffers = Budget()             # memory of every request and response buffer (lb/spool.py)
         self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
         self.tunnels: dict = {}             # client socket -> backend socket, while upgraded (for the drain)
+        self.holds = Holds()                # requests held by delay mode (--max-delay) now
 
     # -- the connection loop ------------------------------------------------------------------------
 
@@ -155,26 +179,30 @@ class Edge:
                 self._refuse(sock, 400, "plain HTTP request sent to the HTTPS port", peer_ip)
                 linger(sock, 1.0)
             else:
-                log.info("client %s: %s", peer_ip, why)
+                client_fault("client %s: %s", peer_ip, why)
             return
         try:
-            self._serve(tsock, peer_ip, True)
+            self._serve(tsock, peer_ip, True, sock)
         finally:
             tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
 
-    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool) -> None:
+    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool, accepted=None) -> None:
         send_timeout(sock, self.cfg.send_timeout)
         reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
         peer = peer_ip.encode()
         identifier = None
         conns = self.conns
-        conns[sock] = False
+        # Busy until its first request is answered: a drain waits for a connection it accepted (the last of
+        # its accept queue, say) rather than closing it under a client about to send (wake_idle)
+        conns[sock] = True
+        idle = self.idle
+        accepted = accepted or sock
         # A new connection has header_timeout for its whole first head, silence included; a kept-alive
         # one may idle keepalive_timeout between requests.
         first = monotonic() + self.cfg.header_timeout
         check_tls = not over_tls
         try:
-            while not self.draining:
+            while True:                        # from SIGTERM on, handle() says close after each response
                 cfg = self.cfg                 # a reload applies from the next request on
                 reader.deadline = first or None
                 try:
@@ -185,9 +213,10 @@ class Edge:
                     if check_tls:
                         check_tls = False
                         if reader.buf[0] == tls.HANDSHAKE:
-                            log.info("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
+                            client_fault("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
                     conns[sock] = True
+                    idle.pop(sock, None)
                     reader.timeout = None
                     reader.deadline = first or monotonic() + cfg.header_timeout
                     first = 0.0
@@ -213,8 +242,10 @@ class Edge:
                 except ClientGone:
                     return
                 conns[sock] = False
+                idle[sock] = (monotonic(), accepted)
         finally:
             conns.pop(sock, None)
+            idle.pop(sock, None)
 
     def sweep_ejections(self) -> None:
         """Ejected backends whose time is up return to the rotation: one log line and a count each."""
@@ -237,19 +268,40 @@ class Edge:
                     pass
         return n
 
+    def evict_idle(self):
+        """At the connection cap: close the keep-alive connection idle longest (its thread, blocked in
+        recv, sees EOF and ends, as in wake_idle) and return its accepted socket, or None if none is
+        idle. A request that arrived just before is still read and answered, then the connection
+        closes: the client sees a clean close, never half a response."""
+        idle = self.idle
+        while idle:
+            try:
+                sock, (_, accepted) = min(list(idle.items()), key=_since)
+            except ValueError:        # emptied by the connections' own threads meanwhile
+                return None
+            if idle.pop(sock, None) is None:
+                continue              # it went busy (or ended) just now: the next one
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RD)
+            except OSError:
+                continue              # already closed: its slot frees itself
+            return accepted
+        return None
+
     def busy(self) -> int:
         return sum(1 for b in list(self.conns.values()) if b)
 
     def _refuse(self, sock, status: int, reason: str, peer_ip: str) -> None:
         """Answer a request we could not read, then the caller closes: framing is lost."""
-        log.warning("client %s: %d %s", peer_ip, status, reason)
+        client_fault("client %s: %d %s", peer_ip, status, reason)
         self.metrics.edge_answered(status, 0.0)
         rid = new_request_id()
         access_log = self.access_log       # once: a reload may turn it off between two reads
         if access_log is not None:
             access_log.refusal(peer_ip, status, reason, request_id=rid.decode())
         try:
-            sock.sendall(own_response(status, reason, close=True, extra=b"X-Request-Id: " + rid + b"\r\n"))
+            extra = b"X-Request-Id: " + rid + b"\r\n" if self.cfg.request_id_response else b""
+            sock.sendall(own_response(status, reason, close=True, extra=extra))
         except OSError:
             pass
 
@@ -271,15 +323,21 @@ class Edge:
                 self.metrics.edge_answered(499, monotonic() - x.start)
                 self._done(x, 499)
             raise
+        finally:
+            if x.slots is not None:  # in-flight slots (--max-in-flight): given back on every path, here only
+                release_slots(x.slots)
 
     def _handle(self, x: "Exchange", req: Request, reader: Reader, sock: socket.socket, peer: bytes,
                 peer_trusted: bool, peer_ip: str) -> bool:
         cfg = self.cfg
-        # The request id: the client's when well formed, else ours; sent on to the backend and back.
+        # The request id: the client's when well formed, else ours; sent on to the backend, logged, and
+        # back to the client only when asked (--request-id-response: the spec's transparency otherwise).
         rid = req.request_id
         if rid is None or not _REQUEST_ID.fullmatch(rid):
             x.rid_sent = rid = new_request_id()      # replaces whatever the client sent
         x.request_id = rid
+        if cfg.request_id_response:
+            x.rid_header = b"X-Request-Id: " + rid + b"\r\n"
         has_body = req.chunked or bool(req.content_length)
         # After an early answer, an unread body would be read as the next request: close instead.
         keep_if_early = req.keep_alive and not has_body
@@ -300,6 +358,10 @@ class Edge:
                 self.metrics.limit_outcome(v.rejected, v.dry, v.exempt)
             if v.status:
                 return self._answer(sock, x, v.status, v.reason, keep_if_early and v.status != 400)
+            x.slots = v.slots
+            if v.delay and not self.holds.hold(v.delay, self.limiter.max_delayed, self.metrics):
+                x.rl += b"Retry-After: %d\r\n" % math.ceil(v.delay)   # held requests at their cap
+                return self._answer(sock, x, self.limiter.status_code, "too many requests held", keep_if_early)
         else:
             try:
                 x.key = Identifier.label(req.api_key, ip)
@@ -342,19 +404,26 @@ class Edge:
                 if req.expect_continue:
                     self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = self._read_body(req, reader, cfg)
+            except _NotBuffered as e:        # our disk, not the client: logged where it failed
+                return self._answer(sock, x, e.status, e.reason, False)
             except HttpError as e:
-                log.warning("client %s: %d %s", peer_ip, e.status, e.reason)
+                client_fault("client %s: %d %s", peer_ip, e.status, e.reason)
                 return self._answer(sock, x, e.status, e.reason, False)
             except ClientGone:
                 self.client_closed(x, reached=False)
                 raise
         # 5. forward and relay (lb/forward.py)
-        return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
+        if type(body) is not SpooledBody:
+            return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
+        try:
+            return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
+        finally:
+            body.close()         # its memory back to the budget, its temp file gone: on every path
 
-    @staticmethod
-    def _read_body(req: Request, reader: Reader, cfg):
-        """The body as bytes when it is small, else an iterator of its pieces (the first already read).
-        A silence is 408, an end is ClientGone; bad framing and 413 are HttpError."""
+    def _read_body(self, req: Request, reader: Reader, cfg):
+        """The body as bytes when it is small; else (request buffering) a SpooledBody read whole, or
+        (--request-buffering off) an iterator of its pieces (the first already read). A silence is 408,
+        an end is ClientGone; bad framing and 413 are HttpError."""
         reader.timeout = cfg.body_timeout
         reader.deadline = None
         rate = cfg.body_min_rate
@@ -365,13 +434,16 @@ class Edge:
                     if rate:
                         body_deadline(reader, monotonic(), n, rate)   # the whole of it, at least at rate
                     return reader.read_exact(n)
-                return iter_fixed(reader, n, rate)
+                it = iter_fixed(reader, n, rate)
+                return self._spool_body(it, cfg) if cfg.request_buffering else it
             it = iter_chunked(reader, cfg.max_body_size, rate)
             parts, n = [], 0
             for piece in it:
                 parts.append(piece)
                 n += len(piece)
                 if n > SMALL_BODY:
+                    if cfg.request_buffering:
+                        return self._spool_body(chain(parts, it), cfg)
                     return chain(parts, it)   # too large to hold: stream the rest as it arrives
             return b"".join(parts)
         except socket.timeout:
@@ -379,10 +451,30 @@ class Edge:
         except (EOFError, OSError):
             raise ClientGone() from None
 
+    def _spool_body(self, pieces, cfg) -> SpooledBody:
+        """nginx's proxy_request_buffering: the whole body, in memory then a temp file (up to
+        max_body_size, which the framing already enforces), before any backend connection is taken.
+        A temp file that cannot be written (a full disk) is a 503: the edge's trouble, worth a retry
+        elsewhere or later, not a fault of the request (507 is WebDAV's, and says the request is too
+        big to store, which it is not)."""
+        spool = Spool(self.buffers, cfg.buffer_memory, cfg.max_body_size, cfg.temp_dir)
+        try:
+            for piece in pieces:
+                if not spool.write(piece):
+                    e = spool.error
+                    why = (e.strerror or str(e)) if e is not None else "no room"
+                    log.error("request buffer: temp file in %s failed (%s): 503",
+                              cfg.temp_dir or tempfile.gettempdir(), why)
+                    raise _NotBuffered(503, f"request body could not be buffered ({why})")
+            return SpooledBody(spool)
+        except BaseException:
+            spool.close()
+            raise
+
     def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
         """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers. Closing
         while the request's body may still be arriving is a lingering close."""
-        keep = keep and not self.draining
+        keep = keep and not self.closing
         self.metrics.edge_answered(status, monotonic() - x.start, **counters)
         data = own_response(status, reason, close=not keep, extra=x.extra_headers(),
                             head_only=x.req.method == b"HEAD")
@@ -413,6 +505,10 @@ class Edge:
     _send = staticmethod(send)
 
 
+class _NotBuffered(HttpError):
+    """A request body the edge could not buffer (its temp file failed): a 503, logged once, at ERROR."""
+
+
 class Exchange:
     """What the stages learned about one request, carried to wherever its response is written.
 
@@ -421,13 +517,14 @@ class Exchange:
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name")
+                 "tunnel", "key_name", "rid_header", "counted", "slots")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
         self.proto = proto           # the scheme the client used: X-Forwarded-Proto
         self.key = ""                # who, as logs may show it (never a raw API key)
         self.key_name = None         # a known API key's configured name (lb/keys.py)
+        self.slots = None            # in-flight slots to give back (lb/ratelimit.py: release)
         self.limited_by = ""         # the rules that rejected (or, dry-run, would have)
         self.upgrade = None          # the Upgrade value forwarded, for an allowed upgrade (lb/tunnel.py)
         self.tunnel = None           # (bytes client->backend, bytes backend->client, why it ended) after a 101
@@ -436,16 +533,18 @@ class Exchange:
         self.set_cookie = b""
         self.request_id = b""
         self.rid_sent = None         # the id the backend must get instead of the client's (generated)
+        self.rid_header = b""        # its X-Request-Id line for the client (--request-id-response), else empty
         self.client_ip = None
         self.status = None           # set once the access-log line is written
         self.bytes_sent = None       # bytes written to the client (head and body)
         self.upstream_start = 0.0
         self.upstream_seconds = None
         self.tries = 1               # backends tried: more than 1 after a connect failure was retried
+        self.counted = None          # the backend whose in-flight count this request holds (lb/forward.py)
 
     def extra_headers(self) -> bytes:
-        """What every response to this request carries: its id, and the rate-limit headers."""
-        return b"X-Request-Id: " + self.request_id + b"\r\n" + self.rl
+        """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""
+        return self.rid_header + self.rl
 
 
 # A client's X-Request-Id is kept when it looks like an id (no spaces, quotes or controls; <= 128).
@@ -463,6 +562,10 @@ os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
 def new_request_id() -> bytes:
     return b"%032x" % _ids.getrandbits(128)
 
+
+
+def _since(item) -> float:
+    return item[1][0]
 
 
 def route_cookie(cookie: bytes) -> str | None:

@@ -20,22 +20,29 @@ The limiter package decides (it knows nothing of HTTP); this module only speaks 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import threading
+from time import sleep
 
 from limiter import MemoryStore, build, parse_rate
 from limiter.compose import allow_all
+from limiter.concurrency import InFlight
+from limiter.shaping import Delayed
 
 from . import netaddr
-from .identity import MAX_KEY, kind_name
+from .identity import MAX_KEY, ip_key, kind_name
 from .keys import KeyRegistry, key_label
 from .rules import BUILTIN, Matcher, normalize_path
+
+log = logging.getLogger("edge")
 
 
 class Verdict:
     """What the stage decided for one request, for the pipeline, the access log and the metrics."""
 
     __slots__ = ("status", "reason", "headers", "label", "key_name", "limited_by", "rejected", "dry", "degraded",
-                 "exempt")
+                 "exempt", "delay", "slots")
 
     def __init__(self, label: str):
         self.status = 0              # 0: go on; else answer it (400, 401, 429, 503)
@@ -48,14 +55,53 @@ class Verdict:
         self.dry = ()                # names of dry-run rules that would have rejected
         self.degraded = False        # a store failure policy decided
         self.exempt = False
+        self.delay = 0.0             # admitted, to be held this long first (delay mode)
+        self.slots = None            # in-flight slots taken: [(table, slot)], given back by release()
+
+
+def release(slots) -> None:
+    """Give back a request's in-flight slots (the pipeline's one finally). Never raises."""
+    for table, slot in slots:
+        try:
+            table.release(slot)
+        except Exception:            # a slot lost here expires (Redis) or is a bug; the request is done
+            log.exception("in-flight slot not released")
+
+
+class Holds:
+    """Requests held by delay mode right now, at most `cap` (each holds its connection's thread).
+    Kept by the pipeline, not the stage, so a reload does not reset the count."""
+
+    __slots__ = ("n", "lock")
+
+    def __init__(self):
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def hold(self, delay: float, cap: int, metrics) -> bool:
+        """Sleep `delay` (the request's slot is already reserved); False at once when `cap` are held."""
+        with self.lock:
+            if self.n >= cap:
+                metrics.inc("lb_delayed_refused_total")
+                return False
+            self.n += 1
+        metrics.inc("lb_delayed_total")
+        metrics.add_gauge("lb_delayed_in_flight", +1)
+        try:
+            sleep(delay)
+        finally:
+            with self.lock:
+                self.n -= 1
+            metrics.add_gauge("lb_delayed_in_flight", -1)
+        return True
 
 
 class Rule:
     """A [[rules]] table made live: its matcher and its limiter."""
 
-    __slots__ = ("spec", "name", "kind", "header", "match", "limiter", "enforce", "rate", "algorithm")
+    __slots__ = ("spec", "name", "kind", "header", "match", "limiter", "enforce", "rate", "algorithm", "inflight")
 
-    def __init__(self, spec, limiter, algorithm):
+    def __init__(self, spec, limiter, algorithm, inflight=None):
         self.spec = spec
         self.name = spec.name
         self.kind = spec.key if not spec.key.startswith("header:") else "header"
@@ -65,34 +111,54 @@ class Rule:
         self.enforce = not spec.dry_run
         self.rate = spec.limit
         self.algorithm = algorithm
+        self.inflight = inflight      # limiter.concurrency table (max_in_flight), or None
 
 
 class LimitStage:
     def __init__(self, default: str | None, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
                  reuse: dict | None = None, *, rules=(), keys=(), unknown_keys: str = "as-ip", exempt=(),
-                 ietf_headers: bool = False, **store_options):
-        """reuse: the limiters of the stage this one replaces (reload): an unchanged limit keeps its state."""
+                 ietf_headers: bool = False, ipv6_prefix: int = 64, max_delay: float = 0.0, max_delayed: int = 256,
+                 max_in_flight: int = 0, status: int = 429, inflight_ttl: float = 360.0, **store_options):
+        """reuse: the limiters of the stage this one replaces (reload): an unchanged limit keeps its state
+        (its in-flight tables too: a reload does not forget the requests in flight)."""
         self.algorithm = algorithm
         self.store = store
         self.options = tuple(sorted(store_options.items()))
         old = reuse or {}
         cache: dict[str, object] = {}
 
-        def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN):
+        def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN, cost: int = 1, delay: float = max_delay):
             n, period = parse_rate(rate)
             # The built-in rule keeps its old names (and Redis keys); each [[rules]] table has its own.
             key = f"{n}/{period}" if rule == BUILTIN and algo == algorithm else f"{rule}:{algo}:{n}/{period}"
+            key += (f"+cost{cost}" if cost != 1 else "") + (f"+delay{delay!r}" if delay else "")
             if key not in cache and key in old:
                 cache[key] = old[key]
             if key not in cache:
-                cache[key] = build(algo, limit=n, window=period, store=store,
+                cache[key] = build(algo, limit=n, window=period, store=store, cost=cost, max_delay=delay,
                                    **({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
                                       if store != "memory" else {}),
                                    **store_options)
             return cache[key]
 
+        def inflight_for(n: int, rule: str = BUILTIN):
+            key = f"inflight:{rule}:{n}"
+            if key not in cache and key in old:
+                cache[key] = old[key]
+            if key not in cache:
+                if store in ("memory", "shm"):
+                    from limiter import concurrency     # --workers: the table the supervisor shared
+                    cache[key] = (concurrency.ShmInFlight(n, name=key) if concurrency.SHARED is not None
+                                  else InFlight(n))
+                else:
+                    from limiter.concurrency import RedisInFlight
+                    cache[key] = RedisInFlight(n, store, prefix=f"edge:inflight:{rule}:", ttl=inflight_ttl,
+                                               **{k: v for k, v in store_options.items() if k != "max_keys"})
+            return cache[key]
+
         self.default = limiter_for(default) if default else None
-        self.overrides = {kind_name(k): limiter_for(rate) for k, rate in overrides}
+        self.ipv6_prefix = ipv6_prefix       # IPv6 clients are keyed by this prefix (identity.ip_key)
+        self.overrides = {kind_name(k, ipv6_prefix): limiter_for(rate) for k, rate in overrides}
         self.registry = KeyRegistry(keys) if keys else None
         self.tiers = {k.name: limiter_for(k.limit) for k in keys if k.limit}
         self.reject_unknown = unknown_keys == "reject"
@@ -103,15 +169,22 @@ class LimitStage:
             else:
                 nets.append(netaddr.network(e[3:] if e.startswith("ip:") else e))   # mapped: its IPv4 net
         self.exempt_nets, self.exempt_names = tuple(nets), frozenset(names)
-        self.rules = tuple(Rule(s, limiter_for(s.limit, s.algorithm or algorithm, s.name), s.algorithm or algorithm)
+        self.rules = tuple(Rule(s, limiter_for(s.limit, s.algorithm or algorithm, s.name, s.cost,
+                                               0.0 if s.dry_run else max_delay) if s.limit else None,
+                                s.algorithm or algorithm,
+                                inflight_for(s.max_in_flight, s.name) if s.max_in_flight else None)
                            for s in rules)
+        self.inflight = inflight_for(max_in_flight) if max_in_flight else None
+        self.max_delay, self.max_delayed = max_delay, max_delayed
+        self.status_code = status
         self.ietf = ietf_headers
         self.limiters = cache
 
     @property
     def declared(self) -> list[tuple[str, bool]]:
         """(rule name, dry_run) of every rule in force, the built-in one first."""
-        builtin = [(BUILTIN, False)] if self.default is not None or self.overrides or self.tiers else []
+        builtin = ([(BUILTIN, False)] if self.default is not None or self.overrides or self.tiers or self.inflight
+                   else [])
         return builtin + [(r.name, not r.enforce) for r in self.rules]
 
     def status(self) -> list[dict]:
@@ -123,6 +196,10 @@ class LimitStage:
                                        ("host", s.host)) if v}
             row = {"name": r.name, "key": s.key, "limit": s.limit, "algorithm": r.algorithm, "match": match,
                    "dry_run": s.dry_run}
+            if s.cost != 1:
+                row["cost"] = s.cost
+            if s.max_in_flight:
+                row["max_in_flight"] = s.max_in_flight
             if isinstance(r.limiter, MemoryStore):
                 row["keys"] = len(r.limiter)
             out.append(row)
@@ -133,7 +210,7 @@ class LimitStage:
     def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, object]:
         """(identity or None when refused, label for logs, the known key's spec or None)."""
         if api_key is None:
-            ident = "ip:" + ip
+            ident = ip_key(ip, self.ipv6_prefix)
             return ident, ident, None
         if len(api_key) > MAX_KEY:
             raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
@@ -150,7 +227,7 @@ class LimitStage:
             return ident, ident, known
         if self.reject_unknown:
             return None, key_label(api_key), None
-        ident = "ip:" + ip                       # an unknown key is no key at all: limited by its IP
+        ident = ip_key(ip, self.ipv6_prefix)     # an unknown key is no key at all: limited by its IP
         return ident, ident, None
 
     def check(self, req, ip: str, now: float | None = None) -> Verdict:
@@ -170,6 +247,9 @@ class LimitStage:
             v.exempt = True
             return v
         checks, rules = [], []
+        conc = None
+        if self.inflight is not None:
+            conc = [(self.inflight, ident, True, BUILTIN)]
         lim = self.overrides.get(ident) if self.overrides else None
         if lim is None:
             lim = self.tiers.get(known.name) if known is not None and self.tiers else None
@@ -182,10 +262,49 @@ class LimitStage:
             path = _Lazy(req.target)
             for r in self.rules:
                 if r.match(req, path):
-                    checks.append((r.limiter, self._rule_key(r, req, ip, ident), r.enforce))
-                    rules.append(r.name)
-        if not checks:
+                    key = self._rule_key(r, req, ip, ident)
+                    if key is None:
+                        v.status, v.reason = 400, f"more than one {r.header.decode()} header"
+                        return v
+                    if r.limiter is not None:
+                        checks.append((r.limiter, key, r.enforce))
+                        rules.append(r.name)
+                    if r.inflight is not None:
+                        conc = (conc or []) + [(r.inflight, key, r.enforce, r.name)]
+        # In-flight slots first: a request refused for concurrency spends no rate (its slots are given back
+        # when the rate refuses it instead).
+        if conc is not None and not self._take_slots(v, conc):
             return v
+        if checks:
+            self._decide(v, checks, rules, now)
+            if v.status and v.slots:
+                release(v.slots)
+                v.slots = None
+        return v
+
+    def _take_slots(self, v: Verdict, conc) -> bool:
+        """One in-flight slot per applying concurrency limit, all or none; False: refused (v says why)."""
+        taken, dry = [], []
+        for table, key, enforce, name in conc:
+            slot = table.acquire(key)
+            if slot is not None:
+                taken.append((table, slot))
+            elif enforce:
+                release(taken)
+                v.status, v.reason = self.status_code, "too many requests in flight"
+                # the binding limit is this one (the rates were not asked): its N, none left, again in 1 s
+                v.headers = b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: 0\r\nX-RateLimit-Reset: 1\r\n" \
+                            b"Retry-After: 1\r\n" % table.limit
+                v.rejected, v.limited_by = (name,), name + ":in_flight"
+                return False
+            else:
+                dry.append(name)
+        if dry:
+            v.dry, v.limited_by = tuple(dry), ",".join(n + ":in_flight:dry_run" for n in dry)
+        v.slots = taken or None
+        return True
+
+    def _decide(self, v: Verdict, checks, rules, now) -> None:
         if len(checks) == 1 and checks[0][2] and not self.ietf:
             # The common case, one enforcing limit: what _verdict decides for it, without its lists.
             lim, key, _ = checks[0]
@@ -194,14 +313,19 @@ class LimitStage:
             if getattr(d, "degraded", False):    # a store's failure policy decided (fail-open admits)
                 v.degraded = True
             if d.allowed:
-                return v
+                if type(d) is Delayed:
+                    v.delay = d.delay
+                return
             v.rejected, v.limited_by = (rules[0],), rules[0]
             v.status, v.reason = ((503, "rate limiter unavailable") if getattr(d, "unavailable", False)
-                                  else (429, "rate limit exceeded"))
-            return v
+                                  else (self.status_code, "rate limit exceeded"))
+            return
         admitted, decisions = allow_all(checks, now)   # now=None: the store reads its clock (under its lock)
         self._verdict(v, admitted, checks, rules, decisions)
-        return v
+        if admitted and self.max_delay:
+            # several limits holding: the request runs when the last of them has its turn (the others'
+            # slots, reserved earlier, are then a little early: see docs/limiter.md, delay mode)
+            v.delay = max((d.delay for d in decisions if type(d) is Delayed), default=0.0)
 
     def _ip_exempt(self, ip: str) -> bool:
         try:
@@ -210,22 +334,26 @@ class LimitStage:
             return False
         return any(a in n for n in self.exempt_nets)
 
-    @staticmethod
-    def _rule_key(r: Rule, req, ip: str, ident: str) -> str:
+    def _rule_key(self, r: Rule, req, ip: str, ident: str) -> str | None:
+        """The key a rule counts this request under; None when the header it keys on is repeated (a
+        client could otherwise present one value to the limiter and another to the backend)."""
         kind = r.kind
         if kind == "ip":
-            return "ip:" + ip
+            return ip_key(ip, self.ipv6_prefix)
         if kind == "api-key":
             return ident
         if kind == "global":
             return "*"
+        found = None
         for _, lname, value in req.headers:
             if lname == r.header:
-                if value:
-                    # Hashed: any length in, a fixed-size key out, and no header value (a token?) in Redis.
-                    return "h:" + hashlib.blake2b(value, digest_size=16).hexdigest()
-                break
-        return "ip:" + ip                         # a missing header is the client, never one shared bucket
+                if found is not None:
+                    return None
+                found = value
+        if found:
+            # Hashed: any length in, a fixed-size key out, and no header value (a token?) in Redis.
+            return "h:" + hashlib.blake2b(found, digest_size=16).hexdigest()
+        return ip_key(ip, self.ipv6_prefix)       # a missing header is the client, never one shared bucket
 
     def _verdict(self, v: Verdict, admitted: bool, checks, rules, decisions) -> None:
         rejected, dry, shown, unavailable = [], [], None, False
@@ -245,15 +373,16 @@ class LimitStage:
                     unavailable = True
                 if shown is None or (d.retry_after, d.reset) > (shown.retry_after, shown.reset):
                     shown = d
-        v.rejected, v.dry = tuple(rejected), tuple(dry)
+        v.rejected, v.dry = tuple(rejected), v.dry + tuple(dry)
         if rejected or dry:
-            v.limited_by = ",".join(rejected + [n + ":dry_run" for n in dry])
+            v.limited_by = ",".join(rejected + [n + ":dry_run" for n in dry] + ([v.limited_by] if v.limited_by else []))
         if shown is not None:
             v.headers = headers(shown)
             if self.ietf:
                 v.headers += self._ietf(checks, rules, decisions, shown)
         if not admitted:
-            v.status, v.reason = (503, "rate limiter unavailable") if unavailable else (429, "rate limit exceeded")
+            v.status, v.reason = ((503, "rate limiter unavailable") if unavailable
+                                  else (self.status_code, "rate limit exceeded"))
 
     @staticmethod
     def _ietf(checks, rules, decisions, shown) -> bytes:

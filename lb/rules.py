@@ -3,8 +3,10 @@
     [[rules]]
     name = "login-guard"          # label in metrics, logs and /status
     key = "ip"                    # ip | api-key | header:NAME | global
-    limit = "5/m"
+    limit = "5/m"                 # optional when max_in_flight is set (at least one of the two)
     algorithm = "sliding-log"     # optional; default [limits] algorithm
+    cost = 1                      # units each matching request spends of `limit` (at most its N)
+    max_in_flight = 0             # concurrent matching requests per key (nginx's limit_conn); 0 off
     match = { path_prefix = "/login", methods = ["POST"], host = "api.example.com" }   # all ANDed
     dry_run = false               # true: decide and count, never reject
 
@@ -31,12 +33,14 @@ _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 class RuleSpec:
     name: str
     key: str                                  # ip | api-key | global | header:NAME (NAME lower-cased)
-    limit: str
+    limit: str | None                         # None: a concurrency-only rule (max_in_flight)
     algorithm: str | None = None              # None: [limits] algorithm
     path_prefix: str | None = None
     methods: tuple[str, ...] = ()
     host: str | None = None
     dry_run: bool = False
+    cost: int = 1                             # units a matching request spends of limit
+    max_in_flight: int = 0                    # concurrent requests per key; 0: no concurrency limit
 
     @property
     def header(self) -> bytes | None:
@@ -50,10 +54,10 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
     out, seen = [], set()
     for i, r in enumerate(value):
         where = f"rules[{i}]"
-        unknown = set(r) - {"name", "key", "limit", "algorithm", "match", "dry_run"}
+        unknown = set(r) - {"name", "key", "limit", "algorithm", "match", "dry_run", "cost", "max_in_flight"}
         if unknown:
             raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r} "
-                             f"(known: name, key, limit, algorithm, match, dry_run)")
+                             f"(known: name, key, limit, algorithm, match, dry_run, cost, max_in_flight)")
         name = r.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"{where}.name: letters, digits, '_', '.', '-' (at most 64), got {name!r}")
@@ -64,9 +68,13 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
         if name in seen:
             raise ValueError(f"{where}.name: two rules are named {name!r}")
         seen.add(name)
-        for field_ in ("key", "limit"):
-            if field_ not in r:
-                raise ValueError(f"{where}: missing {field_}")
+        if "key" not in r:
+            raise ValueError(f"{where}: missing key")
+        conc = r.get("max_in_flight", 0)
+        if isinstance(conc, bool) or not isinstance(conc, int) or not 0 <= conc <= 1_000_000:
+            raise ValueError(f"{where}.max_in_flight: expected a whole number 0..1000000 (0: off), got {conc!r}")
+        if "limit" not in r and not conc:
+            raise ValueError(f"{where}: missing limit (a rule needs a limit, a max_in_flight, or both)")
         key = r["key"]
         if not isinstance(key, str):
             raise ValueError(f"{where}.key: expected a string, got {key!r}")
@@ -77,10 +85,19 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
             key = "header:" + hname.lower()
         elif key not in KINDS:
             raise ValueError(f"{where}.key: expected ip, api-key, header:NAME or global, got {key!r}")
-        try:
-            parse_rate(r["limit"])
-        except ValueError as e:
-            raise ValueError(f"{where}.limit: {e}") from None
+        cost = r.get("cost", 1)
+        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
+            raise ValueError(f"{where}.cost: expected a whole number >= 1, got {cost!r}")
+        if "limit" in r:
+            try:
+                n, _ = parse_rate(r["limit"])
+            except ValueError as e:
+                raise ValueError(f"{where}.limit: {e}") from None
+            if cost > n:
+                raise ValueError(f"{where}.cost: {cost} is more than the limit's {n}: a matching request "
+                                 f"could never be admitted")
+        elif "cost" in r:
+            raise ValueError(f"{where}.cost: a cost needs a limit to spend from")
         algorithm = r.get("algorithm")
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise ValueError(f"{where}.algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
@@ -105,7 +122,8 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
         host = m.get("host")
         if host is not None and (not isinstance(host, str) or not host or " " in host):
             raise ValueError(f"{where}.match.host: expected a host name, got {host!r}")
-        out.append(RuleSpec(name=name, key=key, limit=r["limit"], algorithm=algorithm,
+        out.append(RuleSpec(name=name, key=key, limit=r.get("limit"), algorithm=algorithm, cost=cost,
+                            max_in_flight=conc,
                             path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
                             methods=tuple(x.upper() for x in methods),
                             host=host.lower() if host else None, dry_run=dry))

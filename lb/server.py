@@ -56,7 +56,7 @@ def watchdog_interval() -> float | None:
         return None
 
 
-def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channel: int | None = None,
+def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
           rundir: str | None = None) -> int:
     """Serve until told to stop, then drain; 0 on a clean stop. Raises StartError before serving.
 
@@ -84,7 +84,7 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channe
     for s in HANDLED:
         signal.signal(s, on_signal)
     signals.route(lambda signum: on_signal(signum, None))   # before any thread: none of them reads with EINTR
-    built = App(cfg, argv, reuse_port=reuse_port, worker=worker, rundir=rundir)
+    built = App(cfg, argv, worker=worker, rundir=rundir)
     with lock:
         app = built
         pending = early[:]
@@ -105,6 +105,8 @@ def serve(cfg, argv, reuse_port: bool = False, worker: int | None = None, channe
         if app.stopping:
             return
         tell("ready")
+        if channel is None:             # (workers: the supervisor says "all N workers ready")
+            log.info("ready")           # e.g. for --takeover: the old edge may be stopped from here on
         sdnotify.notify("READY=1", f"STATUS=serving {len(app.balancer.backends)} backends")
 
     threading.Thread(target=when_ready, name="ready", daemon=True).start()

@@ -55,18 +55,27 @@ class Worker:
 
 def run(cfg, argv) -> int:
     from . import keys  # noqa: F401  (imported before fork: one key-hash secret for every worker)
+    from .app import SHARED_ONLY, refuse_if_held
+    refuse_if_held("--listen", cfg.listen, cfg)      # a second edge must not join this port unasked
+    if cfg.admin and cfg.admin[1]:
+        for i in range(cfg.workers):                  # here, one line, rather than a worker's crash loop
+            refuse_if_held("--admin", (cfg.admin[0], cfg.admin[1] + i), cfg)
     reserve = socket.socket(family(cfg.listen[0]))
     reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     bind_options(reserve, cfg.listen[0])      # the same V6ONLY as the workers' sockets, or no sharing
     try:
         reserve.bind(cfg.listen)
     except OSError as e:
-        raise StartError(f"--listen {hostport(*cfg.listen)}: {e.strerror or e}") from None
+        raise StartError(f"--listen {hostport(*cfg.listen)}: {e.strerror or e}"
+                         f"{SHARED_ONLY if cfg.takeover else ''}") from None
     host, port = reserve.getsockname()[:2]
     cfg = replace(cfg, listen=(host, port))
     argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
     if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
         _share_limits(cfg)                 # before any fork: the workers must inherit the same mapping
+    if cfg.store == "memory":              # in-flight counts across workers (also for a reload that adds them)
+        from limiter import concurrency
+        concurrency.share(min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections)))
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
     workers = [Worker(i) for i in range(cfg.workers)]
     by_pid: dict[int, Worker] = {}
@@ -241,7 +250,7 @@ def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir) -> None:
         logs.setup(worker=index)
         from .server import serve
         try:
-            code = serve(cfg, argv, reuse_port=True, worker=index, channel=wfd, rundir=rundir)
+            code = serve(cfg, argv, worker=index, channel=wfd, rundir=rundir)
         except StartError as e:
             _fail(wfd, f"cannot start: {e}")
         except Exception as e:
@@ -266,13 +275,15 @@ def _share_limits(cfg) -> None:
     default, per-key limits, key tiers and every [[rules]] table, each with its algorithm; a sliding log
     holds its limit's worth of instants)."""
     from limiter import ALGORITHMS, parse_rate, shm
-    limits = [(cfg.algorithm, r) for r in (cfg.limit, *(rate for _, rate in cfg.key_limits),
-                                           *(k.limit for k in cfg.keys)) if r]
-    limits += [(s.algorithm or cfg.algorithm, s.limit) for s in cfg.rules]
+    from limiter.shaping import shaped
+    limits = [(cfg.algorithm, r, 1, cfg.max_delay) for r in (cfg.limit, *(rate for _, rate in cfg.key_limits),
+                                                             *(k.limit for k in cfg.keys)) if r]
+    limits += [(s.algorithm or cfg.algorithm, s.limit, s.cost, 0.0 if s.dry_run else cfg.max_delay)
+               for s in cfg.rules if s.limit]
     need = 24
-    for algorithm, rate in limits:
+    for algorithm, rate, cost, delay in limits:   # delay mode: a sliding log holds its reservations too
         n, period = parse_rate(rate)
-        need = max(need, shm.state_size(ALGORITHMS[algorithm](n, period)))
+        need = max(need, shm.state_size(shaped(ALGORITHMS[algorithm](n, period), cost, delay)))
     slots = max(1024, min(cfg.max_keys, (64 << 20) // (need + 24)))
     arena = shm.create(slots, need)
     log.info("limits shared by %d workers in %d KiB of shared memory (%d keys, %d bytes of state each)",

@@ -23,6 +23,11 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = MIN_VERSIONS[min_version]     # TLS 1.0/1.1 refused at the handshake
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE
+    # An EOF without close_notify is a close, not an error (HTTP framing, not TLS,
+    # detects a truncated request). Without it, OpenSSL 3 answers the EOF the edge itself causes when it
+    # shuts the read side of an idle connection (evict_idle, wake_idle) with a decode_error alert: the
+    # client saw an SSL error where a clean close (and our close_notify) was meant.
+    ctx.options |= getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
     ctx.set_alpn_protocols(["http/1.1"])                # we speak HTTP/1.1 only: no h2 offered
     if ciphers:
         try:

@@ -98,7 +98,7 @@ def switching_head(x, rh) -> bytearray | None:
     out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
     proto = None
     tokens = rh.conn_tokens
-    skip = not_relayed(x.rl)           # as relay() skips them (Upgrade, hop-by-hop, is ours to write)
+    skip = not_relayed(x.rl, x.rid_header)   # as relay() skips them (Upgrade, hop-by-hop, is ours to write)
     for name, lname, value in rh.headers:
         if lname == b"upgrade":
             proto = value
@@ -108,7 +108,7 @@ def switching_head(x, rh) -> bytearray | None:
             out += name + b": " + value + b"\r\n"
     if not proto:
         return None
-    out += (b"Upgrade: " + proto + b"\r\nConnection: Upgrade\r\nX-Request-Id: " + x.request_id + b"\r\n" + x.rl
+    out += (b"Upgrade: " + proto + b"\r\nConnection: Upgrade\r\n" + x.rid_header + x.rl
             + x.set_cookie + b"\r\n")
     return out
 

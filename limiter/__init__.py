@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import re
 
-from .algorithms import ALGORITHMS, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from .algorithms import ALGORITHMS, MAX_COUNT, MIN_WINDOW, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from .memory import MemoryStore
+from .shaping import shaped
 from .redis_url import SCHEMES as REDIS_SCHEMES
 
 __all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
 
 
 def build(algorithm: str, limit: int, window: float, *, store: str = "memory", burst=None, max_keys: int = 100_000,
-          clock=None, **redis_options):
+          clock=None, cost: int = 1, max_delay: float = 0.0, **redis_options):
     """A limiter with allow(key, now=None) -> Decision (now None: the store reads `clock` itself, under
     the key's lock where it has one).
 
@@ -33,6 +34,9 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     max_keys   hard cap on keys holding state in memory (idle keys are evicted long before; when only
                live state is left a new key is refused, see limiter.memory)
     clock      the clock allow(key) reads when no `now` is passed (default time.time)
+    cost       units each request spends (default 1; more than the limit is refused: it could never pass)
+    max_delay  seconds an over-limit request may be held instead of rejected (0: off); a held request's
+               Decision has .delay (limiter.shaping).  On Redis: limiter.shaping.REDIS_SUPPORT
     redis_options  Redis stores only: prefix, timeout, pool_size, on_error, retry_interval, ttl_grace,
                password_file, ca_file, cert_file, key_file (see limiter.redis_store.RedisStore)
     """
@@ -42,7 +46,14 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}") from None
     if burst is not None and cls is not TokenBucket:
         raise ValueError(f"burst only applies to algorithm token-bucket, not {algorithm!r}")
-    algo = cls(limit, window, burst) if cls is TokenBucket else cls(limit, window)
+    algo = shaped(cls(limit, window, burst) if cls is TokenBucket else cls(limit, window), cost, max_delay)
+    if algo.__class__ is not cls and store not in ("memory", "shm"):
+        # Redis: the scripts limiter.redis_shaping has; the rest refused (no silent difference between stores)
+        from .shaping import redis_refusal
+        why = redis_refusal(algorithm, cost, max_delay)
+        if why:
+            raise ValueError(why)
+        from . import redis_shaping  # noqa: F401  (registers its scripts with the store)
     if store == "shm":  # limiter.shm: the table the supervisor shared with its workers before fork
         from .shm import ShmStore
         return ShmStore(algo, redis_options.pop("shm_arena", None), name=redis_options.pop("prefix", None),
@@ -74,7 +85,11 @@ def parse_rate(text: str) -> tuple[int, float]:
     count = int(m.group(1))
     if count <= 0:
         raise ValueError(f"rate {text!r}: the request count must be a positive integer")
+    if count > MAX_COUNT:
+        raise ValueError(f"rate {text!r}: the request count must be at most 2^53 - 1 = {MAX_COUNT}")
     period = float(m.group(2) or 1.0) * _UNITS[m.group(3)]
     if period <= 0.0:
         raise ValueError(f"rate {text!r}: the period must be positive")
+    if period < MIN_WINDOW:
+        raise ValueError(f"rate {text!r}: the period must be at least 1ms")
     return count, period

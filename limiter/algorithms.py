@@ -86,9 +86,19 @@ def _first_true(pred, lo: float, hi: float, guess: float) -> float:
             f = m
 
 
-def _check_limit(limit):
+# Counts are exact in a double (Lua's only number type, and the Redis scripts' arithmetic) below 2^53;
+# at or above it Lua and Python round differently (a 10^18 token bucket never emptied).  Windows under a
+# millisecond put the window index of an ordinary clock above 2^53 too (3 per 0.001 ms at now = 1e12:
+# the Redis store admitted 20 of 20), and are below what a request's instant means anyway.
+MAX_COUNT = 2**53 - 1
+MIN_WINDOW = 0.001
+
+
+def _check_limit(limit, what="limit"):
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-        raise ValueError(f"limit must be a positive integer (requests per window), got {limit!r}")
+        raise ValueError(f"{what} must be a positive integer (requests per window), got {limit!r}")
+    if limit > MAX_COUNT:
+        raise ValueError(f"{what} must be at most 2^53 - 1 = {MAX_COUNT} (exact in a double), got {limit!r}")
     return limit
 
 
@@ -99,6 +109,8 @@ def _check_window(window):
         w = math.nan
     if isinstance(window, bool) or not (w > 0.0) or w == _INF:
         raise ValueError(f"window must be a positive finite number of seconds, got {window!r}")
+    if w < MIN_WINDOW:
+        raise ValueError(f"window must be at least 1 ms ({MIN_WINDOW} s), got {window!r}")
     return w
 
 
@@ -144,6 +156,8 @@ class TokenBucket(_Algorithm):
             burst = self.limit
         elif isinstance(burst, bool) or not isinstance(burst, int) or burst <= 0:
             raise ValueError(f"burst must be a positive integer (bucket capacity in requests), got {burst!r}")
+        else:
+            _check_limit(burst, "burst")
         self.capacity = burst
         self.rate = self.limit / self.window  # tokens per second
         self.per_token = self.window / self.limit  # seconds per token
@@ -228,35 +242,48 @@ class SlidingLog(_Algorithm):
     """Sliding window log: the exact reference.
 
     State: a sorted list of expiry instants e = t + W, one per admitted request t, at most N long.
-    A request admitted at t counts at now iff now < t + W (i.e. t is in the trailing window (now-W, now]).
-      prune every e <= now; allowed iff len < N; on admit append now + W
-      retry_after: log[0] - now (the oldest entry leaving); reset: log[-1] - now (the newest leaving)
+    A request admitted at t counts at x iff x < t + W (i.e. t is in the trailing window (x-W, x]).
+      Time never runs backwards for a key: a request is judged at at = max(now, log[-1] - W), the newest
+      admitted instant (as the float the log holds), so an instant that reaches the key late -- read
+      outside any lock, or from an edge whose clock is behind -- is judged as if it came just after it.
+      allowed iff fewer than N entries are > at; on admit the entries <= at go and at + W is appended.
+      A denial changes nothing: pruning then, at a later instant than a late request's, would have
+      hidden from it entries still in its window (the Redis store admitted 112 of 100 that way).
+      retry_after: the oldest entry still counted leaving; reset: log[-1] - now (the newest leaving)
     The list is updated in place and returned (the store owns it; step does no I/O).
+    The Redis script (limiter.redis_store.SLIDING_LOG) evaluates the same expressions.
     """
 
     name = "sliding-log"
     __slots__ = ()
 
     def step(self, state, now):
+        w = self.window
         if state is None:
-            state = [now + self.window]
+            state = [now + w]
             return state, _new(Decision, (True, self.limit, self.limit - 1, _delta(state[0], now), 0.0))
-        if state and state[0] <= now:
-            del state[: bisect_right(state, now)]
-        n = len(state)
+        at = now
+        if state:
+            t = state[-1] - w
+            if t > at:
+                at = t
+        i = bisect_right(state, at) if state and state[0] <= at else 0
+        n = len(state) - i
         limit = self.limit
         if n < limit:
-            e = now + self.window
-            if not n or e >= state[-1]:
+            if i:
+                del state[:i]
+            e = at + w
+            if not state or e >= state[-1]:
                 state.append(e)
-            else:  # an out-of-order instant from another thread: keep the log sorted
+            else:  # at + W rounded an ulp below the newest entry: keep the log sorted
                 insort(state, e)
             last = state[-1]
             r = last - now
             if now + r < last:  # rare: the subtraction rounded down (see _delta)
                 r = _delta(last, now)
             return state, _new(Decision, (True, limit, limit - n - 1, r, 0.0))
-        return state, _new(Decision, (False, limit, 0, _delta(state[-1], now), _delta(state[n - limit], now)))
+        return state, _new(Decision, (False, limit, 0, _delta(state[-1], now), _delta(state[i + n - limit], now)))
 
     def expires_at(self, state):
         return state[-1] if state else -_INF

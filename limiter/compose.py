@@ -89,8 +89,9 @@ def allow_all_memory(checks, now: float | None = None):
             for (lim, key, _), state, (new, d) in zip(checks, states, trials):
                 if d[0]:                  # (a dry-run check that would have rejected stays unchanged)
                     if state is None:
-                        lim._queue.append(key)
-                    lim._states[key] = new
+                        lim._add(key, new)
+                    else:
+                        lim._states[key] = new
         return admitted, [t[1] for t in trials]
     finally:
         for _, g in reversed(grows):

@@ -1,9 +1,9 @@
 """The in-process store: per-key state for one algorithm, lock-striped, bounded by ONE global key cap.
 
 Layout: one dict key -> state for the whole store; `stripes` (default 64) locks chosen by hash(key)
-serialise the decisions for one key (keys in different stripes never wait for each other); one queue
-of keys in insertion order, rotated by the sweep, guarded by a growth lock taken only when a *new* key
-is inserted (the only moment memory grows, so the hot path for known keys does no sweeping at all).
+serialise the decisions for one key (keys in different stripes never wait for each other); one min-heap
+of (expiry instant, key), touched only when a *new* key is inserted (the only moment memory grows), under
+a growth lock -- the hot path for known keys does no bookkeeping at all.
 
 The clock: allow(key) without `now` reads the store's clock (time.time unless injected) UNDER the
 key's lock, so the decisions for one key are taken in the order of their instants.  (Read before the
@@ -11,31 +11,47 @@ lock, a later request could be decided first; sliding-log and fixed-window then 
 in a window: N=2, W=10 s, instants in the order 11, 7, 21, 7 admitted all four.)  allow(key, now) with
 an explicit instant stays for injected-clock tests and for callers that know better.
 
-Bounded memory, amortised O(1), paid only on insertion:
+What may be dropped: a state past algorithm.expires_at(state) behaves exactly like a fresh key (a full
+bucket, empty windows), so dropping it changes no decision -- "reclaimable".  Every other state would
+decide differently from a fresh key, and dropping it would hand that client part or all of its quota
+back: such a state is never dropped.
 
-* Idle sweep: each insertion examines up to SWEEP keys at the front of the queue; a key whose state
-  has expired (algorithm.expires_at(state) <= now: from then on it behaves exactly like a fresh key,
-  so dropping it changes no decision) is deleted, a live one is rotated to the back (CLOCK-style).
-* Global cap: at most max_keys keys in the whole store.  An insertion at the cap first looks for an
-  idle key to evict (up to SCAN more keys of the queue).  When every key it looks at is live, NO live
-  state is evicted: the new key is refused with a TableFullDecision (unavailable=True: the edge answers
-  503, as nginx's limit_req does when its zone cannot allocate), and counted in `.full`.  So a
-  key-rotating flood can fill the table and be refused, but can never make the store forget a limited
-  key's state and hand it a fresh quota.  Size max_keys for the clients you expect within one expiry
-  horizon (a window; for the sliding counter two); ~100-150 bytes per key.
+The heap holds one entry per key with an instant <= the key's expiry (a key's expiry only ever grows:
+each admission pushes it later, a denial leaves it), so its top is a lower bound of the soonest expiry
+in the table; an entry found stale (the key was used since) is pushed back with the key's current
+expiry.  Amortised O(log n), paid only on insertion:
+
+* Idle sweep: each insertion drops up to SWEEP reclaimable keys from the top (memory shrinks as clients
+  go quiet, without a cap).
+* Global cap: at most max_keys keys.  An insertion at the cap drops the reclaimable key that expired
+  first (for a key that went quiet, the least recently used); it never misses one: the heap's top is
+  checked against the key's own state, so "no reclaimable key" is exact (before, 8 keys were looked at
+  and a table with reclaimable keys elsewhere refused new clients).  When no key is reclaimable -- every
+  state would still decide differently from a fresh one -- the NEW key is refused with a
+  TableFullDecision (unavailable=True: the edge answers 503, as nginx's limit_req does when its zone
+  cannot allocate; Retry-After: until the soonest expiry), counted in `.full`, and one log line says the
+  table is full (then at most one a minute).  No live state is ever evicted, so a key-rotating flood can
+  fill the table and be refused, but can never make the store forget a limited key.  Size max_keys
+  for the clients you expect within one expiry horizon (a window; for the sliding counter two);
+  ~90-140 bytes per key plus ~80 for its heap entry (docs/limiter.md).
 """
 
 from __future__ import annotations
 
+import heapq
+import logging
 import threading
-from collections import deque
+from time import monotonic
 from time import time as _time
 
 from .algorithms import Decision
 
-SWEEP = 2  # keys examined per insertion
-SCAN = 8  # more keys examined for an idle one when an insertion finds the table full
+log = logging.getLogger("edge")
+
+SWEEP = 2  # reclaimable keys dropped per insertion (below the cap too)
 _new = tuple.__new__
+_INF = float("inf")
+_heappush, _heappop = heapq.heappush, heapq.heappop
 
 
 class TableFullDecision(Decision):
@@ -49,8 +65,8 @@ class TableFullDecision(Decision):
 class MemoryStore:
     """allow(key, now=None) for one algorithm, with state held in this process."""
 
-    __slots__ = ("algorithm", "limit", "max_keys", "full", "_locks", "_mask", "_states", "_queue", "_grow",
-                 "_step", "_expires", "_clock")
+    __slots__ = ("algorithm", "limit", "max_keys", "full", "_locks", "_mask", "_states", "_heap", "_grow",
+                 "_step", "_expires", "_clock", "_said_full")
 
     def __init__(self, algorithm, max_keys: int = 100_000, stripes: int = 64, clock=_time):
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys <= 0:
@@ -60,15 +76,16 @@ class MemoryStore:
         self.algorithm = algorithm
         self.limit = algorithm.limit
         self.max_keys = max_keys
-        self.full = 0  # new keys refused because the table was full of live state
+        self.full = 0  # new keys refused because no state in the table was reclaimable
         self._mask = stripes - 1
         self._locks = tuple(threading.Lock() for _ in range(stripes))
         self._states = {}  # one dict: get/set are atomic; a key's entry changes only under its stripe lock
-        self._queue = deque()  # every key in _states exactly once; guarded by _grow
+        self._heap = []  # (instant <= the key's expiry, key): one entry per key in _states; guarded by _grow
         self._grow = threading.Lock()
         self._step = algorithm.step
         self._expires = algorithm.expires_at
         self._clock = clock
+        self._said_full = -1e18  # monotonic instant of the last "table full" log line
 
     def allow(self, key, now: float | None = None):
         lock = self._locks[hash(key) & self._mask]
@@ -91,49 +108,75 @@ class MemoryStore:
             full = self._room(now, lock)
             if full is not None:
                 return full
-            self._queue.append(key)
-            self._states[key] = new
+            self._add(key, new)
         return decision
 
     def _room(self, now, lock):
-        """Under _grow (and a stripe lock, `lock`): sweep, then make room for one more key. None when
+        """Under _grow (and a stripe lock, `lock`): sweep, then make room for one more key.  None when
         there is room, else the TableFullDecision that refuses the new key (counted in .full)."""
-        states, queue = self._states, self._queue
-        for _ in range(SWEEP if len(queue) >= SWEEP else len(queue)):
-            self._visit(now, lock)
-        if len(states) >= self.max_keys:
-            soonest = None
-            for _ in range(SCAN if len(queue) >= SCAN else len(queue)):
-                e = self._visit(now, lock)
-                if e is None:
-                    return None
-                if soonest is None or e < soonest:
-                    soonest = e
-            self.full += 1
-            wait = max(0.0, soonest - now) if soonest is not None else self.algorithm.window
-            return _new(TableFullDecision, (False, self.limit, 0, wait, wait))
+        for _ in range(SWEEP):
+            if self._drop_reclaimable(now, lock) is not None:
+                break
+        if len(self._states) >= self.max_keys:
+            soonest = self._drop_reclaimable(now, lock)
+            if soonest is not None:
+                return self._refuse(now, soonest)
         return None
 
-    def _visit(self, now, held):
-        """Under _grow: the key at the front of the queue is deleted if idle (returns None), else rotated
-        to the back (returns its expiry).  Another stripe's lock is only tried, never waited for (the
-        inserting thread holds its own: waiting could deadlock); a busy key counts as live."""
-        queue = self._queue
-        k = queue.popleft()
-        klock = self._locks[hash(k) & self._mask]
-        if klock is held or klock.acquire(False):
-            try:
-                e = self._expires(self._states[k])
-                if e <= now:
-                    del self._states[k]
-                    return None
-            finally:
-                if klock is not held:
-                    klock.release()
-        else:
-            e = now + self.algorithm.window
-        queue.append(k)
-        return e
+    def _add(self, key, state):
+        """Under _grow and the key's stripe lock: a new key's first state."""
+        _heappush(self._heap, (self._expires(state), key))
+        self._states[key] = state
+
+    def _drop_reclaimable(self, now, held):
+        """Under _grow (and the stripe lock `held`): drop the reclaimable key that expired first and
+        return None; or, when no key is reclaimable, return the soonest instant one may become so.
+
+        A heap entry whose key was used since (its expiry grew) is pushed back with the current expiry.
+        Another stripe's lock is only tried, never waited for (the inserting thread holds its own:
+        waiting could deadlock); a key whose lock is busy is being decided right now, so it is not
+        reclaimable now: it is set aside and put back unchanged (still a lower bound)."""
+        heap, states = self._heap, self._states
+        busy = []
+        try:
+            while heap:
+                e, k = heap[0]
+                if e > now:
+                    return e  # a lower bound of every expiry in the table: nothing is reclaimable
+                _heappop(heap)
+                state = states.get(k)
+                if state is None:
+                    continue  # defensive: a key without state has no entry to keep
+                klock = self._locks[hash(k) & self._mask]
+                if klock is not held and not klock.acquire(False):
+                    busy.append((e, k))
+                    continue
+                try:
+                    actual = self._expires(states[k])
+                    if actual <= now:
+                        del states[k]
+                        return None
+                finally:
+                    if klock is not held:
+                        klock.release()
+                _heappush(heap, (actual, k))  # used since: its entry moves to its current expiry
+            return now + self.algorithm.window if busy else _INF
+        finally:
+            for entry in busy:
+                _heappush(heap, entry)
+
+    def _refuse(self, now, soonest):
+        self.full += 1
+        wait = max(0.0, soonest - now) if soonest != _INF else self.algorithm.window
+        t = monotonic()
+        if t - self._said_full >= 60.0:
+            self._said_full = t
+            a = self.algorithm
+            log.warning("limiter key table full: %s %d/%gs holds max_keys = %d states, none reclaimable (each "
+                        "would decide differently from a fresh key); new keys get 503 until one expires "
+                        "(the soonest in %.3gs); raise max_keys if these are real clients (%d refused so far)",
+                        a.name, a.limit, a.window, self.max_keys, wait, self.full)
+        return _new(TableFullDecision, (False, self.limit, 0, wait, wait))
 
     def __len__(self):
         """Number of keys currently holding state (a snapshot)."""
@@ -145,7 +188,7 @@ class MemoryStore:
         try:
             with self._grow:
                 self._states.clear()
-                self._queue.clear()
+                self._heap.clear()
         finally:
             for lock in self._locks:
                 lock.release()

@@ -37,7 +37,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis._parsers.base import BaseParser
-from redis.exceptions import InvalidResponse, NoScriptError, RedisError, ResponseError
+from redis.exceptions import (AskError, ClusterDownError, InvalidResponse, NoScriptError, ReadOnlyError, RedisError,
+                               ResponseError, TryAgainError)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -238,6 +239,18 @@ class _Pool:
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
+# Error replies that say the server cannot serve this key at all (a demoted master, a cluster without the
+# slot, a redirection no hop resolved): the breaker's business, like a refused connection.  Any other
+# error reply -- OOM under maxmemory, a script error, WRONGTYPE, NOPERM -- came from a server that is up
+# and answering: it fails that one call (its failure policy decides that request) and opens nothing.
+# Before, an OOM opened the breaker and sent every key, limited ones too, to the policy.
+_SERVER_CANNOT_SERVE = (ReadOnlyError, ClusterDownError, TryAgainError, AskError)
+
+
+def call_error(e: Exception) -> bool:
+    """True when e is the failure of one call on a server that is up (not an outage of the store)."""
+    return isinstance(e, ResponseError) and not isinstance(e, _SERVER_CANNOT_SERVE)
+
 
 class RedisLink:
     """One connection pool + circuit breaker per Redis server (and timeout, pool size) per process.
@@ -269,6 +282,9 @@ class RedisLink:
         self.retry_at = 0.0  # while down: the next instant (monotonic) one request may probe Redis
         self.failures = 0  # failed Redis calls (timeouts, refused, errors)
         self.outages = 0  # up -> down transitions: state cached from before one may be gone (a restart)
+        self.call_errors = 0  # calls failed by an error reply from a server that is up (OOM, script error)
+        self._call_logged = -1e18  # monotonic instant of the last call-error log line
+        self._call_logged_count = 0
         self._lock = threading.Lock()
 
     @property
@@ -418,6 +434,20 @@ class RedisLink:
                 self.down_since = t
                 log.warning("limiter store %s unavailable (%s: %s); failure policy applies, retrying every %gs",
                             self.name, type(error).__name__, error, self.retry_interval)
+
+    def call_failed(self, error: Exception) -> None:
+        """One call failed on a server that answers (call_error(error)): counted, the breaker untouched;
+        one log line, then at most one a minute saying how many more there were."""
+        with self._lock:
+            self.call_errors += 1
+            t = monotonic()
+            if t - self._call_logged < 60.0:
+                return
+            more = self.call_errors - self._call_logged_count - 1
+            self._call_logged, self._call_logged_count = t, self.call_errors
+        log.warning("limiter store %s: a call failed (%s: %s); that request's failure policy applies, the "
+                    "store stays up%s", self.name, type(error).__name__, error,
+                    f" ({more} more such calls in the last minute)" if more > 0 else "")
 
     def succeeded(self) -> bool:
         """Called after a success while down; True for the one caller that flips the state back."""

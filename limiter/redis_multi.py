@@ -2,10 +2,10 @@
 
 The script is assembled from the per-algorithm scripts each RedisStore already runs (store.lua: its
 algorithm's body with its constants baked in) -- no Lua is copied.  Each body becomes a local function
-whose `redis` is a proxy: reads go to Redis at once, writes (SET, ZADD, PEXPIRE) are queued.  After
-every body has returned its verdict, the queued writes run only if every enforcing limit admitted
-(limiter.compose's all-or-nothing rule; the sliding log's ZREMRANGEBYSCORE of expired entries runs at
-once, which changes no decision).  The reply is the bodies' replies joined by newlines, and each
+whose `redis` is a proxy: reads go to Redis at once, writes (SET, ZADD, PEXPIRE, ZREMRANGEBYSCORE) are
+queued.  After every body has returned its verdict, the queued writes run only if every enforcing limit
+admitted (limiter.compose's all-or-nothing rule; the sliding log prunes only when it admits: a prune at
+a vetoed request's instant could hide entries from a later-arriving, earlier instant).  The reply is the bodies' replies joined by newlines, and each
 limit's Decision is computed from its part by its own algorithm's step(), exactly as RedisStore.allow
 does for one.
 
@@ -27,12 +27,12 @@ import threading
 from redis.exceptions import RedisError
 
 from .algorithms import Decision
-from .redis_link import _Script
+from .redis_link import _Script, call_error
 
 _PROXY = """
 local rcall = redis.call
 local writes = {}
-local WRITES = {SET = true, ZADD = true, PEXPIRE = true}
+local WRITES = {SET = true, ZADD = true, PEXPIRE = true, ZREMRANGEBYSCORE = true}
 local proxy = {call = function(cmd, ...)
   if WRITES[cmd] then
     writes[#writes + 1] = {cmd, ...}
@@ -130,7 +130,11 @@ def _one_call(link, checks, keys, now):
         try:
             reply = node.evalsha(_Call(script, keys), keys[-1], now)
         except RedisError as e:
-            (getattr(e, "node", None) or node).failed(e)   # a redirected call names the server that failed
+            failed = getattr(e, "node", None) or node      # a redirected call names the server that failed
+            if call_error(e):                              # OOM, a script error: this call, not the server
+                failed.call_failed(e)
+            else:
+                failed.failed(e)
         else:
             if not node.up:
                 node.succeeded()
@@ -139,8 +143,8 @@ def _one_call(link, checks, keys, now):
                 if lim._locals:            # this server answers again: its local counts are stale
                     lim._locals.pop(node, None)
                 new, d = lim._step(lim._state(raw[2:] or None), now)
-                if d.allowed != (raw[0] == 49):
-                    lim._drifted(key, now, raw, d)
+                if d.allowed != (raw[0] == 49):    # the script's verdict stands; what it wrote is unknown
+                    d, new = lim._drifted(key, now, raw, d), None
                 if enforce and not d.allowed:
                     admitted = False
                 decisions.append(d)
@@ -149,7 +153,7 @@ def _one_call(link, checks, keys, now):
                 # What Redis holds now: the new state if this limit spent (admitted request) or denied
                 # (a denial writes nothing that matters); the pre-state, unknown here, if it admitted a
                 # request another limit rejected.
-                lim._remember(key, new if admitted or not d.allowed else None, d, node)
+                lim._remember(key, new if new is not None and (admitted or not d.allowed) else None, d, node)
             return admitted, decisions
     return _fallback(checks, now, node)
 

@@ -44,7 +44,7 @@ from redis.exceptions import RedisError
 
 from .algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from .memory import MemoryStore
-from .redis_link import RedisLink, _Script, link_for
+from .redis_link import RedisLink, _Script, call_error, link_for
 from .redis_url import parse
 
 log = logging.getLogger("edge")
@@ -206,24 +206,33 @@ if ok then return reply('1', raw) end
 return reply('0', raw)
 """
 
-# ARGV: now, grace_ms, window, limit.  Returns "<admitted> <n>[ <first> <last>]" -- n after pruning, and
-# the oldest and newest expiry (the scores exactly as Redis printed them): all SlidingLog.step needs.
+# ARGV: now, grace_ms, window, limit.  Returns "<admitted> <n>[ <first> <last>]" -- n: the entries the
+# request was judged against, first: the oldest of them, last: the newest expiry (the scores exactly as
+# Redis printed them): all SlidingLog.step needs.  As SlidingLog.step: judged at at = max(now, newest
+# expiry - W) (time never runs backwards for a key), entries > at counted, pruned only on admission.
 SLIDING_LOG = _COMMON + """
 local w = tonumber(ARGV[3])
 local limit = tonumber(ARGV[4])
 local key = KEYS[1]
-redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[1])
-local n = redis.call('ZCARD', key)
-local pre = tostring(n)
+local at = now
 local lastn = -math.huge
+local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+if newest[2] then
+  lastn = tonumber(newest[2])
+  local t = lastn - w
+  if t > at then at = t end
+end
+local ats = string.format('%.17g', at)
+local n = 0
+if lastn > at then n = redis.call('ZCOUNT', key, '(' .. ats, '+inf') end
+local pre = tostring(n)
 if n > 0 then
-  local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2]
-  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
-  pre = pre .. ' ' .. first .. ' ' .. last
-  lastn = tonumber(last)
+  local first = redis.call('ZRANGEBYSCORE', key, '(' .. ats, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]
+  pre = pre .. ' ' .. first .. ' ' .. newest[2]
 end
 if n < limit then
-  local e = now + w
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', ats)
+  local e = at + w
   local es = string.format('%.17g', e)
   local i = 0
   if lastn >= e then i = redis.call('ZCOUNT', key, es, es) end  -- equal expiries need distinct members
@@ -377,7 +386,11 @@ class RedisStore:
                 reply = node.evalsha(self.script, k, now)
             except RedisError as e:
                 # a redirected call names the server that actually failed
-                (getattr(e, "node", None) or node).failed(e)
+                failed = getattr(e, "node", None) or node
+                if call_error(e):  # OOM, a script error: this call failed, the server is up
+                    failed.call_failed(e)
+                else:
+                    failed.failed(e)
             else:
                 if not node.up:
                     node.succeeded()
@@ -385,7 +398,9 @@ class RedisStore:
                     self._locals.pop(node, None)
                 new, d = self._step(self._state(reply[2:] or None), now)
                 if d.allowed != (reply[0] == 49):  # b"1..."
-                    self._drifted(key, now, reply, d)
+                    if state is not None:
+                        self._denied.pop(key, None)
+                    return self._drifted(key, now, reply, d)
                 if d.remaining:
                     if state is not None:
                         self._denied.pop(key, None)
@@ -437,13 +452,19 @@ class RedisStore:
         return _new(LocalDecision, local.allow(key, now))
 
     def _drifted(self, key, now, reply, d):
+        """Lua and step() disagree: the verdict of the script, whose state is the one written, stands
+        (with step()'s durations, Remaining 0); counted, logged once, raised when strict."""
         self.drift += 1
         msg = (f"RedisStore drift: Lua {'admitted' if reply[0] == 49 else 'denied'} but {self.algorithm!r}.step "
                f"{'admitted' if d.allowed else 'denied'} key={key!r} now={now!r} reply={reply!r}")
         if self.strict:
             raise DriftError(msg)
         if self.drift == 1:
-            log.error("%s (logged once; counted in .drift)", msg)
+            log.error("%s (logged once; counted in .drift; the script's verdict stands)", msg)
+        if reply[0] == 49:
+            return _new(Decision, (True, self.limit, 0, d.reset, 0.0))
+        wait = d.retry_after or d.reset or self.algorithm.window
+        return _new(Decision, (False, self.limit, 0, max(d.reset, wait), wait))
 
     @property
     def failures(self) -> int:

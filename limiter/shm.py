@@ -8,7 +8,7 @@ Redis stores, no second copy of any rule; only the state's packing into bytes is
 
 Table: `stripes` independent open-addressing tables of `slots // stripes` slots; a key (a 16-byte BLAKE2b
 digest of limiter id + client key, so several limiters share one arena) lives in the stripe its digest
-names, at the first of PROBE slots from its home slot.  A slot: digest (16 bytes; zero: never used),
+names, in the first reusable of PROBE slots from either of its two home slots.  A slot: digest (16 bytes; zero: never used),
 expires_at (double), the state's bytes.
 
 Locks, across processes and threads: a decision holds its stripe's threading.Lock (the threads of one
@@ -24,21 +24,31 @@ expired (expires_at <= now: it behaves exactly like a fresh key) is reused first
 new key may use holds live state, the key is refused with a TableFullDecision (the edge answers 503),
 and no live state is ever overwritten, so a flood cannot reset a limited key's quota.  Slots are never
 emptied (a reused slot keeps probe chains whole), so a lookup stops at a never-used slot or after PROBE.
+"Every slot a new key may use" is the PROBE slots from each of its two homes, not the whole table:
+unlike the memory store, a new key can be refused while reclaimable slots exist elsewhere (open
+addressing keeps a lookup to at most 2 x PROBE slots).  Filling a table with distinct live keys, the
+first refusal came at 72.6% full (100,000 slots; 69.0% of 10,000) with two homes, taking the free slot
+nearer its home; with one home, as before, at 38.3% (45.4%) (bench/shm_bench.py --fill).  One log line when
+it happens (then at most one a minute per process); counted in `.full` (lb_limiter_table_full_total).
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import struct
 import tempfile
 import threading
+from time import monotonic
 from time import time as _time
 
 from .algorithms import FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from .memory import TableFullDecision
+
+log = logging.getLogger("edge")
 
 PROBE = 16  # slots examined for a key, from its home slot (linear probing inside its stripe)
 _HEAD = struct.Struct("=16sd")  # digest, expires_at
@@ -64,7 +74,7 @@ def _codec(algorithm) -> _Codec:
     if isinstance(algorithm, SlidingCounter):
         return _Codec("=qqq", lambda v: v, lambda s: s)
     if isinstance(algorithm, SlidingLog):
-        n = algorithm.limit
+        n = getattr(algorithm, "max_entries", algorithm.limit)   # delay mode logs ahead (limiter.shaping)
         pad = (0.0,) * n
         return _Codec(f"=q{n}d", lambda v: list(v[1:1 + v[0]]), lambda s: (len(s), *s, *pad[len(s):]))
     raise ValueError(f"no shared-memory layout for {algorithm!r}")
@@ -132,6 +142,7 @@ class ShmStore:
         self.arena = arena
         self.max_keys = arena.slots
         self.full = 0
+        self._said_full = -1e18
         self._id = (name or f"{algorithm.name}:{algorithm.limit}/{algorithm.window!r}").encode() + b"\0"
         self._codec = codec
         self._step = algorithm.step
@@ -139,37 +150,49 @@ class ShmStore:
         self._clock = clock
 
     def _where(self, key):
-        """(digest, stripe, first slot index of the stripe, home offset in the stripe) for key."""
+        """(digest, stripe, first slot index of the stripe, the key's two home offsets in the stripe)."""
         a = self.arena
         digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=16).digest()
         h = int.from_bytes(digest[:8], "little")
         stripe = h % a.stripes
-        return digest, stripe, stripe * a.per_stripe, (h >> 16) % a.per_stripe
+        per = a.per_stripe
+        return digest, stripe, stripe * per, ((h >> 16) % per, int.from_bytes(digest[8:16], "little") % per)
 
-    def _find(self, digest, base, home, now, taken=()):
+    def _find(self, digest, base, homes, now, taken=()):
         """Under the stripe's locks: (offset, state) of the key's slot -- its own, else the first
         reusable one (never used, or idle and not in `taken`) -- or (None, None) when only live slots
-        are left in its probe range."""
+        are left in its two probe ranges.  Two ranges ("two choices") rather than one: with one range
+        of 16, linear probing's clusters refused the first new key at 38% of a 100,000-slot table."""
         a = self.arena
         mem, size, per = a.mem, a.slot_size, a.per_stripe
-        free = None
-        for i in range(PROBE if PROBE < per else per):
-            off = (base + (home + i) % per) * size
-            tag, expires = _HEAD.unpack_from(mem, off)
-            if tag == digest:
-                codec = self._codec
-                return off, codec.decode(codec.struct.unpack_from(mem, off + _HEAD.size))
-            if tag == _EMPTY:
-                if free is None and off not in taken:
-                    free = off
-                break  # a never-used slot ends every chain
-            if free is None and expires <= now and off not in taken:
-                free = off  # idle: reusable, but the key may still be further on
-        return free, None
+        free, depth = None, PROBE
+        n = PROBE if PROBE < per else per
+        for home in homes:
+            for i in range(n):
+                off = (base + (home + i) % per) * size
+                tag, expires = _HEAD.unpack_from(mem, off)
+                if tag == digest:
+                    codec = self._codec
+                    return off, codec.decode(codec.struct.unpack_from(mem, off + _HEAD.size))
+                if tag == _EMPTY:
+                    if i < depth and off not in taken:
+                        free, depth = off, i
+                    break  # a never-used slot ends every chain
+                if i < depth and expires <= now and off not in taken:
+                    free, depth = off, i  # idle: reusable, but the key may still be further on
+        return free, None  # the reusable slot nearest its home: the range with more room takes it
 
     def _full(self):
         self.full += 1
         w = self.algorithm.window
+        t = monotonic()
+        if t - self._said_full >= 60.0:  # one line, then at most one a minute (per process)
+            self._said_full = t
+            a = self.algorithm
+            log.warning("limiter key table full: %s %d/%gs: every slot a new key may take (%d from each of its two homes) "
+                        "holds a live state of the shared table (%d slots); new keys there get 503 until one "
+                        "expires; raise max_keys if these are real clients (%d refused so far in this process)",
+                        a.name, a.limit, a.window, PROBE, self.arena.slots, self.full)
         return _new(TableFullDecision, (False, self.limit, 0, w, w))
 
     def _write(self, off, digest, new):
@@ -179,13 +202,13 @@ class ShmStore:
 
     def allow(self, key, now: float | None = None):
         a = self.arena
-        digest, stripe, base, home = self._where(key)
+        digest, stripe, base, homes = self._where(key)
         with a._tlocks[stripe]:
             fcntl.lockf(a.lock_fd, fcntl.LOCK_EX, 1, stripe)
             try:
                 if now is None:
                     now = self._clock()  # under the key's locks, as in the memory store
-                off, state = self._find(digest, base, home, now)
+                off, state = self._find(digest, base, homes, now)
                 if off is None:
                     return self._full()
                 new, decision = self._step(state, now)
@@ -225,8 +248,8 @@ def allow_all_shm(checks, now: float | None = None):
         if now is None:
             now = checks[0][0]._clock()  # under the locks
         admitted, trials, taken = True, [], set()
-        for (lim, key, enforce), (digest, _, base, home) in zip(checks, where):
-            off, state = lim._find(digest, base, home, now, taken)
+        for (lim, key, enforce), (digest, _, base, homes) in zip(checks, where):
+            off, state = lim._find(digest, base, homes, now, taken)
             if off is None:
                 new, d = None, lim._full()
             else:

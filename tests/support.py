@@ -116,6 +116,13 @@ class Edge(Proc):
             self.admin_port = int(self.wait_log(r"admin on (\S+):(\d+)").group(2))
 
 
+# Admin writes (drain, enable) need a token: the tests that make them start the edge with ADMIN_ENV and
+# send ADMIN_AUTH.
+ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMIN_ENV = {"EDGE_ADMIN_TOKEN": ADMIN_TOKEN}
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
 class Response:
     def __init__(self, status: int, headers: list[tuple[str, str]], body: bytes):
         self.status, self.headers, self.body = status, headers, body

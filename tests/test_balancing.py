@@ -182,7 +182,7 @@ def test_never_more_than_max_percent_ejected_and_a_lone_backend_never():
     assert fail(off, x, [x, y], 0.0, 50) == [None] * 50 and not x.ejected
 
 
-def test_ejection_and_active_health_are_independent():
+def test_an_ejection_that_ends_while_down_leaves_it_out():
     a, b, c = pool(1, 1, 1)
     bs = [a, b, c]
     ej = Ejector(eject_after=1, eject_for=5, max_percent=50)
@@ -192,6 +192,56 @@ def test_ejection_and_active_health_are_independent():
     assert ej.sweep(bs, 5.0) == [a] and not a.in_rotation and a.state == "DOWN"
     a.up = True
     assert a.refresh(7.0) and a.in_rotation and a.joined_at == 7.0
+
+
+def probe(ej, b, ok, now, rise=2, fall=2):
+    """What HealthChecker._loop does with one probe's result: (transition, returned from ejection)."""
+    change = record(b, ok, "HTTP 200" if ok else "refused", rise=rise, fall=fall)
+    return change, ok and ej.probe_passed(b, rise, now)
+
+
+def test_rise_passed_probes_since_an_ejection_end_it_early():
+    """Envoy's successful_active_health_check_uneject_host, counted as HAProxy's rise: the passes a DOWN
+    backend needs to come back end an ejection too (passes from before the ejection do not count)."""
+    a, b, c = pool(1, 1, 1)
+    bs = [a, b, c]
+    ej = Ejector(eject_after=5, eject_for=30, max_percent=50)
+    for t in range(10):
+        probe(ej, a, True, float(t))       # healthy all along: a long streak
+    assert fail(ej, a, bs, 10.0, 5)[-1] == 30 and a.ejected and a.pass_streak == 0
+    assert probe(ej, a, True, 11.0) == (None, False) and a.ejected and not a.in_rotation
+    assert probe(ej, a, True, 12.0) == (None, True)
+    assert not a.ejected and a.in_rotation and ej.ejected == 0 and a.fail_run == 0
+    assert a.returned_at == 12.0 and a.joined_at == 12.0 and a.times_ejected == 1
+    assert ej.sweep(bs, 40.0) == []        # returned once: the sweep has nothing left to return
+    assert probe(ej, a, True, 13.0) == (None, False)       # a pass while not ejected does nothing
+    # its multiplier is kept: ejected again soon after, for twice as long, and the same probes end it
+    assert fail(ej, a, bs, 14.0, 5)[-1] == 60
+    assert probe(ej, a, False, 15.0) == (None, False)      # a failed probe breaks the run
+    assert probe(ej, a, True, 16.0) == (None, False) and a.ejected
+    assert probe(ej, a, True, 17.0) == (None, True) and a.in_rotation
+
+
+def test_a_down_backend_is_not_ejected_and_a_restarted_one_rejoins_at_its_up():
+    """A backend killed under traffic: the retries eject it, the probes take it DOWN; restarted, its
+    `rise` passes bring it UP and end the ejection at the same probe, not 30 s later (milestone 3)."""
+    a, b, c = pool(1, 1, 1)
+    bs = [a, b, c]
+    ej = Ejector(eject_after=5, eject_for=30, max_percent=50)
+    assert fail(ej, a, bs, 0.0, 5)[-1] == 30                # killed: five failed requests eject it
+    assert probe(ej, a, False, 0.5) == (None, False)
+    assert probe(ej, a, False, 1.0) == ("DOWN", False) and a.state == "DOWN" and a.ejected
+    assert probe(ej, a, True, 2.0) == (None, False)          # restarted
+    assert probe(ej, a, True, 2.5) == ("UP", True)
+    assert a.in_rotation and not a.ejected and a.joined_at == 2.5 and ej.ejected == 0
+    # DOWN, its failures neither eject it nor count: UP again, it takes eject_after new ones
+    (x, y) = pool(1, 1)
+    probe(ej, x, False, 0.0)
+    assert probe(ej, x, False, 0.5)[0] == "DOWN"
+    assert fail(ej, x, [x, y], 1.0, 20) == [None] * 20 and not x.ejected and x.fail_run == 0
+    probe(ej, x, True, 1.5)
+    assert probe(ej, x, True, 2.0) == ("UP", False) and x.in_rotation
+    assert fail(ej, x, [x, y], 2.5, 4) == [None] * 4 and fail(ej, x, [x, y], 2.5, 1) == [30]
 
 
 # ------------------------------------------------------------------------------------ retry budget

@@ -51,51 +51,6 @@ def admitted_per_second(samples, t0, t1):
     return sum(1 for t, status, _ in samples if t0 <= t < t1 and status == 200) / (t1 - t0)
 
 
-def test_two_edges_one_client_at_twice_the_limit_redis_holds_the_limit_memory_doubles_it(backend, redis_server):
-    """fixed-window 25/s on every edge; one client alternates between two edges at 50 req/s for 12 s.
-
-    Measured in the steady state: the whole 1-s windows (the edges' windows are aligned to the epoch
-    second) from the second full window on, 10 of them -- so no partial window at either end and no
-    start-up effect.  Local counters: each edge sees 50/s and admits all of it (about 2x the limit).
-    Redis: the two edges share one counter per window: 25/s, within 2%.  Both configurations run at once.
-    """
-    limit, demand = 25, 50   # (50/100 did not keep up here when the suite shared 2 cores with others)
-    common = ["--backends", backend.url, "--limit", f"{limit}/s", "--algorithm", "fixed-window"]
-    # A generous Redis timeout: this test is about accuracy, not faults (a loaded CI box must not fail open).
-    mem = [Edge(*common, name=f"edge-mem-{i}") for i in "ab"]
-    red = [Edge(*common, "--store", redis_server.url, "--redis-timeout", "1.0", name=f"edge-redis-{i}")
-           for i in "ab"]
-    results = {}
-    try:
-        key = f"client-{uuid.uuid4().hex[:8]}"
-        threads = [threading.Thread(target=lambda n=n, es=es: results.__setitem__(
-            n, paced_alternating([e.port for e in es], key, demand, 12.5))) for n, es in (("memory", mem),
-                                                                                           ("redis", red))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert set(results) == {"memory", "redis"}
-    finally:
-        for e in mem + red:
-            e.stop()
-    first = min(s[0][0] for s in results.values())
-    t0 = math.ceil(first) + 1.0  # skip the first (partial) window and the one after, then 10 whole windows
-    t1 = t0 + 10.0
-    rates = {n: admitted_per_second(s, t0, t1) for n, s in results.items()}
-    sent = {n: sum(1 for t, _, _ in s if t0 <= t < t1) / 10.0 for n, s in results.items()}
-    print(f"\nlimit {limit}/s, client {sent['memory']:.1f} req/s over two edges: memory admits "
-          f"{rates['memory']:.1f}/s ({rates['memory'] / limit:.2f}x), redis admits {rates['redis']:.1f}/s "
-          f"({rates['redis'] / limit:.3f}x); redis sent {sent['redis']:.1f} req/s")
-    assert sent["redis"] >= 1.9 * limit   # the demand on the shared store really was 2x
-    # Memory: each edge admits its own limit, so it admits what was sent, up to 2x. Judged against what
-    # the client managed to send: on a loaded machine the paced client fell to 42 of 50 req/s (flaky).
-    assert sent["memory"] >= 1.5 * limit and rates["memory"] >= 0.95 * min(sent["memory"], 2 * limit)
-    assert abs(rates["redis"] - limit) <= 0.02 * limit
-    statuses = Counter(st for _, st, _ in results["redis"])
-    assert set(statuses) <= {200, 429}, statuses  # no fail-open / 503 slipped in
-
-
 def _phase(samples, a, b):
     return [s for s in samples if a <= s[0] < b]
 

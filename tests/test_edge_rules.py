@@ -242,3 +242,28 @@ algorithm = "sliding-log"
         assert [(r["name"], r["keys"]) for r in rules] == [("by-token", 256), ("by-token-log", 256)]
     finally:
         e.stop()
+
+
+def test_the_key_table_fill_is_in_the_metrics_and_a_full_table_is_logged_once(backends, tmp_path):
+    """lb_limiter_keys{rule} and lb_limiter_table_full_total{rule}: a header-keyed rule with max_keys = 20
+    and a 1-minute window; 30 distinct clients: 20 held, 10 refused with 503 (every state live), one
+    log line about it."""
+    e = edge(tmp_path, backends, '''
+[limits]
+max_keys = 20
+[[rules]]
+name = "per-client"
+key = "header:X-Client"
+limit = "5/m"
+algorithm = "fixed-window"
+''')
+    try:
+        statuses = [request(e.port, "GET", "/", {"X-Client": f"c{i}"}).status for i in range(30)]
+        assert statuses == [200] * 20 + [503] * 10, statuses
+        assert metric(e, "lb_limiter_keys", rule="per-client") == 20
+        assert metric(e, "lb_limiter_table_full_total", rule="per-client") == 10
+        assert request(e.port, "GET", "/", {"X-Client": "c3"}).status == 200   # a held client goes on
+        e.wait_log(r"limiter key table full: fixed-window 5/60s holds max_keys = 20")
+        assert len(re.findall(r"key table full", e.log())) == 1
+    finally:
+        e.stop()

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from tests.support import Backend, Edge, request, wait_until
+from tests.support import ADMIN_AUTH, ADMIN_ENV, Backend, Edge, request, wait_until
 from tests.test_ops import Traffic, write_config
 
 _held = []
@@ -31,7 +31,7 @@ def dead_url() -> str:
 def admin(e, method, path):
     c = http.client.HTTPConnection("127.0.0.1", e.admin_port, timeout=5)
     try:
-        c.request(method, path)
+        c.request(method, path, headers=ADMIN_AUTH if method == "POST" else {})
         r = c.getresponse()
         return r.status, r.read()
     finally:
@@ -145,7 +145,7 @@ def test_slow_start_ramps_a_backend_that_comes_back(backends):
     --slow-start 3. The exact ramp is tested with an injected clock in tests/test_balancing.py, the
     rejoin after a DOWN there too."""
     a, b, c = backends
-    e = Edge("--backends", ",".join(x.url for x in backends), "--slow-start", "3", "--admin", "127.0.0.1:0")
+    e = Edge("--backends", ",".join(x.url for x in backends), "--slow-start", "3", "--admin", "127.0.0.1:0", env=ADMIN_ENV)
     t = Traffic(e.port, clients=4)
     try:
         assert admin(e, "POST", f"/backends/{hostport(c)}/drain")[0] == 200
@@ -179,7 +179,7 @@ def test_drain_via_the_admin_api_under_traffic_loses_no_request(backends):
     """[6] POST /backends/<route>/drain: no new requests, the ones in flight finish, nothing is lost;
     /status and /metrics show it; /enable brings it back."""
     a, b, c = backends
-    e = Edge("--backends", ",".join(x.url for x in backends), "--admin", "127.0.0.1:0")
+    e = Edge("--backends", ",".join(x.url for x in backends), "--admin", "127.0.0.1:0", env=ADMIN_ENV)
     t = Traffic(e.port, clients=6, path="/slow?ms=30")
     try:
         wait_until(lambda: len(t.results) > 60, what="traffic before the drain")
@@ -238,7 +238,7 @@ def test_a_drain_on_one_workers_admin_port_acts_on_every_worker(backends):
     out of both workers' rotation (worker 1 used to keep sending it new requests), and an enable POSTed to
     worker 1's brings it back in both. Nothing is lost."""
     a, b, c = backends
-    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0")
+    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0", env=ADMIN_ENV)
     t = None
     try:
         e.wait_log(r"all 2 workers ready", timeout=20)
@@ -262,7 +262,7 @@ def test_a_drain_on_one_workers_admin_port_acts_on_every_worker(backends):
 
         t = FreshTraffic(e.port)
         both_serve(20)
-        r = request(ports[0], "POST", f"/backends/{b_in(0)['route']}/drain")
+        r = request(ports[0], "POST", f"/backends/{b_in(0)['route']}/drain", headers=ADMIN_AUTH)
         assert r.status == 200 and json.loads(r.body)["state"] == "DRAINED", r.body
         for w in (0, 1):
             assert (b_in(w)["state"], b_in(w)["in_rotation"]) == ("DRAINED", False), w
@@ -272,7 +272,7 @@ def test_a_drain_on_one_workers_admin_port_acts_on_every_worker(backends):
         both_serve(30)
         assert b.stats()["count"] == count
 
-        r = request(ports[1], "POST", f"/backends/{hostport(b)}/enable")
+        r = request(ports[1], "POST", f"/backends/{hostport(b)}/enable", headers=ADMIN_AUTH)
         assert r.status == 200 and json.loads(r.body)["state"] == "UP", r.body
         for w in (0, 1):
             assert (b_in(w)["state"], b_in(w)["in_rotation"]) == ("UP", True), w
@@ -291,13 +291,13 @@ def test_a_worker_restarted_after_a_drain_comes_back_with_the_backend_drained(ba
     """The supervisor restarts a worker that died: it must not come back with nothing drained (and send the
     drained backend new requests). The drained set is kept in the supervisor's private directory."""
     b = backends[1]
-    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0")
+    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0", env=ADMIN_ENV)
     try:
         e.wait_log(r"all 2 workers ready", timeout=20)
         ports = {int(w): int(p) for w, p in re.findall(r"worker (\d): admin on 127\.0\.0\.1:(\d+)", e.log())}
-        assert request(ports[0], "POST", f"/backends/{hostport(b)}/drain").status == 200
-        assert request(ports[0], "POST", f"/backends/{hostport(backends[2])}/drain").status == 200
-        assert request(ports[1], "POST", f"/backends/{hostport(backends[2])}/enable").status == 200
+        assert request(ports[0], "POST", f"/backends/{hostport(b)}/drain", headers=ADMIN_AUTH).status == 200
+        assert request(ports[0], "POST", f"/backends/{hostport(backends[2])}/drain", headers=ADMIN_AUTH).status == 200
+        assert request(ports[1], "POST", f"/backends/{hostport(backends[2])}/enable", headers=ADMIN_AUTH).status == 200
         pid = json.loads(request(ports[1], "GET", "/status").body)["pid"]
         os.kill(pid, signal.SIGKILL)
         e.wait_log(rf"worker 1 \(pid {pid}\) exited .*restarting it", timeout=20)
@@ -315,14 +315,14 @@ def test_a_worker_restarted_after_a_drain_comes_back_with_the_backend_drained(ba
 def test_a_drain_that_a_worker_cannot_take_is_a_502_naming_it(backends):
     """A worker that does not answer (stopped here; restarting in life): the drain applies where it can
     and the call says which worker did not take it, so the operator retries; one log line."""
-    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0")
+    e = Edge("--backends", ",".join(x.url for x in backends), "--workers", "2", "--admin", "127.0.0.1:0", env=ADMIN_ENV)
     stopped = None
     try:
         e.wait_log(r"all 2 workers ready", timeout=20)
         ports = {int(w): int(p) for w, p in re.findall(r"worker (\d): admin on 127\.0\.0\.1:(\d+)", e.log())}
         stopped = json.loads(request(ports[1], "GET", "/status").body)["pid"]
         os.kill(stopped, signal.SIGSTOP)
-        r = request(ports[0], "POST", f"/backends/{hostport(backends[1])}/drain")
+        r = request(ports[0], "POST", f"/backends/{hostport(backends[1])}/drain", headers=ADMIN_AUTH)
         assert r.status == 502, (r.status, r.body)
         body = json.loads(r.body)
         assert body["state"] == "DRAINED" and list(body["workers_failed"]) == ["1"], body
@@ -460,6 +460,35 @@ def test_a_backend_answering_500_is_ejected_and_returns_after_eject_for(backends
         statuses = Counter(request(e.port, "GET", "/", conn=conn).status for _ in range(30))
         assert c.stats()["count"] - before == 5                        # back in rotation, ejected again
         e.wait_log(rf"backend {c.url} EJECTED for 16s: .*; ejection 2")
+    finally:
+        request(c.port, "POST", "/_ctl/ok")
+        e.stop()
+
+
+def test_passing_health_checks_end_an_ejection_early_and_count_as_a_return(backends):
+    """c answers 500 while its /health passes: ejected (for the default 30 s), then its probes -- every
+    0.5 s here -- pass twice (--healthy-threshold 2) and end the ejection ~1 s later: one log line, one
+    return counted, UP and in rotation again, well before the 30 s are up."""
+    a, b, c = backends
+    e = Edge("--backends", ",".join(x.url for x in backends), "--health-interval", "0.5", "--admin", "127.0.0.1:0")
+    request(c.port, "POST", "/_ctl/fail")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+        for _ in range(30):
+            request(e.port, "GET", "/", conn=conn)
+        e.wait_log(rf"backend {c.url} EJECTED for 30s")
+        ejected = time.monotonic()
+        e.wait_log(rf"backend {c.url} returns from ejection: active health check passed \(2 consecutive passed "
+                   rf"probes of /health; ejected 1 times\)$", timeout=10)
+        assert time.monotonic() - ejected < 10                   # not the 30 s ejection
+        assert metric(e, f'lb_ejection_returns_total{{backend="{c.url}"}}') == 1
+        assert metric(e, f'lb_backend_ejected{{backend="{c.url}"}}') == 0
+        st = next(x for x in status(e)["backends"] if x["url"] == c.url)
+        assert st["state"] == "UP" and st["ejected"] is False
+        before = c.stats()["count"]
+        for _ in range(6):
+            request(e.port, "GET", "/", conn=conn)
+        assert c.stats()["count"] - before == 2                  # its turns again (and 500s, so it goes on)
     finally:
         request(c.port, "POST", "/_ctl/ok")
         e.stop()

@@ -228,7 +228,10 @@ def backend():
 @pytest.fixture(scope="module")
 def edge(backend, tmp_path_factory):
     log = tmp_path_factory.mktemp("framing") / "access.log"
+    # Request bodies stream here (--request-buffering off): these tests are about the streamed path's
+    # framing and failures; the buffered one (the default) is tests/test_buffering.py's.
     e = Edge("--backends", backend.url, "--health-interval", "30", "--header-timeout", "2",
+             "--request-buffering", "off",
              "--body-timeout", "2", "--read-timeout", "2", "--max-body-size", str(16 << 20),
              "--limit", "100000/s", "--key-limit", "spent=1/h", "--admin", "127.0.0.1:0",
              "--access-log", str(log), "--send-timeout", "2")

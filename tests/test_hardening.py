@@ -176,6 +176,8 @@ def test_idle_keepalive_connections_are_closed(backend):
 
 
 def test_connections_past_the_cap_are_refused_fast_and_the_held_ones_still_served(backend):
+    """Every connection busy (each inside a request head; an idle keep-alive one would give way:
+    tests/test_client_pressure.py): the next one is refused at once."""
     e = Edge("--backends", backend.url, "--max-connections", "4", "--health-interval", "30")
     held = []
     try:
@@ -183,11 +185,12 @@ def test_connections_past_the_cap_are_refused_fast_and_the_held_ones_still_serve
             s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
             s.sendall(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
             assert status_of(s.recv(1000)) == 200
+            s.sendall(b"GET / HTTP/1.1\r\n")      # a head under way: busy
             held.append(s)
         start = time.monotonic()
         out = raw(e.port, b"")       # the 503 comes on accept, before any request is read
         assert status_of(out) == 503 and time.monotonic() - start < 1
-        held[0].sendall(b"GET / HTTP/1.1\r\n" + H + b"\r\n")
+        held[0].sendall(H + b"\r\n")
         assert status_of(held[0].recv(1000)) == 200
         held.pop().close()
         wait_until(lambda: status_of(raw(e.port, b"GET / HTTP/1.1\r\n" + H + b"Connection: close\r\n\r\n")) == 200,

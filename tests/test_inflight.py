@@ -124,3 +124,31 @@ def test_a_websocket_tunnel_counts_while_open_and_not_after():
     finally:
         e.stop()
         wsb.stop()
+
+
+def test_a_buffered_response_stops_counting_when_the_backend_is_done_not_the_client():
+    # With response buffering (the default) a slow reader holds memory or a temp file, not the backend:
+    # once the backend has sent everything, the request no longer loads it (least-request, the drain's
+    # "wait for inflight 0"), though the client has read almost nothing yet.
+    body = b"x" * (32 << 20)       # far more than the sockets' kernel buffers hold between them
+
+    def big(s, method, target):
+        s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    b = serve(big)
+    e = Edge("--backends", b.url, "--health-interval", "30", "--admin", "127.0.0.1:0")
+    slow = socket.create_connection(("127.0.0.1", e.port), timeout=10)
+    try:
+        slow.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert slow.recv(64).startswith(b"HTTP/1.1 200 ")
+        wait_until(lambda: b.connections >= 1, what="the request at the backend")
+        all_zero(e, [b.url])                        # while the client still has megabytes to read
+        got = 64
+        while got < len(body):                      # and the client still gets every byte
+            data = slow.recv(1 << 20)
+            assert data, f"closed after {got} bytes"
+            got += len(data)
+    finally:
+        slow.close()
+        e.stop()
+        b.close()

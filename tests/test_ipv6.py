@@ -3,6 +3,7 @@
 import http.client
 import json
 import socket
+import time
 
 import pytest
 
@@ -83,7 +84,8 @@ def test_dual_stack_listener_serves_ipv4_clients_as_ipv4(backend6):
 def test_identity_by_ipv6_address_and_trusted_ipv6_proxies(backend6):
     common = ["--listen", "[::1]:0", "--backends", backend6.url, "--health-interval", "30", "--limit", "2/m"]
     direct = Edge(*common, "--key-limit", "::1=7/m")
-    behind = Edge(*common, "--trusted-proxies", "::1/128,fd00::/8", "--key-limit", "2001:db8::7=5/m")
+    behind = Edge(*common, "--trusted-proxies", "::1/128,fd00::/8", "--key-limit", "2001:db8::7=5/m",
+                  "--ipv6-prefix", "128")     # per address: the /64 default is the next test's
     try:
         # The peer ::1 is the client: its own override applies.
         _, hdrs, _ = get6(direct.port)
@@ -101,6 +103,45 @@ def test_identity_by_ipv6_address_and_trusted_ipv6_proxies(backend6):
     finally:
         direct.stop()
         behind.stop()
+
+
+def test_ipv6_clients_are_limited_per_64_so_rotating_addresses_gains_nothing(backend6):
+    """Any IPv6 client holds at least a /64: keyed per address, rotating inside it minted a bucket per
+    request (issue 29: 398 of 399 admitted at 5/s). By default a /64 is one client."""
+    common = ["--listen", "[::1]:0", "--backends", backend6.url, "--health-interval", "30", "--limit", "5/s",
+              "--trusted-proxies", "::1/128"]
+    by_prefix = Edge(*common, "--key-limit", "ip:2001:db8:0:9::/64=2/m")
+    by_address = Edge(*common, "--ipv6-prefix", "128")
+    try:
+        def rotate(edge, n=40, net="2001:db8:0:1"):
+            t0 = time.monotonic()
+            codes = [get6(edge.port, headers={"X-Forwarded-For": f"{net}:{i:x}::1"})[0] for i in range(1, n + 1)]
+            return codes.count(200), time.monotonic() - t0
+        admitted, took = rotate(by_prefix)
+        assert admitted <= 5 + 5 * took + 1, (admitted, took)     # the bucket's 5, plus what refilled meanwhile
+        assert rotate(by_address)[0] == 40                       # per address: every one a fresh bucket
+        # Another /64 is another client; an override names a /64 by its prefix (or any address in it).
+        assert get6(by_prefix.port, headers={"X-Forwarded-For": "2001:db8:0:2::1"})[0] == 200
+        _, hdrs, _ = get6(by_prefix.port, headers={"X-Forwarded-For": "2001:db8:0:9:abcd::5"})
+        assert hdrs["X-RateLimit-Limit"] == "2"
+    finally:
+        by_prefix.stop()
+        by_address.stop()
+
+
+def test_a_repeated_api_key_is_refused_before_any_backend():
+    """Limiter and backend must read the same key: a second X-Api-Key beside a known one made the
+    limiter count the junk (last wins) while the backend served the known one (first wins)."""
+    from tests.support import raw
+    b = Backend("dup")
+    e = Edge("--backends", b.url, "--health-interval", "30", "--limit", "100/s")
+    try:
+        out = raw(e.port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Api-Key: acme\r\nX-Api-Key: junk\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400 ") and b"more than one X-Api-Key" in out, out
+        assert b.stats()["count"] == 0
+    finally:
+        e.stop()
+        b.stop()
 
 
 @pytest.mark.parametrize("args,needle", [

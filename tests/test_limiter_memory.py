@@ -156,3 +156,65 @@ def test_max_keys_smaller_than_the_stripe_count_still_bounds():
     for i in range(1000):
         lim.allow(i, 10.0)
         assert len(lim) <= 3
+
+
+# ------------------------------------------- the key table: reclaimable states go, limited ones never (issue 29)
+
+def _reclaimable(lim, now):
+    return sum(1 for s in list(lim._states.values()) if lim.algorithm.expires_at(s) <= now)
+
+
+@pytest.mark.parametrize("algorithm", ALL)
+def test_rotating_fresh_keys_evict_reclaimable_states_never_a_limited_one_nor_lock_out(algorithm):
+    """The issue's rotation (fresh IPv6 addresses minting keys) at max_keys = 200, injected clock: 150
+    steady clients inserted first and kept live (one request per 0.25 s at 5/s), one client at its limit,
+    and 10 fresh keys every 50 ms, each used once.  A new key is never refused while any state in the
+    table is reclaimable (before: 8 keys were looked at, and the steady ones in front of the reclaimable
+    ones refused new clients), and the client at its limit gets decision for decision what it gets in a
+    table of its own: its state is never dropped."""
+    from limiter import build
+    lim = build(algorithm, 5, 1.0, max_keys=200)
+    alone = build(algorithm, 5, 1.0)            # the limited client's decisions in a table of its own
+    t = 1000.0
+    steady = [f"steady{i}" for i in range(150)]
+    for k in steady:
+        lim.allow(k, t)
+    refused_with_room, fresh, admitted = 0, 0, 0
+    for tick in range(400):                    # 20 s
+        t = 1000.0 + tick * 0.05
+        for k in steady[tick % 5::5]:          # each steady client every 0.25 s
+            lim.allow(k, t)
+        for _ in range(10):
+            fresh += 1
+            d = lim.allow(f"fresh{fresh}", t)
+            if d.allowed:
+                admitted += 1
+            elif getattr(d, "unavailable", False) and _reclaimable(lim, t):
+                refused_with_room += 1
+        for _ in range(8):                     # the limited client asks for more than its rate, always
+            assert lim.allow("limited", t) == alone.allow("limited", t), tick
+    # (the windowed algorithms keep a key used once live until its window ends: then the table is full
+    # of live states for a while, and those refusals are the rule)
+    assert refused_with_room == 0, (refused_with_room, lim.full)
+    assert len(lim) <= 200 and admitted > 0, (admitted, fresh, lim.full)
+
+
+def test_when_every_state_is_live_the_new_key_is_refused_with_503_until_the_soonest_expiry(caplog):
+    """Only states that would decide differently from a fresh key: the newcomer is refused (503), the
+    limited client keeps its state, Retry-After is the wait until the soonest state expires, and one
+    log line says so (not one per request)."""
+    import logging
+    from limiter import build
+    caplog.set_level(logging.WARNING, logger="edge")
+    lim = build("fixed-window", 3, 10.0, max_keys=50)
+    for i in range(50):
+        for _ in range(3):
+            lim.allow(f"k{i}", 102.0)           # window [100, 110): every key limited until 110
+    for j in range(500):
+        d = lim.allow(f"new{j}", 105.0)
+        assert not d.allowed and d.unavailable and d.retry_after == 5.0, d
+    assert not lim.allow("k7", 105.0).allowed   # still limited: nothing was reset
+    assert lim.full == 500
+    lines = [r.getMessage() for r in caplog.records if "key table full" in r.getMessage()]
+    assert len(lines) == 1 and "max_keys = 50" in lines[0], lines
+    assert lim.allow("new-later", 110.0).allowed   # from the soonest expiry on, room again

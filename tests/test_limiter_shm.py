@@ -182,3 +182,23 @@ def test_several_rules_on_the_shared_store_are_all_or_nothing(algorithm):
         assert ok and dg.allowed and not ds.allowed
     finally:
         arena.close()
+
+
+def test_a_new_key_is_refused_only_near_a_full_table_and_it_is_logged_once(caplog):
+    """Distinct live keys into a 10,000-slot table: the first refusal comes past 60% full (two homes of
+    16 slots each; one home refused the first at 45%), the table then fills to over 99%, and the
+    refusals make one log line, not one per request."""
+    import logging
+    from limiter.algorithms import FixedWindow
+    from limiter.shm import Arena, ShmStore
+    caplog.set_level(logging.WARNING, logger="edge")
+    arena = Arena(10_000, 24)
+    lim = ShmStore(FixedWindow(5, 60.0), arena)
+    i = 0
+    while lim.allow(f"k{i}", 100.0).allowed:
+        i += 1
+    assert i > 0.6 * arena.slots, i
+    held = i + sum(lim.allow(f"j{j}", 100.0).allowed for j in range(10_000))
+    assert held > 0.99 * arena.slots and lim.full > 1
+    assert len([r for r in caplog.records if "key table full" in r.getMessage()]) == 1
+    assert lim.allow("k0", 100.0).allowed  # a key already in the table is never refused

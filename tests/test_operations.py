@@ -200,7 +200,7 @@ def test_the_watchdog_pings_while_the_accept_loop_runs(backends, tmp_path):
 def test_json_access_log_fields_request_ids_and_no_api_key(backends, tmp_path):
     path = tmp_path / "access.log"
     e = Edge("--backends", backends[0].url, "--access-log", str(path), "--access-log-format", "json",
-             "--limit", "2/m", "--key-limit", "vip=5/m")
+             "--limit", "2/m", "--key-limit", "vip=5/m", "--request-id-response")
     forged = "secret 999 GET /forged 200 http://evil 0.01ms"
     try:
         a = request(e.port, "GET", "/echo/a", {"X-Api-Key": forged, "X-Request-Id": "client-id-1"})
@@ -497,10 +497,21 @@ def test_metrics_parse_and_carry_what_an_sre_scrapes(backends):
         held = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)   # the one allowed connection
         assert [request(e.port, "GET", "/", {"X-Api-Key": "k"}, conn=held).status for _ in range(4)] == \
             [200, 200, 200, 429]
+        # idle after its 429, it gives way to a new connection, which (yet to send its first request,
+        # so not idle) holds the slot: the next one is refused
+        def hold_slot():
+            s = socket.create_connection(("127.0.0.1", e.port), timeout=0.3)
+            try:
+                s.recv(1)            # a refusal comes at once (held may not be marked idle yet)
+            except socket.timeout:
+                return s
+            s.close()
+        fresh = wait_until(hold_slot, timeout=5, what="the idle connection giving way")
         wait_until(lambda: raw(e.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n").startswith(b"HTTP/1.1 503"),
                    timeout=5, what="a refused connection")
         text = request(e.admin_port, "GET", "/metrics").body.decode()
         held.close()
+        fresh.close()
         fams = {f.name: f for f in text_string_to_metric_families(text)}
     finally:
         e.stop()
@@ -514,6 +525,7 @@ def test_metrics_parse_and_carry_what_an_sre_scrapes(backends):
     assert val("lb_backend_responses", code="2xx") == 3
     assert val("lb_rate_limited", rule="default", dry_run="false") == 1
     assert val("lb_refused_connections") >= 1 and val("lb_client_connections") >= 1
+    assert val("lb_idle_connections_closed") == 1
     assert val("process_resident_memory_bytes") > 1e6 and val("process_open_fds") > 3
     assert val("process_threads") >= 2 and val("process_cpu_seconds") > 0
     assert math.isclose(val("process_start_time_seconds"), time.time(), abs_tol=300)
@@ -537,6 +549,71 @@ def test_readyz_fails_as_soon_as_a_drain_starts_while_requests_are_still_served(
         assert e.popen.returncode == 0
     finally:
         e.stop()
+
+
+def test_from_sigterm_on_keep_alive_responses_say_connection_close_and_the_connection_closes(backends):
+    """Issue 24 (6): during --grace (and the drain after it) every response on a keep-alive connection
+    carries Connection: close and the edge closes it after, so a client opens its next connection to
+    whoever serves the port next instead of meeting the close. A client that honours it (http.client
+    reconnects by itself) sees no error while the grace lasts."""
+    import threading
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--grace", "2")
+    errors, statuses, stop = [], [], threading.Event()
+
+    def honouring_client():
+        c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)
+        while not stop.is_set():
+            try:
+                statuses.append(request(e.port, "GET", "/", conn=c).status)
+            except (OSError, http.client.HTTPException) as ex:
+                errors.append(repr(ex))
+                c.close()
+        c.close()
+
+    try:
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
+        s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+        get = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        s.sendall(get)
+        first = _read_response(s)
+        assert b" 200 " in first.split(b"\r\n")[0] and b"\r\nconnection: close" not in first.lower(), first
+        t = threading.Thread(target=honouring_client)
+        t.start()
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
+        s.sendall(get)                                  # the same connection, inside the grace period
+        second = _read_response(s)
+        assert b" 200 " in second.split(b"\r\n")[0], second
+        assert b"\r\nconnection: close\r\n" in second.lower(), second
+        s.settimeout(5)
+        assert s.recv(1) == b"", "the edge closes the connection after that response"
+        s.close()
+        time.sleep(0.5)                                 # the honouring client keeps going inside the grace
+        stop.set()
+        t.join(10)
+        assert not errors, errors[:3]
+        assert len(statuses) > 5 and set(statuses) == {200}, statuses[-5:]
+        wait_until(lambda: not e.alive(), timeout=15, what="exit after the grace period")
+    finally:
+        stop.set()
+        e.stop()
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One response with a Content-Length body off a raw socket."""
+    s.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    n = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+    while len(body) < n:
+        chunk = s.recv(65536)
+        assert chunk, data
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 # ------------------------------------------------------------------------------------------- reload

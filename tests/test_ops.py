@@ -290,6 +290,27 @@ def test_the_systemd_unit_verifies(tmp_path):
     assert p.returncode == 0 and not p.stderr.strip(), p.stderr
 
 
+def test_the_unit_starts_without_its_optional_credentials_and_is_hardened():
+    """A fresh install has no /etc/edge/redis-password: every LoadCredential= needs a SetCredential= of the
+    same name, the fallback systemd (250+) uses instead of failing the start. And the hardening holds:
+    systemd-analyze's exposure score (3.2 before the seccomp filter, ProtectProc and the rest)."""
+    unit = (ROOT / "conf" / "edge.service").read_text().splitlines()
+    loads = [l.split("=", 1)[1].split(":", 1)[0] for l in unit if l.startswith("LoadCredential=")]
+    sets = {l.split("=", 1)[1].split(":", 1)[0] for l in unit if l.startswith("SetCredential=")}
+    assert loads and set(loads) <= sets, (loads, sets)
+    for needed in ("SystemCallFilter=@system-service", "SystemCallErrorNumber=EPERM", "ProtectProc=invisible",
+                   "ProcSubset=pid", "PrivateUsers=yes", "DevicePolicy=closed"):
+        assert needed in unit, needed
+    if not shutil.which("systemd-analyze"):
+        pytest.skip("systemd-analyze not installed")
+    p = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(ROOT / "conf" / "edge.service")],
+                       capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for edge.service: (\d+\.\d+)", p.stdout)
+    if m is None:
+        pytest.skip(f"systemd-analyze security --offline not available: {p.stderr.strip()[:200]}")
+    assert float(m.group(1)) <= 2.0, p.stdout[-2000:]
+
+
 def test_two_workers_on_the_redis_store_hold_one_limit_per_key(backends, redis_server):
     """The kernel spreads connections over both workers; the key's limit is still one limit, and the one
     admin port (worker 0's) sums both workers' numbers."""

@@ -2,13 +2,14 @@
 
 import http.client
 import json
+import re
 import subprocess
 import threading
 from collections import Counter
 
 import pytest
 
-from tests.support import PY, ROOT, Backend, Edge, raw, request, wait_until
+from tests.support import PY, ROOT, Backend, Edge, free_port, raw, request, wait_until
 
 FORWARDING = {"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"}
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -47,11 +48,11 @@ def test_get_direct_and_proxied_differ_only_by_the_header_rules(backends, path):
         e.stop()
     assert proxied.status == direct.status
     assert proxied.body == direct.body
-    # Same headers, same order, duplicates kept (Set-Cookie twice); Date may tick over a second; the
-    # edge adds the request's X-Request-Id (DESIGN: "sent to backend and client").
-    drop = HOP | {"date", "x-request-id"}
+    # Same headers, same order, duplicates kept (Set-Cookie twice); Date may tick over a second; nothing
+    # added (the request id goes to the backend, and to the client only with --request-id-response).
+    drop = HOP | {"date"}
     assert headers_without(proxied, drop) == headers_without(direct, drop)
-    assert len(proxied.header("X-Request-Id")) == 32 and not direct.header("X-Request-Id")
+    assert not proxied.header("X-Request-Id") and not direct.header("X-Request-Id")
     assert proxied.header("Date") and proxied.header("Server") == direct.header("Server")
 
 
@@ -88,6 +89,42 @@ def test_post_body_arrives_byte_for_byte(backends, framing):
     assert got[-1][0] == "x-request-id" and len(got[-1][1]) == 32
     assert got[0] == ("host", "api.example")
     assert not any(k in ("user-agent", "accept-encoding") for k, _ in got)  # nothing invented
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_request_id_reaches_the_client_only_with_request_id_response(flag):
+    """Off (the default), a response carries the backend's own X-Request-Id as it sent it, or none, and the
+    edge's own answers (a 502 here) carry none; with --request-id-response every response carries the id
+    the backend got, in place of the backend's. The backend gets the id either way."""
+    from tests.rawserver import ConnReader, RawServer
+
+    def answer(s, _server):           # echoes the X-Request-Id it got; /own also sends one of its own
+        r = ConnReader(s)
+        while (head := r.head()) is not None:
+            m = re.search(rb"\r\nX-Request-Id: (\S+)", head)
+            got = m.group(1) if m else b"-"          # (the health probes carry none)
+            own = b"X-Request-Id: backend-own\r\n" if b" /own " in head else b""
+            s.sendall(b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (own, len(got), got))
+
+    b = RawServer(answer)
+    dead = f"http://127.0.0.1:{free_port()}"
+    e = Edge("--backends", b.url, "--health-interval", "30", *(["--request-id-response"] if flag else []))
+    e2 = Edge("--backends", dead, "--health-interval", "30", *(["--request-id-response"] if flag else []))
+    try:
+        plain = request(e.port, "GET", "/", {"X-Request-Id": "client-1"})
+        own = request(e.port, "GET", "/own")
+        failed = request(e2.port, "GET", "/")
+    finally:
+        e.stop()
+        e2.stop()
+        b.close()
+    assert plain.body == b"client-1" and re.fullmatch(rb"[0-9a-f]{32}", own.body)    # the backend got it
+    ids = lambda r: [v for k, v in r.headers if k.lower() == "x-request-id"]      # noqa: E731
+    assert failed.status == 502
+    if flag:
+        assert ids(plain) == ["client-1"] and ids(own) == [own.body.decode()] and len(ids(failed)[0]) == 32
+    else:
+        assert ids(plain) == [] and ids(own) == ["backend-own"] and ids(failed) == []
 
 
 def test_hop_by_hop_headers_are_stripped_both_ways_and_forwarding_appended(backends, edge):

@@ -3,7 +3,7 @@
 One cluster (3 masters, 3 replicas, node timeout 1 s) is shared by the module; the test that kills a
 master runs last.  The Sentinel test has its own master, replica and three sentinels.  Every edge runs
 with --on-store-error fail-closed, so a decision the store could not make shows as a 503, never as a
-silent 200.  Accuracy is judged as in tests/test_edge_redis.py: admitted requests over whole seconds of
+silent 200.  Accuracy is judged as in tests/acceptance/test_m7_distributed_counters.py: admitted requests over whole seconds of
 steady state, against the limit.
 """
 
@@ -375,3 +375,16 @@ def test_a_readonly_reply_sends_the_store_to_the_sentinels(sentinels):
     d = lim.allow("k", 1000.0)
     assert not getattr(d, "degraded", False) and d.allowed
     assert lim.link.master[1] == sentinels.replica.port and lim.failures == 0
+
+
+def test_the_memory_policy_is_read_on_each_cluster_seed_and_on_the_master_sentinel_names(cluster, sentinels):
+    """lb.store.memory_policy beyond one Redis: a line per cluster seed node, and one for the master the
+    sentinels name (these servers run the default noeviction, no maxmemory)."""
+    import logging
+    from lb.config import load
+    from lb.store import memory_policy
+    said = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", cluster.url]))
+    assert len(said) == 2 and all(level == logging.INFO and " node 127.0.0.1:" in line
+                                  and "maxmemory-policy noeviction" in line for level, line in said), said
+    [(level, line)] = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", sentinels.url]))
+    assert level == logging.INFO and f"master 127.0.0.1:{sentinels.master.port}: maxmemory 0" in line, line

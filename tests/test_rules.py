@@ -11,7 +11,7 @@ import pytest
 from lb.config import ConfigError, load
 from lb.httpio import parse_request
 from lb.keys import parse_keys
-from lb.ratelimit import LimitStage
+from lb.ratelimit import LimitStage, release
 from lb.rules import normalize_path, parse_rules
 from limiter.compose import allow_all
 from limiter import build
@@ -262,6 +262,27 @@ def test_header_rule_falls_back_to_the_client_ip_never_to_one_shared_bucket():
     assert st.check(req(X_Tenant=""), "192.0.2.5", now=T0).status == 0         # empty: by IP too
 
 
+def test_a_repeated_header_a_rule_keys_on_is_a_400_and_spends_nothing():
+    """Which of two X-Tenant values would the limiter count, and which the backend read? Neither: a 400."""
+    st = stage("5/m", [{"name": "tenant", "key": "header:X-Tenant", "limit": "2/m"}])
+    twice = parse_request(b"GET / HTTP/1.1\r\nHost: a\r\nX-Tenant: t1\r\nX-Tenant: t2")
+    v = st.check(twice, "192.0.2.1", now=T0)
+    assert v.status == 400 and "more than one x-tenant header" in v.reason
+    ok = st.check(req(X_Tenant="t1"), "192.0.2.1", now=T0)
+    assert ok.status == 0 and hdr(ok, "X-RateLimit-Remaining") == "1"       # t1 had spent nothing
+
+
+def test_ipv6_clients_share_their_64_in_rules_and_the_default():
+    st = stage("2/m", [{"name": "per-ip", "key": "ip", "limit": "3/m"}])
+    for i in range(2):
+        assert st.check(req(), f"2001:db8:0:1::{i + 1}", now=T0).status == 0
+    v = st.check(req(), "2001:db8:0:1:ffff::9", now=T0)
+    assert v.status == 429 and v.label == "ip:2001:db8:0:1::/64"
+    assert st.check(req(), "2001:db8:0:2::1", now=T0).status == 0              # the next /64: another client
+    per_address = stage("2/m", ipv6_prefix=128)
+    assert all(per_address.check(req(), f"2001:db8::{i + 1}", now=T0).status == 0 for i in range(5))
+
+
 def test_memory_stays_bounded_per_rule_with_random_header_values():
     """Acceptance 6 at the stage: each rule's store holds at most max_keys keys, whatever arrives."""
     st = stage(None, [{"name": "h1", "key": "header:X-Rand", "limit": "5/m"},
@@ -340,7 +361,7 @@ def test_the_readme_rule_examples_are_valid_configurations(tmp_path):
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Limit rules"):text.index("## Many edges")]
     blocks = re.findall(r"```toml\n(.*?)```", section, re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5   # the fifth: Shaping (delay, concurrency, cost, status)
     keys = tmp_path / "keys.toml"
     keys.write_text('[tiers]\nfree = "60/m"\n[[keys]]\nname = "internal-batch"\nkey = "sk-b"\ntier = "free"\n')
     for block in blocks:
@@ -473,3 +494,71 @@ def test_one_script_with_the_denial_cache_decides_as_the_memory_store_does(own_r
         else:
             assert set(a.rejected) <= set(b.rejected)
             assert int(hdr(a, "Retry-After")) <= int(hdr(b, "Retry-After"))
+
+
+# ------------------------------------------------------------- cost, in-flight and delay in the stage
+
+@pytest.mark.parametrize("rule, message", [
+    ({"name": "x", "key": "ip", "limit": "3/s", "cost": 4}, "could never be admitted"),
+    ({"name": "x", "key": "ip", "limit": "3/s", "cost": 0}, "rules[0] (x).cost"),
+    ({"name": "x", "key": "ip", "limit": "3/s", "cost": "2"}, "rules[0] (x).cost"),
+    ({"name": "x", "key": "ip", "max_in_flight": 2, "cost": 2}, "a cost needs a limit"),
+    ({"name": "x", "key": "ip", "max_in_flight": -1}, "rules[0] (x).max_in_flight"),
+    ({"name": "x", "key": "ip", "max_in_flight": True}, "rules[0] (x).max_in_flight"),
+    ({"name": "x", "key": "ip"}, "missing limit"),
+    ({"name": "x", "key": "ip", "limit": "1/s", "burst": 2}, "cost, max_in_flight"),
+])
+def test_rule_cost_and_in_flight_are_checked(rule, message):
+    with pytest.raises(ValueError) as e:
+        parse_rules([rule])
+    assert message in str(e.value)
+
+
+def test_an_in_flight_refusal_spends_no_rate_and_a_rate_refusal_holds_no_slot():
+    st = stage("2/m", [{"name": "exports", "key": "ip", "max_in_flight": 1, "match": {"path_prefix": "/export"}}])
+    first = st.check(req(path="/export"), "192.0.2.1", now=T0)
+    assert first.status == 0 and len(first.slots) == 1
+    second = st.check(req(path="/export"), "192.0.2.1", now=T0)      # the one slot is taken: refused...
+    assert (second.status, second.rejected, second.slots) == (429, ("exports",), None)
+    assert hdr(second, "Retry-After") == "1"
+    release(first.slots)
+    third = st.check(req(path="/export"), "192.0.2.1", now=T0)       # ...and spent no rate: 2 of 2 admitted
+    assert third.status == 0
+    release(third.slots)
+    fourth = st.check(req(path="/export"), "192.0.2.1", now=T0)      # the rate refuses: the slot is given back
+    assert fourth.status == 429 and fourth.rejected == ("default",) and fourth.slots is None
+    assert st.rules[0].inflight.count("ip:192.0.2.1") == 0
+
+
+def test_the_built_in_in_flight_limit_counts_per_identity_and_the_status_is_configurable():
+    st = stage(None, max_in_flight=2, status=503)
+    a = [st.check(req(X_Api_Key="k"), "192.0.2.1", now=T0) for _ in range(3)]
+    assert [v.status for v in a] == [0, 0, 503]
+    assert st.check(req(X_Api_Key="other"), "192.0.2.1", now=T0).status == 0
+    for v in a[:2]:
+        release(v.slots)
+    assert st.inflight.count("key:k") == 0
+
+
+def test_delay_mode_in_the_stage_holds_and_dry_run_rules_never_hold():
+    st = stage("2/s", [{"name": "shadow", "key": "global", "limit": "1/s", "dry_run": True}], max_delay=1.0)
+    vs = [st.check(req(), "192.0.2.1", now=T0) for _ in range(5)]
+    assert [v.status for v in vs] == [0, 0, 0, 0, 429]
+    assert [v.delay for v in vs[:4]] == pytest.approx([0.0, 0.0, 0.5, 1.0])
+    assert "shadow:dry_run" in vs[2].limited_by
+
+
+def test_a_rule_cost_and_delay_with_another_limit_are_all_or_nothing_in_both_stores(store):
+    """Two limits in one request (one script call on Redis): the cost is charged, a held request's delay
+    is reported, and a refusal spends nothing."""
+    st = stage("10/s", [{"name": "export", "key": "api-key", "limit": "4/s", "cost": 2, "algorithm": "fixed-window",
+                         "match": {"path_prefix": "/export"}}], max_delay=0.5, **store)
+    vs = [st.check(req(path="/export", X_Api_Key="k"), "192.0.2.1", now=T0 + 0.1) for _ in range(5)]
+    # 4 units per window: two now, two in the next window (0.9 s away: beyond 0.5 s, refused)
+    assert [v.status for v in vs] == [0, 0, 429, 429, 429]
+    # the built-in 10/s spent only for the two admitted: 8 left at the same instant, the 9th held 0.1 s
+    plain = [st.check(req(path="/", X_Api_Key="k"), "192.0.2.1", now=T0 + 0.1) for _ in range(9)]
+    assert [v.status for v in plain] == [0] * 9
+    assert [v.delay for v in plain] == pytest.approx([0.0] * 8 + [0.1])
+    later = st.check(req(path="/export", X_Api_Key="k"), "192.0.2.1", now=T0 + 0.6)
+    assert later.status == 0 and later.delay == pytest.approx(0.4)      # held until the next window

@@ -96,8 +96,9 @@ def test_one_token_per_handshake_and_a_refused_upgrade_is_relayed(wsb):
     try:
         async def session():
             async with ws(e.port, additional_headers={"X-Request-Id": "ws-handshake-1"}) as c:
-                # The 101 carries the request id and the limiter's headers, as every response does.
-                assert c.response.headers.get_all("X-Request-Id") == ["ws-handshake-1"]
+                # The 101 carries the limiter's headers, as every response does; the request id only with
+                # --request-id-response (the backend got it).
+                assert c.response.headers.get_all("X-Request-Id") == []
                 assert c.response.headers["X-RateLimit-Limit"] == "2"
                 await c.send("x")
                 for _ in range(50):        # messages inside a tunnel spend no tokens
@@ -118,9 +119,11 @@ def test_one_token_per_handshake_and_a_refused_upgrade_is_relayed(wsb):
         e.stop()
 
 
-def test_the_101_keeps_the_backends_fields_but_never_its_copies_of_ours():
-    """switching_head, in-process: a backend's own X-Request-Id and rate-limit fields (both dialects) and
-    the fields its Connection names do not reach the client; its other fields and its Upgrade do."""
+@pytest.mark.parametrize("rid_response", [True, False])
+def test_the_101_keeps_the_backends_fields_but_never_its_copies_of_ours(rid_response):
+    """switching_head, in-process: a backend's own rate-limit fields (both dialects), its X-Request-Id when
+    the edge writes its own (--request-id-response), and the fields its Connection names do not reach the
+    client; its other fields and its Upgrade do (and its X-Request-Id, when the edge writes none)."""
     from types import SimpleNamespace
 
     from lb.httpio import parse_response
@@ -130,13 +133,15 @@ def test_the_101_keeps_the_backends_fields_but_never_its_copies_of_ours():
                         b"X-Hop: 1\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\nX-Request-Id: backend-id\r\n"
                         b"X-RateLimit-Remaining: 999\r\nRateLimit: \"b\";r=9;t=1\r\nRateLimit-Policy: \"b\";q=10;w=1")
     x = SimpleNamespace(request_id=b"edge-id", set_cookie=b"",
+                        rid_header=b"X-Request-Id: edge-id\r\n" if rid_response else b"",
                         rl=b"X-RateLimit-Limit: 2\r\nX-RateLimit-Remaining: 1\r\nX-RateLimit-Reset: 30\r\n"
                            b"RateLimit-Policy: \"default\";q=2;w=60\r\nRateLimit: \"default\";r=1;t=30\r\n")
     head = bytes(switching_head(x, rh)).decode()
     lines = head.split("\r\n")
     assert lines[0] == "HTTP/1.1 101 Switching Protocols"
     assert "Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in lines and "Upgrade: websocket" in lines
-    assert [ln for ln in lines if ln.lower().startswith("x-request-id")] == ["X-Request-Id: edge-id"]
+    assert [ln for ln in lines if ln.lower().startswith("x-request-id")] == \
+        (["X-Request-Id: edge-id"] if rid_response else ["X-Request-Id: backend-id"])
     assert [ln for ln in lines if ln.lower().startswith(("x-ratelimit-remaining", "ratelimit:"))] == \
         ["X-RateLimit-Remaining: 1", 'RateLimit: "default";r=1;t=30']
     assert not any(ln.lower().startswith("x-hop") for ln in lines)
@@ -415,3 +420,30 @@ def test_a_101_whose_accept_answers_the_key_is_tunnelled():
     finally:
         e.stop()
         srv.close()
+def test_a_tunnel_holds_its_in_flight_slot_until_it_closes(wsb):
+    """--max-in-flight counts an open WebSocket as the request in flight it is (nginx's limit_conn), and
+    the slot comes back when the tunnel closes."""
+    e = Edge("--backends", wsb.url, "--health-interval", "30", "--max-in-flight", "1")
+    try:
+        async def session():
+            async with ws(e.port) as c:
+                await c.send("hi")
+                assert await c.recv() == "hi"
+                with pytest.raises(InvalidStatus) as refused:        # a second one from the same client
+                    async with ws(e.port):
+                        pass
+                assert refused.value.response.status_code == 429
+                assert refused.value.response.headers["Retry-After"] == "1"
+            # closed: the slot is given back (the edge's thread ends the tunnel a moment after the close)
+            for _ in range(100):
+                try:
+                    async with ws(e.port) as c:
+                        await c.send("again")
+                        return await c.recv()
+                except InvalidStatus:
+                    await asyncio.sleep(0.05)
+            return None
+
+        assert run(session()) == "again"
+    finally:
+        e.stop()

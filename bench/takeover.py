@@ -1,0 +1,148 @@
+"""Requests lost while a new edge takes over a live port (README "Zero-downtime upgrade"), under load.
+
+    python3 -m bench.takeover                        # 1 process each, --grace 1, 3 rounds
+    python3 -m bench.takeover --workers 2 --rounds 5 --grace 0.5
+
+Client threads drive the port the whole time: keep-alive clients (one connection each, reused while the
+edge allows it, a new one when a response says Connection: close, as http.client does) and new-connection
+clients (one connection per request). While they run: start B with --takeover on A's ports, wait for its
+"ready" line, TERM A (which drains), wait for A to exit. A request is lost when it raised (reset, refused,
+closed without an answer) or was answered with anything but 200. Reported per round: requests, lost, and
+the kernel's net.ipv4.tcp_migrate_req (1: a closing SO_REUSEPORT listener hands its queued connections to
+another one; 0: it resets them, and the edge takes what is queued right before it closes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lb.netaddr import held  # noqa: E402
+from tests.support import Backend, Edge, free_port, wait_until  # noqa: E402
+
+
+class Traffic:
+    """Keep-alive and new-connection client threads against 127.0.0.1:port until stop()."""
+
+    def __init__(self, port: int, keepalive: int = 4, fresh: int = 4):
+        self.port = port
+        self.ok = 0
+        self.lost: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._keepalive, daemon=True) for _ in range(keepalive)]
+        self.threads += [threading.Thread(target=self._fresh, daemon=True) for _ in range(fresh)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, c: http.client.HTTPConnection, close: bool) -> None:
+        try:
+            c.request("GET", "/", headers={"Connection": "close"} if close else {})
+            r = c.getresponse()
+            r.read()
+            if r.status != 200:
+                raise RuntimeError(f"status {r.status}")
+            with self._lock:
+                self.ok += 1
+        except Exception as e:           # noqa: BLE001 -- every failure is a lost request, named
+            with self._lock:
+                self.lost.append((time.monotonic(), repr(e)[:120]))
+            c.close()
+
+    def _keepalive(self) -> None:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        while not self._stop.is_set():
+            self._one(c, close=False)
+        c.close()
+
+    def _fresh(self) -> None:
+        while not self._stop.is_set():
+            c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+            self._one(c, close=True)
+            c.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self.threads:
+            t.join(15)
+
+
+def migrate_req() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_migrate_req").read_text().strip()
+    except OSError:
+        return "n/a"
+
+
+def admin_ports(n: int) -> int:
+    """A base port with n free ports from it (worker i's admin port is BASE + i)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n < 65536 and all(not held("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def take_over(backend_url: str, args: list[str], settle: float = 1.0) -> dict:
+    """One round: A serves, B takes over under traffic, A drains and exits. The counts."""
+    admin = admin_ports(4)
+    a = Edge("--backends", backend_url, "--admin", f"127.0.0.1:{admin}", *args, name="edge-a")
+    port = a.port
+    ready = r"all \d+ workers ready" if "--workers" in args else r"INFO edge: ready"
+    b = None
+    try:
+        a.wait_log(ready, timeout=20)
+        t = Traffic(port)
+        time.sleep(settle)
+        b = Edge("--backends", backend_url, "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+                 "--takeover", *args, name="edge-b")
+        b.wait_log(ready, timeout=20)
+        t0 = time.monotonic()
+        a.signal(signal.SIGTERM)
+        wait_until(lambda: not a.alive(), timeout=60, what="the old edge's exit")
+        a_done = time.monotonic() - t0
+        time.sleep(settle)
+        t.stop()
+        still = socket.create_connection(("127.0.0.1", port), timeout=5)   # B serves on
+        still.close()
+        return {"requests": t.ok + len(t.lost), "lost": len(t.lost), "why": sorted({w for _, w in t.lost})[:3],
+                "old_exit_s": round(a_done, 2), "queued_taken": a.log().count("queued connections")}
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--grace", default="1")
+    o = p.parse_args(argv)
+    args = ["--grace", o.grace] + (["--workers", str(o.workers)] if o.workers > 1 else [])
+    print(f"kernel {Path('/proc/sys/kernel/osrelease').read_text().strip()}, "
+          f"net.ipv4.tcp_migrate_req = {migrate_req()}, edge args {' '.join(args)}")
+    backend = Backend("t")
+    total = lost = 0
+    try:
+        for i in range(o.rounds):
+            r = take_over(backend.url, args)
+            total += r["requests"]
+            lost += r["lost"]
+            print(f"round {i + 1}: {r}", flush=True)
+    finally:
+        backend.stop()
+    print(f"total: {lost} of {total} requests lost")
+
+
+if __name__ == "__main__":
+    main()
