@@ -17,6 +17,9 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from urllib.parse import unquote
+
+from . import dashboard
 from .accesslog import escape
 from .netaddr import bind_options, family
 
@@ -49,10 +52,15 @@ def start_admin(addr, app) -> ThreadingHTTPServer:
             elif path == "/readyz":
                 why = app.not_ready()
                 self._reply(503, f"not ready: {why}\n".encode()) if why else self._reply(200, b"ready\n")
+            elif path == "/":
+                self._reply(200, dashboard.page(), dashboard.CONTENT_TYPE)
+            elif path.startswith("/limits/"):
+                st, body = app.peek_limits(unquote(path[8:]), self.headers.get("X-Api-Key", "").encode("latin-1") or None)
+                self._reply(st, json.dumps(body, indent=2).encode(), "application/json")
             elif path.startswith("/backends/"):
                 self._reply(405, b"use POST /backends/<route>/drain or /enable\n")
             else:
-                self._reply(404, b"not found: try /metrics, /status, /healthz or /readyz\n")
+                self._reply(404, b"not found: try /, /metrics, /status, /limits/KEY, /healthz or /readyz\n")
 
         def do_POST(self):
             n = int(self.headers.get("Content-Length") or 0)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
 
 from limiter import redis_url
 
-from . import fanout, metrics as metrics_mod, sdnotify, store
+from . import __version__, fanout, metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
@@ -91,7 +92,7 @@ class App:
         self.retry_budget = RetryBudget(cfg.retry_budget_percent, cfg.retry_budget_min)
         self.metrics.retry_budget = self.retry_budget
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
-                                    rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold)
+                                    rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold, metrics=self.metrics)
         self.access_log = self._open_access_log(cfg)
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
@@ -132,8 +133,17 @@ class App:
                 raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}") from None
             log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable)",
                      hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "")
+        self.metrics.declare_backends(b.url for b in backends)
         for b in backends:
-            self.health.watch(b)
+            self._watch(b)
+
+    def _watch(self, b) -> None:
+        """Health checks for b, and its state changes counted (lb_backend_transitions_total)."""
+        b.on_state = self._state_changed
+        self.health.watch(b)
+
+    def _state_changed(self, b, state: str) -> None:
+        self.metrics.transition(b.url, state)
 
     @staticmethod
     def _open_access_log(cfg: Config):
@@ -201,7 +211,32 @@ class App:
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
             "known_keys": len(self.cfg.keys), "unknown_keys": self.cfg.unknown_keys,
             "backends": [self.backend_status(b, now) for b in self.balancer.backends],
+            **self._operator_status(),
         }
+
+    def _operator_status(self) -> dict:
+        """What the dashboard shows beside the backends: build, uptime, the store, the key table and the
+        most rejected clients -- the last two over every worker with --workers, as /metrics sums them."""
+        stage = self.edge.limiter
+        others = self._other_snapshots()
+        out = {"version": __version__, "python": sys.version.split()[0], "uptime": round(time.time() - self.metrics.started, 1),
+               "workers": self.cfg.workers if self.rundir is not None else 1,
+               "admin_writes": bool(getattr(self, "admin_token", None)),   # the admin token (issue 24) wires this
+               "store_up": None, "key_table": None,
+               "top_limited": metrics_mod.top_keys([{"top": self.metrics.top_now()}, *others])}
+        if stage is not None:
+            for lim in (getattr(stage, "limiters", None) or {}).values():
+                link = getattr(lim, "link", None)
+                if link is not None:
+                    out["store_up"] = bool(link.up) and out["store_up"] is not False
+            out["key_table"] = stage.table()
+        return out
+
+    def _other_snapshots(self) -> list:
+        if self.rundir is None:
+            return []
+        return metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
+                                  for i in range(self.cfg.workers) if i != self.worker)
 
     def backend_status(self, b, now: float) -> dict:
         return {"url": b.url, "route": b.route, "weight": b.weight,
@@ -271,17 +306,20 @@ class App:
         return out
 
     def render_metrics(self) -> str:
-        others = ()
-        if self.rundir is not None:          # any worker's /metrics is the sum of all of them
-            n = self.cfg.workers
-            others = metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
-                                        for i in range(n) if i != self.worker)
+        others = self._other_snapshots()     # any worker's /metrics is the sum of all of them
         live = self._live()
         # counters kept elsewhere are added to this process's own, not double counted
         for k in [k for k in live if k[0] == "lb_requests_total"]:
             if k in self.metrics.counters:
                 del live[k]
         return self.metrics.render(live, others, self.worker)
+
+    def peek_limits(self, who: str, api_key: bytes | None = None) -> tuple[int, dict]:
+        """GET /limits/KEY: the client's state in each limit now, unchanged (LimitStage.peek)."""
+        stage = self.edge.limiter
+        if stage is None:
+            return 404, {"error": "rate limiting is off"}
+        return stage.peek(who, api_key)
 
     def not_ready(self) -> str | None:
         """None when ready; else why not (for /readyz)."""
@@ -390,8 +428,9 @@ class App:
             self.cfg = new
             for p in old_pools:
                 p.close()   # idle connections close now; one in use closes when its request gives it back
+            self.metrics.declare_backends(b.url for b in added)
             for b in added:
-                self.health.watch(b)
+                self._watch(b)
             for b in removed:
                 self.health.unwatch(b)
                 self.ejector.forget(b)

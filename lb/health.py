@@ -78,8 +78,9 @@ def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:
 
 
 class HealthChecker:
-    def __init__(self, path: str, interval: float, timeout: float, rise: int, fall: int):
+    def __init__(self, path: str, interval: float, timeout: float, rise: int, fall: int, metrics=None):
         self.path, self.interval, self.timeout, self.rise, self.fall = path, interval, timeout, rise, fall
+        self.metrics = metrics      # counts each probe (lb_health_probes_total)
         self._stops: dict[Backend, threading.Event] = {}
 
     def watch(self, b: Backend) -> None:
@@ -101,6 +102,8 @@ class HealthChecker:
             ok, why = probe(b, self.path, self.timeout)
             if stop.is_set():
                 return
+            if self.metrics is not None:
+                self.metrics.probe(b.url, ok)
             change = record(b, ok, why, self.rise, self.fall)
             if change == "DOWN":
                 log.warning("backend %s DOWN: %d consecutive failed probes of %s (last: %s)",

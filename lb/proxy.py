@@ -297,7 +297,9 @@ class Edge:
             if v.degraded:                   # the store was unreachable: its failure policy decided
                 self.metrics.limiter_error()
             if v.rejected or v.dry or v.exempt:
-                self.metrics.limit_outcome(v.rejected, v.dry, v.exempt)
+                self.metrics.limit_outcome(v.rejected, v.dry, v.exempt, v.admitted, v.label)
+            elif v.admitted:
+                self.metrics.admitted(v.admitted)
             if v.status:
                 return self._answer(sock, x, v.status, v.reason, keep_if_early and v.status != 400)
         else:

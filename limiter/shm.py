@@ -194,6 +194,20 @@ class ShmStore:
             finally:
                 fcntl.lockf(a.lock_fd, fcntl.LOCK_UN, 1, stripe)
 
+    def peek(self, key, now: float | None = None):
+        """(held, Decision): what allow(key, now) would answer, without writing the slot."""
+        a = self.arena
+        digest, stripe, base, home = self._where(key)
+        with a._tlocks[stripe]:
+            fcntl.lockf(a.lock_fd, fcntl.LOCK_EX, 1, stripe)
+            try:
+                if now is None:
+                    now = self._clock()
+                off, state = self._find(digest, base, home, now)
+                return state is not None, self._step(state, now)[1]
+            finally:
+                fcntl.lockf(a.lock_fd, fcntl.LOCK_UN, 1, stripe)
+
     def __len__(self):
         """Slots holding a live state of any limiter on this arena (a scan; for tests and /status)."""
         a, now, n = self.arena, self._clock(), 0

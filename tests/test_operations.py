@@ -528,7 +528,8 @@ def test_readyz_fails_as_soon_as_a_drain_starts_while_requests_are_still_served(
     try:
         wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
         # before any traffic the request histogram is already there (scrapers read it from the start)
-        assert "lb_request_duration_seconds_count 0" in request(e.admin_port, "GET", "/metrics").body.decode()
+        text = request(e.admin_port, "GET", "/metrics").body.decode()
+        assert 'lb_request_duration_seconds_count{code="2xx"} 0' in text and 'lb_request_duration_seconds_count{code="4xx"} 0' in text
         assert request(e.admin_port, "GET", "/healthz").body == b"ok\n"
         e.signal(signal.SIGTERM)
         wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
