@@ -150,7 +150,7 @@ class App:
         if not cfg.access_log:
             return None
         try:
-            return AccessLog(cfg.access_log, cfg.access_log_format)
+            return AccessLog(cfg.access_log, cfg.access_log_format, cfg.log_redact_params)
         except OSError as e:
             raise StartError(f"--access-log {cfg.access_log}: {e.strerror or e}") from None
 
@@ -423,6 +423,8 @@ class App:
             self.edge.identifier = Identifier(new.trusted_proxies)
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
             old_log = None
+            if access_log is not None:
+                access_log.set_redact(new.log_redact_params)
             if access_log is not self.access_log:
                 self.edge.access_log, old_log, self.access_log = access_log, self.access_log, access_log
             self.cfg = new

@@ -112,6 +112,8 @@ class Config:
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
     access_log_format: str = "text"          # text | json
+    # query parameters whose values the access log writes as *** (names compared case-insensitively)
+    log_redact_params: tuple = ("token", "access_token", "api_key", "key", "password", "secret", "signature")
     check: bool = field(default=False, compare=False)   # --check: validate and exit
     config_path: str | None = field(default=None, compare=False)
 
@@ -260,7 +262,8 @@ _SECTIONS = {
                "keepalive_timeout": ("keepalive_timeout", SECONDS),
                "body_min_rate": ("body_min_rate", Num(False, 1.0, 1e12, zero=True)), "send_timeout": ("send_timeout", SECONDS),
                "max_body_size": ("max_body_size", Num(True, 1, 2 ** 40)),
-               "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list")},
+               "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list"),
+               "log_redact_params": ("log_redact_params", "list")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -573,6 +576,8 @@ def validate(c: Config) -> list[str]:
         bad.append(f"strategy: {c.strategy!r} is not one of {', '.join(STRATEGIES)}")
     if c.algorithm not in ALGORITHMS:
         bad.append(f"algorithm: {c.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if not all(isinstance(n, str) and n and n.isprintable() and not set(n) & set("&=? ") for n in c.log_redact_params):
+        bad.append(f"server.log_redact_params: expected a list of query parameter names, got {list(c.log_redact_params)!r}")
     if c.access_log_format not in ACCESS_LOG_FORMATS:
         bad.append(f"access_log_format: {c.access_log_format!r} is not one of {', '.join(ACCESS_LOG_FORMATS)}")
     if not c.backends and not c.demo:
