@@ -395,7 +395,7 @@ class App:
                 return False
 
             current = {b.url: b for b in self.balancer.backends}
-            keep, added, old_pools = [], [], []
+            keep, added, old_pools, reweighted = [], [], [], []
             new_pools = any(getattr(new, n) != getattr(old, n) for n in POOL_SETTINGS)
             for spec in new.backends:
                 b = current.pop(spec.url, None)
@@ -403,6 +403,8 @@ class App:
                     b = make_backend(spec, new, joined_at=time.monotonic())   # slow start, if on
                     added.append(b)
                 else:
+                    if b.weight != spec.weight:
+                        reweighted.append(f"{b.url} {b.weight}->{spec.weight}")
                     b.weight = spec.weight
                     b.spec = spec
                     if new_pools:        # a pool's limits are fixed at creation: a new one, the old drains
@@ -438,9 +440,10 @@ class App:
                 self.ejector.forget(b)
                 threading.Thread(target=self._drain_backend, args=(b,), daemon=True,
                                  name=f"drain {b.url}").start()
-            log.info("reloaded: %d backends (%d added, %d removed), limit %s, %d rules, %d known keys%s", len(keep),
-                     len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys),
-                     ", new connection pools" if old_pools else "")
+            log.info("reloaded: %d backends (%d added, %d removed%s), limit %s, %d rules, %d known keys%s",
+                     len(keep), len(added), len(removed),
+                     f", {len(reweighted)} reweighted: {', '.join(reweighted)}" if reweighted else "",
+                     new.limit or "off", len(new.rules), len(new.keys), ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
             if old_log is not None:
                 old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)

@@ -510,7 +510,8 @@ def load(argv: list[str] | None = None) -> Config:
         values.pop("keys", None)
     cfg = replace(Config(), config_path=path, **values)
     later = validate(cfg)
-    if any(p.startswith(("--backends", "backends")) for p in problems):   # not "none configured" as well
+    # not "none configured" as well when the backends (or the whole file) could not be read
+    if any(p.startswith(("--backends", "backends", "--config")) for p in problems):
         later = [p for p in later if not p.startswith("backends: none configured")]
     problems += later
     if problems:
@@ -630,11 +631,16 @@ def _validate_limits(c: Config) -> None:
     if c.unknown_keys not in UNKNOWN_KEYS:
         raise ConfigError(f"limits.unknown_keys: {c.unknown_keys!r} is not one of {', '.join(UNKNOWN_KEYS)}")
     names = {k.name for k in c.keys}
-    for k, _ in c.key_limits:
+    seen: dict[str, tuple[str, str]] = {}
+    for k, rate in c.key_limits:
         try:
             ident = kind_name(k, c.ipv6_prefix)
         except ValueError as e:
             raise ConfigError(f"limits.keys: {k!r}: {e}") from None
+        if ident in seen:        # the last would silently win: the operator meant one of them
+            raise ConfigError(f"limits.keys: {seen[ident][0]!r}={seen[ident][1]} and {k!r}={rate} both set {ident}'s "
+                              f"limit (--key-limit / [limits.keys]); keep one")
+        seen[ident] = (k, rate)
         if c.keys and ident.startswith("key:") and ident[4:] not in names:
             raise ConfigError(f"limits.keys: {k!r}: with known keys, an override names a key in [[keys]] "
                               f"or api_keys_file (known: {', '.join(sorted(names))})")
