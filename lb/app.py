@@ -131,7 +131,8 @@ class App:
             except OSError as e:
                 self.server.server_close()
                 raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}") from None
-            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable)",
+            log.info("admin on %s (/ the dashboard, /metrics%s, /status, /limits/KEY, /healthz, /readyz, "
+                     "POST /backends/<route>/drain|enable)",
                      hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "")
         self.metrics.declare_backends(b.url for b in backends)
         for b in backends:
