@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 
 from limiter import MemoryStore, build, parse_rate
 from limiter.compose import allow_all
@@ -110,7 +109,6 @@ class LimitStage:
                            for s in rules)
         self.ietf = ietf_headers
         self.limiters = cache
-        self._table_seen = None      # (when, keys) of the last scan of a shared table
 
     @property
     def declared(self) -> list[tuple[str, bool]]:
@@ -129,6 +127,8 @@ class LimitStage:
                    "dry_run": s.dry_run}
             if isinstance(r.limiter, MemoryStore):
                 row["keys"] = len(r.limiter)
+            elif hasattr(r.limiter, "held"):     # --workers: the shared table, the same in every worker
+                row["keys"] = r.limiter.held()
             out.append(row)
         return out
 
@@ -140,10 +140,10 @@ class LimitStage:
             return {"keys": None, "max_keys": None, "shared": False}       # Redis: the server holds them
         if isinstance(lims[0], MemoryStore):
             return {"keys": sum(len(x) for x in lims), "max_keys": lims[0].max_keys * len(lims), "shared": False}
-        now = time.monotonic()
-        if self._table_seen is None or now - self._table_seen[0] >= 1.0:
-            self._table_seen = (now, len(lims[0]))
-        return {"keys": self._table_seen[1], "max_keys": lims[0].max_keys, "shared": True}
+        if hasattr(lims[0], "held"):
+            lims[0].held()                              # takes (or reuses) the table's census
+            return {"keys": sum(lims[0].arena.census[1].values()), "max_keys": lims[0].max_keys, "shared": True}
+        return {"keys": len(lims[0]), "max_keys": lims[0].max_keys, "shared": True}
 
     # -- a client's state, for the admin API (GET /limits/KEY) ---------------------------------------------
 

@@ -6,9 +6,9 @@ slots, and an unlinked temporary file whose byte ranges are the stripe locks.  E
 ShmStore decides on that table with the algorithm's own step() -- the same functions as the memory and
 Redis stores, no second copy of any rule; only the state's packing into bytes is new (CODECS).
 
-Table: `stripes` independent open-addressing tables of `slots // stripes` slots; a key (a 16-byte BLAKE2b
-digest of limiter id + client key, so several limiters share one arena) lives in the stripe its digest
-names, at the first of PROBE slots from its home slot.  A slot: digest (16 bytes; zero: never used),
+Table: `stripes` independent open-addressing tables of `slots // stripes` slots; a key (a 14-byte BLAKE2b
+digest of limiter id + client key, so several limiters share one arena, then 2 bytes of the limiter id's
+own digest, its tag: /status counts each limiter's keys by it) lives in the stripe its digest names, at the first of PROBE slots from its home slot.  A slot: digest (16 bytes; zero: never used),
 expires_at (double), the state's bytes.
 
 Locks, across processes and threads: a decision holds its stripe's threading.Lock (the threads of one
@@ -133,6 +133,7 @@ class ShmStore:
         self.max_keys = arena.slots
         self.full = 0
         self._id = (name or f"{algorithm.name}:{algorithm.limit}/{algorithm.window!r}").encode() + b"\0"
+        self.tag = hashlib.blake2b(self._id, digest_size=2).digest()   # the last 2 bytes of each of its slots' digest
         self._codec = codec
         self._step = algorithm.step
         self._expires = algorithm.expires_at
@@ -141,7 +142,7 @@ class ShmStore:
     def _where(self, key):
         """(digest, stripe, first slot index of the stripe, home offset in the stripe) for key."""
         a = self.arena
-        digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=16).digest()
+        digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=14).digest() + self.tag
         h = int.from_bytes(digest[:8], "little")
         stripe = h % a.stripes
         return digest, stripe, stripe * a.per_stripe, (h >> 16) % a.per_stripe
@@ -215,6 +216,23 @@ class ShmStore:
             tag, expires = _HEAD.unpack_from(a.mem, i * a.slot_size)
             n += tag != _EMPTY and expires > now
         return n
+
+    def held(self, max_age: float = 1.0) -> int:
+        """Slots holding a live state of this limiter, by its tag (limiters whose 2-byte tags collide,
+        1 in 65,536 per pair, count together); from a census of the whole table taken at most every
+        max_age seconds per process (a scan of every slot), shared by the limiters on the arena."""
+        a, now = self.arena, self._clock()
+        census = getattr(a, "census", None)
+        if census is None or not 0 <= now - census[0] < max_age:
+            counts: dict[bytes, int] = {}
+            mem, size = a.mem, a.slot_size
+            for i in range(a.slots):
+                digest, expires = _HEAD.unpack_from(mem, i * size)
+                if expires > now and digest != _EMPTY:
+                    t = digest[14:]
+                    counts[t] = counts.get(t, 0) + 1
+            census = a.census = (now, counts)
+        return census[1].get(self.tag, 0)
 
     def __repr__(self):
         return f"ShmStore({self.algorithm!r}, slots={self.arena.slots})"

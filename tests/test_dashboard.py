@@ -165,8 +165,12 @@ def test_limits_key_answers_each_rules_state_without_spending_it(backends, tmp_p
         e.stop()
 
 
-def test_status_in_workers_mode_sums_the_limited_clients_and_shows_the_shared_table(backends):
-    e = Edge("--backends", backends[0].url, "--workers", "2", "--admin", "127.0.0.1:0", "--limit", "2/m")
+def test_status_in_workers_mode_sums_the_limited_clients_and_shows_the_shared_table(backends, tmp_path):
+    conf = tmp_path / "edge.toml"
+    conf.write_text('[[rules]]\nname = "per-ip"\nkey = "ip"\nlimit = "100/m"\n'
+                    '[[rules]]\nname = "untouched"\nkey = "ip"\nlimit = "100/m"\nmatch = { path_prefix = "/never" }\n')
+    e = Edge("--config", str(conf), "--backends", backends[0].url, "--workers", "2", "--admin", "127.0.0.1:0",
+             "--limit", "2/m")
     try:
         wait_until(lambda: metrics(e).get(("lb_workers", frozenset())) == 2, timeout=20, what="both workers")
         codes = [request(e.port, "GET", "/", headers={"X-Api-Key": "k-w"}).status for _ in range(12)]
@@ -175,7 +179,10 @@ def test_status_in_workers_mode_sums_the_limited_clients_and_shows_the_shared_ta
         st = wait_until(lambda: (s := status(e)) and s["top_limited"] and s["top_limited"][0]["rejected"] == 10 and s,
                         timeout=10, what="every worker's rejections in /status")
         assert st["top_limited"][0]["key"].startswith("key:#") and "k-w" not in json.dumps(st)
-        assert st["workers"] == 2 and st["key_table"]["shared"] is True and st["key_table"]["keys"] >= 1
+        assert st["workers"] == 2 and st["key_table"]["shared"] is True
+        # per rule, as with one process (the one table every worker shares, counted by each rule's tag)
+        assert {r["name"]: r["keys"] for r in st["rules"]} == {"per-ip": 1, "untouched": 0}
+        assert st["key_table"]["keys"] == 2            # k-w in the built-in rule, 127.0.0.1 in per-ip
     finally:
         e.stop()
 
