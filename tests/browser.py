@@ -52,6 +52,12 @@ class Browser:
         self.ids = itertools.count(1)
         self.call("Page.enable")
         self.call("Page.navigate", url=url)
+        # navigate returns before the new document is there: wait until it is (its scripts have run)
+        while self.evaluate("document.readyState === 'complete' && location.href") not in (url, url + "/"):
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"chromium did not load {url}")
+            time.sleep(0.05)
 
     def call(self, method: str, **params):
         i = next(self.ids)

@@ -212,3 +212,63 @@ def test_peek_answers_as_allow_would_and_changes_nothing(algorithm, store, reque
         assert lim.peek("c", t + i)[0] is True
     held, d = lim.peek("c", t + 3)
     assert held and not d.allowed and d == lim.allow("c", t + 3)
+
+
+@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (./run-tests installs it)")
+def test_the_page_asks_for_the_token_when_writes_are_enabled_and_drains_with_it():
+    """The page against a scripted admin (a real HTTP server on 127.0.0.1) that says admin_writes: the
+    token field appears, the entered token is kept and a drain is POSTed with Authorization: Bearer."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lb import dashboard
+    posts = []
+    st = {"version": "t", "python": "3", "uptime": 5, "workers": 1, "strategy": "weighted", "store": "memory",
+          "store_up": None, "connections": 0, "limit": None, "rules": [], "top_limited": [], "key_table": None,
+          "admin_writes": True, "backends": [{"url": "http://10.0.0.9:80", "route": "abc123", "weight": 1,
+                                              "effective_weight": 1, "state": "UP", "inflight": 0, "drained": False,
+                                              "ejected": False, "last_probe": "HTTP 200"}]}
+
+    class Admin(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, body: bytes, ctype: str):
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/":
+                self._send(dashboard.page(), dashboard.CONTENT_TYPE)
+            elif self.path == "/status":
+                self._send(json.dumps(st).encode(), "application/json")
+            else:
+                self._send(b"lb_requests_total{backend=\"http://10.0.0.9:80\"} 1\n", "text/plain")
+
+        def do_POST(self):
+            posts.append((self.path, self.headers.get("Authorization")))
+            st["backends"][0].update(drained=True, state="DRAINED")
+            self._send(b"{}", "application/json")
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Admin)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    browser = Browser(f"http://127.0.0.1:{srv.server_address[1]}/")
+    try:
+        wait_until(lambda: browser.evaluate("getComputedStyle(document.getElementById('token')).display") != "none",
+                   timeout=15, what="the token field")
+        assert browser.evaluate("document.querySelectorAll('#backends button').length") == 0   # no token yet
+        browser.evaluate("document.getElementById('token-input').value = 's3cret'; document.getElementById('token-save').click()")
+        wait_until(lambda: browser.evaluate("document.querySelectorAll('#backends button').length") == 1,
+                   timeout=10, what="the drain button")
+        assert browser.evaluate("sessionStorage.getItem('edge-admin-token')") == "s3cret"
+        browser.evaluate("document.querySelector('#backends button').click()")
+        wait_until(lambda: posts, timeout=10, what="the drain POST")
+        assert posts[0] == ("/backends/abc123/drain", "Bearer s3cret")
+        wait_until(lambda: browser.evaluate("document.querySelector('#backends button').textContent") == "enable",
+                   timeout=10, what="the enable button once DRAINED")
+    finally:
+        browser.close()
+        srv.shutdown()
