@@ -272,3 +272,18 @@ def test_the_page_asks_for_the_token_when_writes_are_enabled_and_drains_with_it(
     finally:
         browser.close()
         srv.shutdown()
+
+
+def test_limits_key_through_the_edge_on_the_redis_store(backends, redis_server):
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--limit", "3/m", "--store", redis_server.url,
+             "--algorithm", "sliding-log")
+    try:
+        peek = lambda: json.loads(request(e.admin_port, "GET", "/limits/ip:127.0.0.1").body)["rules"][0]
+        assert (peek()["tracked"], peek()["remaining"]) == (False, 3)
+        assert request(e.port, "GET", "/").status == 200
+        assert [peek()["remaining"] for _ in range(3)] == [2, 2, 2]        # read-only: Redis keeps 1 of 3 spent
+        assert [request(e.port, "GET", "/").status for _ in range(3)] == [200, 200, 429]
+        row = peek()
+        assert (row["tracked"], row["would_admit"], row["remaining"]) == (True, False, 0) and row["retry_after"] > 0
+    finally:
+        e.stop()
