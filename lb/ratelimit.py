@@ -168,8 +168,10 @@ class LimitStage:
         elif who.startswith("key:"):
             known = self.registry.names.get(who[4:]) if self.registry is not None else None
             if known is None:
-                return 404, {"error": f"{who[:64]!r}: no known key of that name (api_keys_file); for any other "
-                                      f"key send it in the X-Api-Key header of GET /limits/key, never in the URL"}
+                # not echoed: it may be a raw key someone put in the URL
+                return 404, {"error": "key:NAME names a known key (api_keys_file) and there is none of that name; "
+                                      "for any other key send it in the X-Api-Key header of GET /limits/key, "
+                                      "never in the URL"}
             ident = label = who
         else:
             return 400, {"error": "ask for /limits/ip:ADDR, /limits/key:NAME (a known key) or /limits/key with "

@@ -157,7 +157,7 @@ def test_limits_key_answers_each_rules_state_without_spending_it(backends, tmp_p
         # a raw key: only in a header, never in the URL
         assert peek("/limits/key", **{"X-Api-Key": "k-acme-secret"})[1]["key"] == "key:acme"
         st, body = peek("/limits/key:k-acme-secret")
-        assert st == 404 and "X-Api-Key header" in body["error"] and "k-acme-secret" not in json.dumps(body)[60:]
+        assert st == 404 and "X-Api-Key header" in body["error"] and "k-acme-secret" not in json.dumps(body)
         assert peek("/limits/ip:not-an-ip")[0] == 400 and peek("/limits/whatever")[0] == 400
         assert request(e.port, "GET", "/", headers={"X-Api-Key": "k-acme-secret"}).status == 200
         assert request(e.port, "GET", "/", headers={"X-Api-Key": "k-acme-secret"}).status == 429
