@@ -10,9 +10,15 @@ writes out everything queued before it returns. Two formats (`access_log_format`
 
 text (default; every client-controlled field escaped, the request line quoted, so no input can make a
 line read as two or shift a field):
-    2026-11-29T14:51:09.123Z 10.0.0.5 "GET /path" 200 512 http://127.0.0.1:9001 0.000712 0.000830 rid=6f1c.. key=k-3a9c01d2 tries=1 limited_by=-
+    2026-11-29T14:51:09.123Z 10.0.0.5 "GET /path" 200 512 http://127.0.0.1:9001 0.000712 0.000830 rid=6f1c.. key=k-3a9c01d2 tries=1 limited_by=- host=api.example.com ua="curl/8.0" bytes_received=78 upstream_status=200
 json: one object per line with the same fields, named: time, request_id, client_ip, key, method, path,
-    status, bytes_sent, upstream, upstream_seconds, seconds, tries, limited_by.
+    status, bytes_sent, upstream, upstream_seconds, seconds, tries, limited_by, host, user_agent,
+    bytes_received, upstream_status.
+
+`tries` is the number of backends tried (0: the edge answered itself -- 429, 413, 503 -- or refused the
+request). `bytes_received` counts the request's head and body bytes as read from the connection
+(nginx's $request_length). The values of the query parameters named in `[server] log_redact_params`
+(case-insensitive, percent-decoded names) are written `***`; the rest of the target is kept byte for byte.
 
 `key` is never the API key itself: a known key's name, or "#" and a keyed hash of it (lb/keys.py's
 label; stable across restarts with EDGE_KEY_HASH_SECRET); null when the client is known by its address
@@ -31,6 +37,7 @@ import stat
 import sys
 import threading
 import time
+from urllib.parse import unquote_to_bytes
 
 _REOPEN = object()
 GATHER = 0.02          # seconds the writer lets lines gather after a write
@@ -65,7 +72,37 @@ def _stamp(ts: float) -> str:
 
 # the JSON object's names, in the order of the queued tuple (the text line has the same fields)
 FIELDS = ("time", "request_id", "client_ip", "key", "method", "path", "status", "bytes_sent",
-          "upstream", "upstream_seconds", "seconds", "tries", "limited_by")
+          "upstream", "upstream_seconds", "seconds", "tries", "limited_by", "host", "user_agent",
+          "bytes_received", "upstream_status")
+
+REDACT_DEFAULT = ("token", "access_token", "api_key", "key", "password", "secret", "signature")
+
+
+def redact_query(target: bytes, names: frozenset) -> bytes:
+    """target with the value of every query parameter named in `names` (lowercase bytes) written ***.
+    Names are compared percent-decoded and case-insensitively (so ?Tok%65n= is a token too); every other
+    byte, the separators and the order are kept as sent."""
+    q = target.find(b"?")
+    if q < 0 or not names:
+        return target
+    parts = target[q + 1:].split(b"&")
+    changed = False
+    for i, part in enumerate(parts):
+        name, eq, value = part.partition(b"=")
+        if b"%" in name or b"+" in name:
+            name = unquote_to_bytes(name.replace(b"+", b" "))
+        if name.lower() in names:
+            parts[i] = part[:len(part) - len(value)] + b"***" if eq else part
+            changed = changed or bool(eq)
+    return target[:q + 1] + b"&".join(parts) if changed else target
+
+
+def _user_agent(headers) -> bytes | None:
+    for _, lname, value in headers:
+        if lname == b"user-agent":
+            return value
+    return None
+
 
 
 def _text(v) -> str:
@@ -73,8 +110,9 @@ def _text(v) -> str:
 
 
 class AccessLog:
-    def __init__(self, path: str, fmt: str = "text"):
+    def __init__(self, path: str, fmt: str = "text", redact=REDACT_DEFAULT):
         self.path, self.fmt = path, fmt
+        self.set_redact(redact)
         self.file = self._open()
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._writer, name="access-log", daemon=True)
@@ -90,6 +128,10 @@ class AccessLog:
             self.atomic = False
         return f
 
+    def set_redact(self, names) -> None:
+        """The query parameters whose values are logged as *** (a reload may change them)."""
+        self.redact = frozenset(n.lower().encode("utf-8") for n in names)
+
     # -- request threads ------------------------------------------------------------------------------
 
     def record(self, x, status: int, seconds: float) -> None:
@@ -100,14 +142,15 @@ class AccessLog:
         self.q.put((time.time(), getattr(x, "request_id", None), getattr(x, "client_ip", None), x.key,
                     req.method, req.target, status, getattr(x, "bytes_sent", None),
                     backend.url if backend is not None else None, getattr(x, "upstream_seconds", None), seconds,
-                    getattr(x, "tries", 1), getattr(x, "limited_by", None), getattr(x, "tunnel", None)))
+                    getattr(x, "tries", 0), getattr(x, "limited_by", None), getattr(x, "tunnel", None),
+                    req, getattr(x, "bytes_received", None), getattr(x, "upstream_status", None)))
 
     def refusal(self, client_ip: str, status: int, reason: str, seconds: float = 0.0,
                 request_id: str | None = None) -> None:
         """A request the edge could not read (400, 408, 413, 414, 431, 499, 505): no method or path known,
         the reason stands in the path's place."""
         self.q.put((time.time(), request_id, client_ip, "", b"-", ("<" + reason + ">").encode(), status,
-                    None, None, None, seconds, 0, None, None))
+                    None, None, None, seconds, 0, None, None, None, None, None))
 
     def reopen(self) -> None:
         self.q.put(_REOPEN)
@@ -125,8 +168,14 @@ class AccessLog:
 
     def line(self, item) -> str:
         """One line from a queued tuple (in the writer thread: the request thread never formats)."""
-        (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel) = item
+        (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel,
+         req, received, up_status) = item
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
+        host = ua = None
+        if req is not None:
+            host, ua = req.host, _user_agent(req.headers)
+            if self.redact and b"?" in target:
+                target = redact_query(target, self.redact)
         # the client's label (lb/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
         key = key[4:] if key and key.startswith("key:") else None
         up_s = None if up_s is None else round(up_s, 6)
@@ -135,14 +184,17 @@ class AccessLog:
         if self.fmt == "json":                                  # ensure_ascii: one line, always
             d = dict(zip(FIELDS, (_stamp(ts), rid, ip, key, method.decode("latin-1"),
                                   target[:2048].decode("latin-1"), status, sent, upstream, up_s, secs, tries,
-                                  limited_by)))
+                                  limited_by, host and host[:256].decode("latin-1"),
+                                  ua and ua[:512].decode("latin-1"), received, up_status)))
             if tunnel:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
         return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
                 f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
-                f"key={_text(key)} tries={tries} limited_by={_text(limited_by)}"
+                f"key={_text(key)} tries={tries} limited_by={_text(limited_by)} "
+                f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
+                f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
                 + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else ""))
 
     def _writer(self) -> None:

@@ -1,5 +1,5 @@
-"""The admin listener: /metrics (Prometheus text), /status (JSON), /healthz and /readyz, on a port of its
-own so that no backend path is ever shadowed, and the deploy actions POST /backends/<route>/drain and
+"""The admin listener: / (the dashboard, lb/dashboard.py), /metrics (Prometheus text), /status (JSON), /limits/KEY,
+/healthz and /readyz, on a port of its own so that no backend path is ever shadowed, and the deploy actions POST /backends/<route>/drain and
 .../enable (<route> is the backend's id in /status, or its HOST:PORT). Off unless --admin is given; it
 binds only where configured.
 
@@ -33,8 +33,9 @@ import socket
 import socketserver
 import threading
 from time import monotonic
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
+from . import dashboard
 from .accesslog import escape
 from .httpio import (ClientGone, HttpError, Reader, http_date, iter_chunked, own_response, parse_request, send,
                      send_timeout)
@@ -258,9 +259,15 @@ class Connection:
         if path == "/readyz":
             why = app.not_ready()
             return self.reply(req, 503, f"not ready: {why}\n".encode()) if why else self.reply(req, 200, b"ready\n")
+        if path == "/":
+            return self.reply(req, 200, dashboard.page(), dashboard.CONTENT_TYPE)
+        if path.startswith("/limits/"):
+            # A raw API key only in a header (req.api_key), never in the URL: URLs end up in logs
+            st, body = app.peek_limits(unquote(path[8:]), req.api_key)
+            return self.reply(req, st, json.dumps(body, indent=2).encode(), "application/json")
         if path.startswith("/backends/"):
             return self.reply(req, 405, b"use POST /backends/<route>/drain or /enable\n", extra=b"Allow: POST\r\n")
-        return self.reply(req, 404, b"not found: try /metrics, /status, /healthz or /readyz\n")
+        return self.reply(req, 404, b"not found: try /, /metrics, /status, /limits/KEY, /healthz or /readyz\n")
 
     def write(self, req, path: str) -> bool:
         app = self.app

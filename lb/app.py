@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -22,7 +23,7 @@ from dataclasses import replace
 from limiter import redis_url
 from limiter.memory import MemoryStore
 
-from . import fanout, metrics as metrics_mod, sdnotify, store
+from . import __version__, fanout, metrics as metrics_mod, sdnotify, store
 from .accesslog import AccessLog
 from .admin import start_admin
 from .backends import make_backend
@@ -156,11 +157,21 @@ class App:
                 self.server.server_close()
                 raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}"
                                  f"{SHARED_ONLY if cfg.takeover else ''}") from None
-            log.info("admin on %s (/metrics%s, /status, /healthz, /readyz, POST /backends/<route>/drain|enable%s)",
+            log.info("admin on %s (/ the dashboard, /metrics%s, /status, /limits/KEY, /healthz, /readyz, "
+                     "POST /backends/<route>/drain|enable%s)",
                      hostport(*self.admin.server_address[:2]), " of every worker" if worker is not None else "",
                      " with the token" if self.admin_token else ": off, no token configured")
+        self.metrics.declare_backends(b.url for b in backends)
         for b in backends:
-            self.health.watch(b)
+            self._watch(b)
+
+    def _watch(self, b) -> None:
+        """Health checks for b, and its state changes counted (lb_backend_transitions_total)."""
+        b.on_state = self._state_changed
+        self.health.watch(b)
+
+    def _state_changed(self, b, state: str) -> None:
+        self.metrics.transition(b.url, state)
 
     @staticmethod
     def _admin_addr(cfg: Config, worker: int | None):
@@ -174,7 +185,7 @@ class App:
         if not cfg.access_log:
             return None
         try:
-            return AccessLog(cfg.access_log, cfg.access_log_format)
+            return AccessLog(cfg.access_log, cfg.access_log_format, cfg.log_redact_params)
         except OSError as e:
             raise StartError(f"--access-log {cfg.access_log}: {e.strerror or e}") from None
 
@@ -240,7 +251,32 @@ class App:
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
             "known_keys": len(self.cfg.keys), "unknown_keys": self.cfg.unknown_keys,
             "backends": [self.backend_status(b, now) for b in self.balancer.backends],
+            **self._operator_status(),
         }
+
+    def _operator_status(self) -> dict:
+        """What the dashboard shows beside the backends: build, uptime, the store, the key table and the
+        most rejected clients -- the last two over every worker with --workers, as /metrics sums them."""
+        stage = self.edge.limiter
+        others = self._other_snapshots()
+        out = {"version": __version__, "python": sys.version.split()[0], "uptime": round(time.time() - self.metrics.started, 1),
+               "workers": self.cfg.workers if self.rundir is not None else 1,
+               "admin_writes": bool(getattr(self, "admin_token", None)),   # the admin token (issue 24) wires this
+               "store_up": None, "key_table": None,
+               "top_limited": metrics_mod.top_keys([{"top": self.metrics.top_now()}, *others])}
+        if stage is not None:
+            for lim in (getattr(stage, "limiters", None) or {}).values():
+                link = getattr(lim, "link", None)
+                if link is not None:
+                    out["store_up"] = bool(link.up) and out["store_up"] is not False
+            out["key_table"] = stage.table()
+        return out
+
+    def _other_snapshots(self) -> list:
+        if self.rundir is None:
+            return []
+        return metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
+                                  for i in range(self.cfg.workers) if i != self.worker)
 
     def backend_status(self, b, now: float) -> dict:
         return {"url": b.url, "route": b.route, "weight": b.weight,
@@ -335,17 +371,20 @@ class App:
                 out[("lb_limiter_keys", lab)] = sum(len(x) for x in tables)
 
     def render_metrics(self) -> str:
-        others = ()
-        if self.rundir is not None:          # any worker's /metrics is the sum of all of them
-            n = self.cfg.workers
-            others = metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
-                                        for i in range(n) if i != self.worker)
+        others = self._other_snapshots()     # any worker's /metrics is the sum of all of them
         live = self._live()
         # counters kept elsewhere are added to this process's own, not double counted
         for k in [k for k in live if k[0] == "lb_requests_total"]:
             if k in self.metrics.counters:
                 del live[k]
         return self.metrics.render(live, others, self.worker)
+
+    def peek_limits(self, who: str, api_key: bytes | None = None) -> tuple[int, dict]:
+        """GET /limits/KEY: the client's state in each limit now, unchanged (LimitStage.peek)."""
+        stage = self.edge.limiter
+        if stage is None:
+            return 404, {"error": "rate limiting is off"}
+        return stage.peek(who, api_key)
 
     def not_ready(self) -> str | None:
         """None when ready; else why not (for /readyz)."""
@@ -430,7 +469,7 @@ class App:
                 return False
 
             current = {b.url: b for b in self.balancer.backends}
-            keep, added, old_pools = [], [], []
+            keep, added, old_pools, reweighted = [], [], [], []
             new_pools = any(getattr(new, n) != getattr(old, n) for n in POOL_SETTINGS)
             for spec in new.backends:
                 b = current.pop(spec.url, None)
@@ -438,6 +477,8 @@ class App:
                     b = make_backend(spec, new, joined_at=time.monotonic())   # slow start, if on
                     added.append(b)
                 else:
+                    if b.weight != spec.weight:
+                        reweighted.append(f"{b.url} {b.weight}->{spec.weight}")
                     b.weight = spec.weight
                     b.spec = spec
                     if new_pools:        # a pool's limits are fixed at creation: a new one, the old drains
@@ -459,21 +500,25 @@ class App:
             self.admin_token = token
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
             old_log = None
+            if access_log is not None:
+                access_log.set_redact(new.log_redact_params)
             if access_log is not self.access_log:
                 self.edge.access_log, old_log, self.access_log = access_log, self.access_log, access_log
             self.cfg = new
             for p in old_pools:
                 p.close()   # idle connections close now; one in use closes when its request gives it back
+            self.metrics.declare_backends(b.url for b in added)
             for b in added:
-                self.health.watch(b)
+                self._watch(b)
             for b in removed:
                 self.health.unwatch(b)
                 self.ejector.forget(b)
                 threading.Thread(target=self._drain_backend, args=(b,), daemon=True,
                                  name=f"drain {b.url}").start()
-            log.info("reloaded: %d backends (%d added, %d removed), limit %s, %d rules, %d known keys%s", len(keep),
-                     len(added), len(removed), new.limit or "off", len(new.rules), len(new.keys),
-                     ", new connection pools" if old_pools else "")
+            log.info("reloaded: %d backends (%d added, %d removed%s), limit %s, %d rules, %d known keys%s",
+                     len(keep), len(added), len(removed),
+                     f", {len(reweighted)} reweighted: {', '.join(reweighted)}" if reweighted else "",
+                     new.limit or "off", len(new.rules), len(new.keys), ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
             self._memory_policy(new)   # Redis's own configuration may have changed too
             if old_log is not None:

@@ -233,10 +233,17 @@ class Backend:
         self.pool = pool
         self.inflight = 0
         self.lock = threading.Lock()
+        self.shown = "UP"         # the state last reported to on_state
+        self.on_state = None      # called with (backend, new state) when `state` changes (metrics)
 
     def refresh(self, now: float | None = None) -> bool:
         """Recompute in_rotation; a backend that (re)joins starts its slow start at `now`. True on a change."""
         with self.lock:
+            state = self.state
+            if state != self.shown:
+                self.shown = state
+                if self.on_state is not None:
+                    self.on_state(self, state)
             was = self.in_rotation
             self.in_rotation = self.up and not self.ejected and not self.drained
             if self.in_rotation and not was:

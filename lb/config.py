@@ -126,6 +126,8 @@ class Config:
     # observability
     access_log: str | None = None            # a file path, "-" for stderr; None: off
     access_log_format: str = "text"          # text | json
+    # query parameters whose values the access log writes as *** (names compared case-insensitively)
+    log_redact_params: tuple = ("token", "access_token", "api_key", "key", "password", "secret", "signature")
     check: bool = field(default=False, compare=False)   # --check: validate and exit
     config_path: str | None = field(default=None, compare=False)
 
@@ -318,7 +320,8 @@ _SECTIONS = {
                "request_id_response": ("request_id_response", "b"),
                "allow_underscores": ("allow_underscores", "b"),
                "request_buffering": ("request_buffering", "onoff"),
-               "buffer_memory": ("buffer_memory", Num(True, 0, 2 ** 44)), "temp_dir": ("temp_dir", "s")},
+               "buffer_memory": ("buffer_memory", Num(True, 0, 2 ** 44)), "temp_dir": ("temp_dir", "s"),
+               "log_redact_params": ("log_redact_params", "list")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
             "min_version": ("tls_min_version", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
@@ -600,7 +603,8 @@ def load(argv: list[str] | None = None) -> Config:
         values.pop("keys", None)
     cfg = replace(Config(), config_path=path, **values)
     later = validate(cfg)
-    if any(p.startswith(("--backends", "backends")) for p in problems):   # not "none configured" as well
+    # not "none configured" as well when the backends (or the whole file) could not be read
+    if any(p.startswith(("--backends", "backends", "--config")) for p in problems):
         later = [p for p in later if not p.startswith("backends: none configured")]
     problems += later
     if problems:
@@ -666,6 +670,8 @@ def validate(c: Config) -> list[str]:
         bad.append(f"strategy: {c.strategy!r} is not one of {', '.join(STRATEGIES)}")
     if c.algorithm not in ALGORITHMS:
         bad.append(f"algorithm: {c.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if not all(isinstance(n, str) and n and n.isprintable() and not set(n) & set("&=? ") for n in c.log_redact_params):
+        bad.append(f"server.log_redact_params: expected a list of query parameter names, got {list(c.log_redact_params)!r}")
     if c.access_log_format not in ACCESS_LOG_FORMATS:
         bad.append(f"access_log_format: {c.access_log_format!r} is not one of {', '.join(ACCESS_LOG_FORMATS)}")
     if not c.backends and not c.demo:
@@ -742,11 +748,16 @@ def _validate_limits(c: Config) -> None:
     if c.unknown_keys not in UNKNOWN_KEYS:
         raise ConfigError(f"limits.unknown_keys: {c.unknown_keys!r} is not one of {', '.join(UNKNOWN_KEYS)}")
     names = {k.name for k in c.keys}
-    for k, _ in c.key_limits:
+    seen: dict[str, tuple[str, str]] = {}
+    for k, rate in c.key_limits:
         try:
             ident = kind_name(k, c.ipv6_prefix)
         except ValueError as e:
             raise ConfigError(f"limits.keys: {k!r}: {e}") from None
+        if ident in seen:        # the last would silently win: the operator meant one of them
+            raise ConfigError(f"limits.keys: {seen[ident][0]!r}={seen[ident][1]} and {k!r}={rate} both set {ident}'s "
+                              f"limit (--key-limit / [limits.keys]); keep one")
+        seen[ident] = (k, rate)
         if c.keys and ident.startswith("key:") and ident[4:] not in names:
             raise ConfigError(f"limits.keys: {k!r}: with known keys, an override names a key in [[keys]] "
                               f"or api_keys_file (known: {', '.join(sorted(names))})")

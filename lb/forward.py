@@ -356,6 +356,7 @@ class Forwarder:
                 if rhead is None:
                     raise UpstreamError("reset", "closed the connection without a response")
                 rh = parse_response(rhead)
+                x.upstream_status = rh.status      # the access log's upstream_status
             except HttpError as e:
                 # Our reader's limits and its "closed inside the head", hit by a *response* head.
                 pool.release(conn, False)

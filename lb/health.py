@@ -84,7 +84,7 @@ class HealthChecker:
                  ejector=None, metrics=None):
         self.path, self.interval, self.timeout, self.rise, self.fall = path, interval, timeout, rise, fall
         self.ejector = ejector      # lb/outlier.py: passed probes end its ejections
-        self.metrics = metrics      # counts those returns, as the sweep's
+        self.metrics = metrics      # counts each probe (lb_health_probes_total) and the returns probes cause
         self._stops: dict[Backend, threading.Event] = {}
 
     def watch(self, b: Backend) -> None:
@@ -106,6 +106,8 @@ class HealthChecker:
             ok, why = probe(b, self.path, self.timeout)
             if stop.is_set():
                 return
+            if self.metrics is not None:
+                self.metrics.probe(b.url, ok)
             change = record(b, ok, why, self.rise, self.fall)
             if change == "DOWN":
                 log.warning("backend %s DOWN: %d consecutive failed probes of %s (last: %s)",

@@ -132,11 +132,13 @@ class Reader:
     value holds request after request, and setting it is a system call. Whoever else sets the socket's
     timeout (a send with another bound) goes through apply() so the two agree."""
 
-    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound")
+    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound", "got", "mark")
 
     def __init__(self, sock: socket.socket, send_bound: float | None = None):
         self.sock = sock
         self.buf = bytearray()
+        self.got = 0            # bytes received on the connection (the access log's bytes_received)
+        self.mark = 0           # `got` less the buffer when the current request's head began
         self.timeout: float | None = None
         self.deadline: float | None = None
         self.applied: float | None = _UNSET     # the timeout last set on sock
@@ -172,6 +174,7 @@ class Reader:
         if not data:
             return False
         self.buf += data
+        self.got += len(data)
         return True
 
     def read_head(self, max_head: int = MAX_HEAD, max_first_line: int = MAX_REQUEST_LINE,

@@ -43,6 +43,8 @@ FAMILIES = {
     "lb_rate_limited_total": ("counter", "Rejections by rule (dry_run=\"true\": would have rejected; a request "
                                          "refused by two rules counts under both -- requests answered 429: "
                                          "lb_edge_responses_total)."),
+    "lb_rate_limit_admitted_total": ("counter", "Requests each rule applied to that were admitted (a dry-run rule: "
+                                                "that it would have admitted); beside lb_rate_limited_total."),
     "lb_rate_limit_exempt_total": ("counter", "Requests let through unlimited by [limits] exempt."),
     "lb_delayed_total": ("counter", "Over-limit requests held (--max-delay) and then forwarded."),
     "lb_delayed_refused_total": ("counter", "Over-limit requests refused because max_delayed were already held."),
@@ -57,6 +59,9 @@ FAMILIES = {
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
     "lb_admin_actions_total": ("counter", "Admin API actions on a backend (drain, enable)."),
+    "lb_health_probes_total": ("counter", "Active health probes of each backend, by result (pass, fail)."),
+    "lb_backend_transitions_total": ("counter", "Changes of a backend's state as /status shows it, by the state "
+                                                "entered (UP, DOWN, EJECTED, DRAINED)."),
     "lb_tunnels_total": ("counter", "Upgraded connections opened (backend answered 101)."),
     "lb_tunnel_bytes_total": ("counter", "Bytes carried by tunnels, by direction."),
     "lb_tls_handshake_failures_total": ("counter", "TLS connections that never completed a handshake "
@@ -81,19 +86,21 @@ FAMILIES = {
     "lb_limiter_table_full_total": ("counter", "New keys refused (503) because the key table held only states "
                                                "that would decide differently from a fresh key, by rule."),
     "lb_workers": ("gauge", "Worker processes whose numbers are summed here."),
-    "edge_build_info": ("gauge", "Always 1; the labels say which edge and Python this is."),
+    "lb_build_info": ("gauge", "Always 1; the labels say which edge and Python this is."),
+    "edge_build_info": ("gauge", "Deprecated, the same as lb_build_info (kept for dashboards written before)."),
     "process_cpu_seconds_total": ("counter", "User and system CPU time, summed over the edge's processes."),
     "process_resident_memory_bytes": ("gauge", "Resident memory, summed over the edge's processes."),
     "process_open_fds": ("gauge", "Open file descriptors, summed over the edge's processes."),
     "process_threads": ("gauge", "Threads, summed over the edge's processes."),
     "process_start_time_seconds": ("gauge", "Start time of the oldest process, seconds since the epoch."),
-    "lb_request_duration_seconds": ("histogram", "Time from request head to the last byte relayed."),
+    "lb_request_duration_seconds": ("histogram", "Time from request head to the last byte relayed, by status "
+                                                 "class (code=\"2xx\"; a 429 is 4xx, a client gone 499 4xx)."),
     "lb_upstream_duration_seconds": ("histogram", "Per backend: from sending the request to the last "
                                                   "response byte."),
 }
 # Gauges whose sum over workers means nothing: the most pessimistic (or the earliest) value wins.
 _MERGE_MIN = {"lb_backend_up", "lb_backend_in_rotation", "lb_limiter_store_up", "process_start_time_seconds"}
-_MERGE_MAX = {"edge_build_info", "lb_backend_ejected", "lb_backend_drained"}
+_MERGE_MAX = {"edge_build_info", "lb_build_info", "lb_backend_ejected", "lb_backend_drained"}
 
 
 def _esc(v) -> str:
@@ -104,7 +111,52 @@ def _labels(**kv) -> tuple:
     return tuple(kv.items())
 
 
-_REQUEST_DURATION = ("lb_request_duration_seconds", ())
+# The request histogram's keys by status class, made once: (family, labels) as _observe takes them.
+CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+_DURATION = {i: ("lb_request_duration_seconds", (("code", c),)) for i, c in enumerate(CLASSES, 1)}
+# Every series a backend, a rule or an edge status has from the start (rate() alerts need a series at 0).
+_UPSTREAM_KINDS = ("connect", "reset", "timeout", "protocol", "pool")
+_EDGE_CODES = ("400", "413", "429", "499", "502", "503", "504")
+TRANSITIONS = ("UP", "DOWN", "EJECTED", "DRAINED")
+
+
+def _duration(status: int) -> tuple:
+    return _DURATION.get(status // 100) or ("lb_request_duration_seconds", (("code", f"{status // 100}xx"),))
+
+
+class TopKeys:
+    """The most rejected clients, by their log label (never a raw API key), for /status and the dashboard.
+
+    Bounded: at CAP labels the lower half is dropped (one sort per CAP/2 new labels), so a flood of
+    rotating keys costs memory and time in proportion to CAP, not to the keys; a label that falls out
+    starts again from 0 (the counts are a lower bound, exact for a client that keeps being rejected).
+    Called under Metrics.lock."""
+
+    CAP = 512
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def count(self, label: str, n: int = 1) -> None:
+        c = self.counts
+        if label not in c and len(c) >= self.CAP:
+            kept = sorted(c.items(), key=lambda kv: kv[1], reverse=True)[: self.CAP // 2]
+            c.clear()
+            c.update(kept)
+        c[label] = c.get(label, 0) + n
+
+    def top(self, n: int = 10) -> list:
+        return sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
+def top_keys(snaps, n: int = 10) -> list[dict]:
+    """The top rejected labels over workers' snapshots (each has "top": [[label, count], ...])."""
+    acc = TopKeys()
+    acc.CAP = 1 << 30
+    for s in snaps:
+        for label, c in s.get("top", ()):
+            acc.count(label, c)
+    return [{"key": k, "rejected": c} for k, c in acc.top(n)]
 
 
 class Metrics:
@@ -120,10 +172,15 @@ class Metrics:
         for d in ("upstream", "downstream"):
             self.counters[("lb_tunnel_bytes_total", (("direction", d),))] = 0
         self.gauges[("lb_tunnels_open", ())] = 0
-        self.hists[_REQUEST_DURATION] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
+        for code in _EDGE_CODES:
+            self.counters[("lb_edge_responses_total", (("code", code),))] = 0
+        for k in _DURATION.values():
+            self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
         self._done_keys: dict = {}    # backend_done's record keys, by (backend, status // 100)
         self.carry = Carry()          # with workers: the numbers of workers that restarted
+        self.top = TopKeys()          # the most rejected clients (limit_outcome)
+        self._admitted_keys: dict = {}  # rule name -> its admitted counter's key (made once)
 
     # -- recording (with self.lock held in the _ helpers) --------------------------------------------
 
@@ -157,12 +214,12 @@ class Metrics:
             b = (("backend", backend),)
             keys = self._done_keys[(backend, status // 100)] = (
                 ("lb_requests_total", b), ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
-                ("lb_upstream_duration_seconds", b))
-        requests, responses, up = keys
+                ("lb_upstream_duration_seconds", b), _duration(status))
+        requests, responses, up, duration = keys
         with self.lock:
             self._inc(*requests)
             self._inc(*responses)
-            self._observe(*_REQUEST_DURATION, seconds)
+            self._observe(*duration, seconds)
             self._observe(*up, seconds if upstream is None else upstream)
 
     def upstream_error(self, backend: str, kind: str, status: int, seconds: float) -> None:
@@ -170,7 +227,7 @@ class Metrics:
             self._inc("lb_requests_total", (("backend", backend),))
             self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
             self._inc("lb_edge_responses_total", (("code", str(status)),))
-            self._observe("lb_request_duration_seconds", (), seconds)
+            self._observe(*_duration(status), seconds)
 
     def client_failed(self, backend: str | None, status: int, seconds: float) -> None:
         """The client failed a request (gone: 499, nginx's code; or its body was bad or too slow), counted
@@ -179,14 +236,14 @@ class Metrics:
             if backend is not None:
                 self._inc("lb_requests_total", (("backend", backend),))
             self._inc("lb_edge_responses_total", (("code", str(status)),))
-            self._observe("lb_request_duration_seconds", (), seconds)
+            self._observe(*_duration(status), seconds)
 
     def edge_answered(self, status: int, seconds: float, *, limited=False, unavailable=False) -> None:
         with self.lock:
             self._inc("lb_edge_responses_total", (("code", str(status)),))
             if unavailable:
                 self._inc("lb_unavailable_total")
-            self._observe("lb_request_duration_seconds", (), seconds)
+            self._observe(*_duration(status), seconds)
 
     def tunnel_opened(self) -> None:
         with self.lock:
@@ -218,14 +275,61 @@ class Metrics:
         self.inc("lb_admin_actions_total", backend=backend, action=action)
 
     def declare_rules(self, rules) -> None:
-        """The limit rules in force, (name, dry_run): each one's counter is shown from 0."""
+        """The limit rules in force, (name, dry_run): each one's counters are shown from 0."""
         with self.lock:
             for name, dry in rules:
                 self.counters.setdefault(("lb_rate_limited_total", (("rule", name), ("dry_run", "true" if dry else "false"))), 0)
+                self.counters.setdefault(("lb_rate_limit_admitted_total", (("rule", name),)), 0)
 
-    def limit_outcome(self, rejected, dry, exempt: bool) -> None:
-        """Rules that rejected a request, dry-run rules that would have, or an exempt client."""
+    def declare_backends(self, urls) -> None:
+        """The backends in force (at start, after a reload): their labelled series are shown from 0."""
         with self.lock:
+            c, z = self.counters, 0
+            for url in urls:
+                b = (("backend", url),)
+                for name in ("lb_requests_total", "lb_retries_total", "lb_ejections_total", "lb_ejection_returns_total"):
+                    c.setdefault((name, b), z)
+                for cls in CLASSES[1:]:
+                    c.setdefault(("lb_backend_responses_total", (b[0], ("code", cls))), z)
+                for kind in _UPSTREAM_KINDS:
+                    c.setdefault(("lb_upstream_errors_total", (b[0], ("kind", kind))), z)
+                for action in ("drain", "enable"):
+                    c.setdefault(("lb_admin_actions_total", (b[0], ("action", action))), z)
+                for result in ("pass", "fail"):
+                    c.setdefault(("lb_health_probes_total", (b[0], ("result", result))), z)
+                for to in TRANSITIONS:
+                    c.setdefault(("lb_backend_transitions_total", (b[0], ("to", to))), z)
+                self.hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0, 0])
+
+    def top_now(self, n: int = 50) -> list:
+        with self.lock:
+            return self.top.top(n)
+
+    def probe(self, backend: str, passed: bool) -> None:
+        self.inc("lb_health_probes_total", backend=backend, result="pass" if passed else "fail")
+
+    def transition(self, backend: str, to: str) -> None:
+        self.inc("lb_backend_transitions_total", backend=backend, to=to)
+
+    def admitted(self, rules) -> None:
+        """The common case of limit_outcome: an admitted request, the rules that applied to it."""
+        keys = self._admitted_keys
+        with self.lock:
+            c = self.counters
+            for n in rules:
+                k = keys.get(n)
+                if k is None:
+                    k = keys[n] = ("lb_rate_limit_admitted_total", (("rule", n),))
+                c[k] = c.get(k, 0) + 1
+
+    def limit_outcome(self, rejected, dry, exempt: bool, admitted=(), label: str | None = None) -> None:
+        """Rules that rejected a request, dry-run rules that would have, or an exempt client; admitted:
+        the rules that applied to an admitted request. label: the rejected client, for the top list."""
+        with self.lock:
+            for n in admitted:
+                self._inc("lb_rate_limit_admitted_total", (("rule", n),))
+            if rejected and label:
+                self.top.count(label)
             for n in rejected:
                 self._inc("lb_rate_limited_total", (("rule", n), ("dry_run", "false")))
             for n in dry:
@@ -250,14 +354,15 @@ class Metrics:
             (c if FAMILIES[n][0] == "counter" else g).append([n, list(map(list, l)), v])
         g += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "gauge"]
         c += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "counter"]
-        g.append(["edge_build_info", [["version", __version__], ["python", sys.version.split()[0]]], 1])
+        build = [["version", __version__], ["python", sys.version.split()[0]]]
+        g += [["lb_build_info", build, 1], ["edge_build_info", build, 1]]
         rb = self.retry_budget
         if rb is not None:
             c.append(["lb_retry_budget_exhausted_total", [], rb.refused])
             g += [["lb_retries_in_flight", [], rb.retrying], ["lb_retries_in_flight_peak", [], rb.peak],
                   ["lb_upstream_active", [], rb.active]]
         served = sum(x[4] for x in h if x[0] == "lb_request_duration_seconds")
-        return {"worker": worker, "id": [os.getpid(), self.started], "c": c, "g": g, "h": h, "served": served}
+        return {"worker": worker, "id": [os.getpid(), self.started], "c": c, "g": g, "h": h, "served": served, "top": self.top_now()}
 
     def render(self, live: dict | None = None, others=(), worker: int | None = None) -> str:
         """Prometheus text exposition format 0.0.4: this process (worker N) plus the other workers' snapshots."""

@@ -220,6 +220,7 @@ class Edge:
                     reader.timeout = None
                     reader.deadline = first or monotonic() + cfg.header_timeout
                     first = 0.0
+                    reader.mark = reader.got - len(reader.buf)   # where this request's bytes begin
                     head = reader.read_head()
                     if head is None:
                         return
@@ -316,6 +317,7 @@ class Edge:
         its token, so hammering a failing pool is not free.
         """
         x = Exchange(req, monotonic(), b"https" if over_tls else b"http")
+        x.reader = reader
         try:
             return self._handle(x, req, reader, sock, peer, peer_trusted, peer_ip)
         except ClientGone:
@@ -342,20 +344,24 @@ class Edge:
         # After an early answer, an unread body would be read as the next request: close instead.
         keep_if_early = req.keep_alive and not has_body
 
-        if req.content_length is not None and req.content_length > cfg.max_body_size:
-            return self._answer(sock, x, 413, "request body too large", False)
-
-        # 1. identify, 2. rate limit (lb/ratelimit.py: the rules, the verdict, the headers)
+        # 1. identify (every access-log line has the client, a 413 too)
         peer_ip = peer_ip or peer.decode()
         ip = self.identifier.client_ip(peer_ip, peer_trusted, req.xff) if peer_trusted else peer_ip
         x.client_ip = ip
+
+        if req.content_length is not None and req.content_length > cfg.max_body_size:
+            return self._answer(sock, x, 413, "request body too large", False)
+
+        # 2. rate limit (lb/ratelimit.py: the rules, the verdict, the headers)
         if self.limiter is not None:
             v = self.limiter.check(req, ip)
             x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
             if v.degraded:                   # the store was unreachable: its failure policy decided
                 self.metrics.limiter_error()
             if v.rejected or v.dry or v.exempt:
-                self.metrics.limit_outcome(v.rejected, v.dry, v.exempt)
+                self.metrics.limit_outcome(v.rejected, v.dry, v.exempt, v.admitted, v.label)
+            elif v.admitted:
+                self.metrics.admitted(v.admitted)
             if v.status:
                 return self._answer(sock, x, v.status, v.reason, keep_if_early and v.status != 400)
             x.slots = v.slots
@@ -389,6 +395,7 @@ class Edge:
         if backend is None:
             return self._answer(sock, x, 503, "no healthy backend", keep_if_early, unavailable=True)
         x.backend = backend
+        x.tries = 1
 
         # An allowed upgrade (WebSocket): forwarded with its Upgrade header; a 101 makes it a tunnel.
         if req.conn_tokens and not has_body:
@@ -491,6 +498,9 @@ class Edge:
         x.status = status
         access_log = self.access_log       # once: a reload may turn it off between two reads
         if access_log is not None:
+            r = x.reader
+            if r is not None:                # head and body bytes read for this request (nginx's request_length)
+                x.bytes_received = r.got - len(r.buf) - r.mark
             access_log.record(x, status, monotonic() - x.start)
 
     def client_closed(self, x: "Exchange", reached: bool) -> None:
@@ -517,7 +527,7 @@ class Exchange:
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name", "rid_header", "counted", "slots")
+                 "tunnel", "key_name", "rid_header", "counted", "slots", "reader", "bytes_received", "upstream_status")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
@@ -539,8 +549,11 @@ class Exchange:
         self.bytes_sent = None       # bytes written to the client (head and body)
         self.upstream_start = 0.0
         self.upstream_seconds = None
-        self.tries = 1               # backends tried: more than 1 after a connect failure was retried
+        self.tries = 0               # backends tried: 0 when answered by the edge, more than 1 after retries
         self.counted = None          # the backend whose in-flight count this request holds (lb/forward.py)
+        self.reader = None           # the connection's Reader: bytes_received
+        self.bytes_received = None
+        self.upstream_status = None  # the backend's status code, when one answered
 
     def extra_headers(self) -> bytes:
         """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""

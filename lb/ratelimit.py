@@ -42,7 +42,7 @@ class Verdict:
     """What the stage decided for one request, for the pipeline, the access log and the metrics."""
 
     __slots__ = ("status", "reason", "headers", "label", "key_name", "limited_by", "rejected", "dry", "degraded",
-                 "exempt", "delay", "slots")
+                 "exempt", "delay", "slots", "admitted")
 
     def __init__(self, label: str):
         self.status = 0              # 0: go on; else answer it (400, 401, 429, 503)
@@ -57,6 +57,7 @@ class Verdict:
         self.exempt = False
         self.delay = 0.0             # admitted, to be held this long first (delay mode)
         self.slots = None            # in-flight slots taken: [(table, slot)], given back by release()
+        self.admitted = ()           # names of the rules that applied to an admitted request
 
 
 def release(slots) -> None:
@@ -202,8 +203,91 @@ class LimitStage:
                 row["max_in_flight"] = s.max_in_flight
             if isinstance(r.limiter, MemoryStore):
                 row["keys"] = len(r.limiter)
+            elif hasattr(r.limiter, "held"):     # --workers: the shared table, the same in every worker
+                row["keys"] = r.limiter.held()
             out.append(row)
         return out
+
+    def table(self) -> dict:
+        """The key table's fill: keys holding state now and the cap (memory: summed over this process's
+        limiters; shm: the one table every worker shares, counted at most once a second -- a scan)."""
+        lims = list(self.limiters.values())
+        if not lims or not hasattr(lims[0], "__len__") or not hasattr(lims[0], "max_keys"):
+            return {"keys": None, "max_keys": None, "shared": False}       # Redis: the server holds them
+        if isinstance(lims[0], MemoryStore):
+            return {"keys": sum(len(x) for x in lims), "max_keys": lims[0].max_keys * len(lims), "shared": False}
+        if hasattr(lims[0], "held"):
+            lims[0].held()                              # takes (or reuses) the table's census
+            return {"keys": sum(lims[0].arena.census[1].values()), "max_keys": lims[0].max_keys, "shared": True}
+        return {"keys": len(lims[0]), "max_keys": lims[0].max_keys, "shared": True}
+
+    # -- a client's state, for the admin API (GET /limits/KEY) ---------------------------------------------
+
+    def peek(self, who: str = "", api_key: bytes | None = None, now: float | None = None) -> tuple[int, dict]:
+        """(HTTP status, body): each limit's answer for a client now, spending nothing (the stores' peek:
+        the algorithm's step on the stored state, not stored). who: "ip:ADDR" or "key:NAME" of a known key;
+        api_key: a raw X-Api-Key, taken from a header of the admin request so that it is in no URL (admin
+        access logs, shell history). A raw key is never accepted in `who`."""
+        known = None
+        if api_key is not None:
+            try:
+                ident, label, known = self.identify(api_key, "")
+            except ValueError as e:
+                return 400, {"error": str(e)}
+            if ident is None or ident == "ip:":
+                return 404, {"error": "unknown API key: its client is limited by IP address; ask for ip:ADDR"}
+        elif who.startswith("ip:"):
+            try:
+                ident = label = ip_key(str(netaddr.ip(who[3:])), self.ipv6_prefix)
+            except ValueError:
+                return 400, {"error": f"{who[:64]!r}: not an IP address (ip:1.2.3.4, ip:2001:db8::1)"}
+        elif who.startswith("key:"):
+            known = self.registry.names.get(who[4:]) if self.registry is not None else None
+            if known is None:
+                # not echoed: it may be a raw key someone put in the URL
+                return 404, {"error": "key:NAME names a known key (api_keys_file) and there is none of that name; "
+                                      "for any other key send it in the X-Api-Key header of GET /limits/key, "
+                                      "never in the URL"}
+            ident = label = who
+        else:
+            return 400, {"error": "ask for /limits/ip:ADDR, /limits/key:NAME (a known key) or /limits/key with "
+                                  "the key in an X-Api-Key header"}
+        out = {"key": label, "exempt": ident in self.exempt_names or (ident.startswith("ip:") and
+                                                                       self._ip_exempt(ident[3:].split("/")[0])),
+               "rules": []}
+        lim = self.overrides.get(ident)
+        source = "override"
+        if lim is None:
+            lim, source = (self.tiers.get(known.name), "tier") if known is not None else (None, "")
+            if lim is None:
+                lim, source = self.default, "default"
+        if lim is not None:
+            out["rules"].append(self._peek_one(BUILTIN, lim, ident, now, source=source))
+        for r in self.rules:
+            if r.kind == "ip":
+                key = ident if ident.startswith("ip:") else None
+            else:
+                key = {"api-key": ident, "global": "*"}.get(r.kind)
+            if key is None:
+                out["rules"].append({"rule": r.name, "applies": False,
+                                     "why": f"keyed by {r.spec.key}, not by this kind of client"})
+            else:
+                out["rules"].append(self._peek_one(r.name, r.limiter, key, now, dry_run=not r.enforce,
+                                                   algorithm=r.algorithm))
+        return 200, out
+
+    def _peek_one(self, name, lim, key, now, **extra) -> dict:
+        row = {"rule": name, "applies": True, "limit": lim.limit,
+               "window": lim.algorithm.window, **extra}
+        try:
+            held, d = lim.peek(key, now)
+        except Exception as e:          # a store that does not answer: say so, for this rule only
+            row["error"] = f"{type(e).__name__}: {e}"
+            return row
+        # remaining: requests admitted now before a rejection (the Decision's counts after one more)
+        row.update(tracked=held, would_admit=d.allowed, remaining=d.remaining + 1 if d.allowed else 0,
+                   reset=round(d.reset, 3), retry_after=round(d.retry_after, 3))
+        return row
 
     # -- one request ----------------------------------------------------------------------------------
 
@@ -313,6 +397,7 @@ class LimitStage:
             if getattr(d, "degraded", False):    # a store's failure policy decided (fail-open admits)
                 v.degraded = True
             if d.allowed:
+                v.admitted = rules
                 if type(d) is Delayed:
                     v.delay = d.delay
                 return
@@ -374,6 +459,8 @@ class LimitStage:
                 if shown is None or (d.retry_after, d.reset) > (shown.retry_after, shown.reset):
                     shown = d
         v.rejected, v.dry = tuple(rejected), v.dry + tuple(dry)
+        if admitted:
+            v.admitted = tuple(name for name, d in zip(rules, decisions) if d.allowed)
         if rejected or dry:
             v.limited_by = ",".join(rejected + [n + ":dry_run" for n in dry] + ([v.limited_by] if v.limited_by else []))
         if shown is not None:

@@ -59,6 +59,9 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
             raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r} "
                              f"(known: name, key, limit, algorithm, match, dry_run, cost, max_in_flight)")
         name = r.get("name")
+        if name is None:
+            raise ValueError(f"{where}.name: missing; every [[rules]] table needs one, as the metrics, the access "
+                             f"log's limited_by and /status call the rule (e.g. name = \"per-ip\")")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"{where}.name: letters, digits, '_', '.', '-' (at most 64), got {name!r}")
         where = f"rules[{i}] ({name})"

@@ -33,6 +33,19 @@ from . import logs, sdnotify
 from .netaddr import bind_options, family, hostport
 from .server import StartError, watchdog_interval
 
+
+def exit_reason(status: int) -> str:
+    """A waitpid status as an operator reads it: "status 1", or "killed by SIGKILL" (the OOM killer's
+    signal, or someone's kill -9), not the negative exit code Python gives a signal."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by {name}" + (" (core dumped)" if os.WCOREDUMP(status) else "")
+    return f"status {os.waitstatus_to_exitcode(status)}"
+
 log = logging.getLogger("edge")
 
 START_FAILURES = 3          # consecutive failures of a worker that never became ready
@@ -171,7 +184,7 @@ def run(cfg, argv) -> int:
                 w.fd = -1
                 if stopping:
                     continue
-                why = f"status {os.waitstatus_to_exitcode(status)}"
+                why = exit_reason(status)
                 if not w.ready:
                     w.failures += 1
                     log.error("worker %d (pid %d) failed to start (%s): %s", w.index, pid, why,

@@ -34,6 +34,13 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
             ctx.set_ciphers(ciphers)
         except ssl.SSLError:
             raise ConfigError(f"tls.ciphers: no usable cipher in {ciphers!r}") from None
+    for what, path in (("cert", cert), ("key", key)):
+        try:                # load_cert_chain's error names no file (None): say which one, and where it is set
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"tls.{what}: cannot read {path}: {e.strerror or e} (set by --tls-{what} or "
+                              f"[tls] {what}: a PEM file the edge's user can read)") from None
     try:
         ctx.load_cert_chain(cert, key)
     except FileNotFoundError as e:

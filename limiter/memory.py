@@ -101,6 +101,18 @@ class MemoryStore:
                 return decision
             return self._insert(key, now, lock)
 
+    def peek(self, key, now: float | None = None):
+        """(held, Decision): what allow(key, now) would answer, without changing the key's state (the
+        step is computed on a copy and not stored). held: the key has state here."""
+        lock = self._locks[hash(key) & self._mask]
+        with lock:
+            if now is None:
+                now = self._clock()
+            state = self._states.get(key)
+            if type(state) is list:
+                state = state.copy()  # step() prunes a sliding log in place
+            return state is not None, self._step(state, now)[1]
+
     def _insert(self, key, now, lock):
         """A new key (its stripe lock held): sweep, make room under the global cap, or refuse."""
         new, decision = self._step(None, now)

@@ -283,6 +283,20 @@ def _sl_state(raw):
     return log_
 
 
+# Read-only: the same state part the decision scripts reply with, nothing written (RedisStore.peek).
+PEEK_GET = """
+local raw = redis.call('GET', KEYS[1])
+if raw then return '1 ' .. raw end
+return '1'
+"""
+PEEK_LOG = """
+local now = ARGV[1]
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES')
+local n = #live / 2
+if n == 0 then return '1 0' end
+return '1 ' .. n .. ' ' .. live[2] .. ' ' .. live[#live]
+"""
+
 _SCRIPTS = {
     TokenBucket: (TOKEN_BUCKET, _tb_state, lambda a: (a.capacity, a.per_token, a.rate)),
     FixedWindow: (FIXED_WINDOW, _fw_state, lambda a: (a.window, a.limit)),
@@ -352,6 +366,20 @@ class RedisStore:
 
     def key(self, key: str) -> str:
         return f"{self.prefix}{{{key}}}"
+
+    def peek(self, key, now: float | None = None):
+        """(held, Decision): what allow(key, now) would answer, from the state Redis holds now, which a
+        read-only script returns (nothing is written). Raises the store's error when it does not answer."""
+        if now is None:
+            now = self.clock()
+        k = f"{self.prefix}{{{key}}}".encode()
+        if not hasattr(self, "_peek"):
+            self._peek = _Script(PEEK_LOG if isinstance(self.algorithm, SlidingLog) else PEEK_GET)
+        reply = self._route(k).evalsha(self._peek, k, now)
+        state = self._state(reply[2:] or None)
+        if type(state) is list:
+            state = state.copy()
+        return state is not None, self._step(state, now)[1]
 
     def allow(self, key, now: float | None = None):
         if now is None:

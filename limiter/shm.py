@@ -6,9 +6,10 @@ slots, and an unlinked temporary file whose byte ranges are the stripe locks.  E
 ShmStore decides on that table with the algorithm's own step() -- the same functions as the memory and
 Redis stores, no second copy of any rule; only the state's packing into bytes is new (CODECS).
 
-Table: `stripes` independent open-addressing tables of `slots // stripes` slots; a key (a 16-byte BLAKE2b
-digest of limiter id + client key, so several limiters share one arena) lives in the stripe its digest
-names, in the first reusable of PROBE slots from either of its two home slots.  A slot: digest (16 bytes; zero: never used),
+Table: `stripes` independent open-addressing tables of `slots // stripes` slots; a key (a 14-byte BLAKE2b
+digest of limiter id + client key, so several limiters share one arena, then 2 bytes of the limiter id's
+own digest, its tag: /status counts each limiter's keys by it) lives in the stripe its digest names, in
+the first reusable of PROBE slots from either of its two home slots.  A slot: digest (16 bytes; zero: never used),
 expires_at (double), the state's bytes.
 
 Locks, across processes and threads: a decision holds its stripe's threading.Lock (the threads of one
@@ -144,6 +145,7 @@ class ShmStore:
         self.full = 0
         self._said_full = -1e18
         self._id = (name or f"{algorithm.name}:{algorithm.limit}/{algorithm.window!r}").encode() + b"\0"
+        self.tag = hashlib.blake2b(self._id, digest_size=2).digest()   # the last 2 bytes of each of its slots' digest
         self._codec = codec
         self._step = algorithm.step
         self._expires = algorithm.expires_at
@@ -152,7 +154,7 @@ class ShmStore:
     def _where(self, key):
         """(digest, stripe, first slot index of the stripe, the key's two home offsets in the stripe)."""
         a = self.arena
-        digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=16).digest()
+        digest = hashlib.blake2b(self._id + str(key).encode(), digest_size=14).digest() + self.tag
         h = int.from_bytes(digest[:8], "little")
         stripe = h % a.stripes
         per = a.per_stripe
@@ -217,6 +219,20 @@ class ShmStore:
             finally:
                 fcntl.lockf(a.lock_fd, fcntl.LOCK_UN, 1, stripe)
 
+    def peek(self, key, now: float | None = None):
+        """(held, Decision): what allow(key, now) would answer, without writing the slot."""
+        a = self.arena
+        digest, stripe, base, home = self._where(key)
+        with a._tlocks[stripe]:
+            fcntl.lockf(a.lock_fd, fcntl.LOCK_EX, 1, stripe)
+            try:
+                if now is None:
+                    now = self._clock()
+                off, state = self._find(digest, base, home, now)
+                return state is not None, self._step(state, now)[1]
+            finally:
+                fcntl.lockf(a.lock_fd, fcntl.LOCK_UN, 1, stripe)
+
     def __len__(self):
         """Slots holding a live state of any limiter on this arena (a scan; for tests and /status)."""
         a, now, n = self.arena, self._clock(), 0
@@ -224,6 +240,23 @@ class ShmStore:
             tag, expires = _HEAD.unpack_from(a.mem, i * a.slot_size)
             n += tag != _EMPTY and expires > now
         return n
+
+    def held(self, max_age: float = 1.0) -> int:
+        """Slots holding a live state of this limiter, by its tag (limiters whose 2-byte tags collide,
+        1 in 65,536 per pair, count together); from a census of the whole table taken at most every
+        max_age seconds per process (a scan of every slot), shared by the limiters on the arena."""
+        a, now = self.arena, self._clock()
+        census = getattr(a, "census", None)
+        if census is None or not 0 <= now - census[0] < max_age:
+            counts: dict[bytes, int] = {}
+            mem, size = a.mem, a.slot_size
+            for i in range(a.slots):
+                digest, expires = _HEAD.unpack_from(mem, i * size)
+                if expires > now and digest != _EMPTY:
+                    t = digest[14:]
+                    counts[t] = counts.get(t, 0) + 1
+            census = a.census = (now, counts)
+        return census[1].get(self.tag, 0)
 
     def __repr__(self):
         return f"ShmStore({self.algorithm!r}, slots={self.arena.slots})"

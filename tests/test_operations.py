@@ -224,7 +224,8 @@ def test_json_access_log_fields_request_ids_and_no_api_key(backends, tmp_path):
     assert "secret" not in text and "evil" not in text
     rows = [json.loads(x) for x in text.splitlines()]
     fields = ["time", "request_id", "client_ip", "key", "method", "path", "status", "bytes_sent", "upstream",
-              "upstream_seconds", "seconds", "tries", "limited_by"]
+              "upstream_seconds", "seconds", "tries", "limited_by", "host", "user_agent", "bytes_received",
+              "upstream_status"]
     assert all(list(r) == fields for r in rows), rows[0]
     # Each line is written after its response went out, so two requests on two connections may be
     # logged in either order: find each by its path (the refused one has none of its own).
@@ -264,7 +265,8 @@ def test_text_access_log_escapes_what_the_client_controls(backends, tmp_path):
     assert '"GET /a\\x22b\\x5cc%20d"' in line and "/forged" not in line
     assert line.count('"') == 2                        # only the quotes around the request line
     assert re.fullmatch(r"\S+Z 127\.0\.0\.1 \"GET \S+\" 200 \d+ http://\S+ \d\.\d{6} \d\.\d{6} rid=[0-9a-f]{32} "
-                        r"key=#[0-9a-f]{12} tries=1 limited_by=-", line), line
+                        r"key=#[0-9a-f]{12} tries=1 limited_by=- host=h ua=- bytes_received=\d+ upstream_status=200",
+                        line), line
 
 
 def _escape_byte_by_byte(raw: bytes, limit: int = 2048) -> str:
@@ -363,7 +365,7 @@ def test_workers_sharing_a_stderr_pipe_never_split_a_line(tmp_path):
         p.wait(30)
     lines = out.decode("latin-1").splitlines()
     good = re.compile(r'^\S+Z 127\.0\.0\.1 "- <(aa|bb)-\d{6}-x{120}>" 400 - - - 0\.000000 rid=- key=- tries=0 '
-                      r"limited_by=-$")
+                      r"limited_by=- host=- ua=- bytes_received=- upstream_status=-$")
     bad = [ln for ln in lines if not good.match(ln)]
     assert not bad and len(lines) == 2 * n, (len(bad), len(lines), bad[:3])
 
@@ -540,7 +542,8 @@ def test_readyz_fails_as_soon_as_a_drain_starts_while_requests_are_still_served(
     try:
         wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
         # before any traffic the request histogram is already there (scrapers read it from the start)
-        assert "lb_request_duration_seconds_count 0" in request(e.admin_port, "GET", "/metrics").body.decode()
+        text = request(e.admin_port, "GET", "/metrics").body.decode()
+        assert 'lb_request_duration_seconds_count{code="2xx"} 0' in text and 'lb_request_duration_seconds_count{code="4xx"} 0' in text
         assert request(e.admin_port, "GET", "/healthz").body == b"ok\n"
         e.signal(signal.SIGTERM)
         wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")

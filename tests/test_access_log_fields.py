@@ -1,0 +1,77 @@
+"""The access log has what an operator looks for and no secret (issue 30, item 3): the client on every
+line (a 413 too), host, user agent, bytes received, the upstream's status, tries as backend attempts
+(0 when none), and the values of credential-like query parameters written ***."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lb.accesslog import redact_query
+from tests.support import Edge, config_error, raw, request, wait_until
+
+NAMES = frozenset({b"token", b"access_token", b"api_key", b"key", b"password", b"secret", b"signature"})
+
+
+@pytest.mark.parametrize("target, logged", [
+    (b"/q?token=SECRET123", b"/q?token=***"),
+    (b"/q?a=1&TOKEN=s&b=%20x+y&Api_Key=k2", b"/q?a=1&TOKEN=***&b=%20x+y&Api_Key=***"),
+    (b"/q?tok%65n=s&keyx=1&key&key=&password=a=b", b"/q?tok%65n=***&keyx=1&key&key=***&password=***"),
+    (b"/q?a=1;token=x&&x=token", b"/q?a=1;token=x&&x=token"),       # only names, and '&' separates
+    (b"/plain/token=x", b"/plain/token=x"),
+    (b"/q?signature=abc#frag", b"/q?signature=***"),
+])
+def test_credential_like_query_values_are_starred_and_the_rest_kept_byte_for_byte(target, logged):
+    assert redact_query(target, NAMES) == logged
+
+
+def _lines(path, n):
+    return wait_until(lambda: path.exists() and len(ls := path.read_text().splitlines()) >= n and ls,
+                      timeout=10, what=f"{n} access-log lines")
+
+
+def test_every_line_has_client_host_agent_bytes_upstream_status_and_real_tries(backends, tmp_path):
+    log = tmp_path / "access.log"
+    e = Edge("--backends", backends[0].url, "--limit", "2/m", "--access-log", str(log), "--max-body-size", "10")
+    try:
+        request(e.port, "GET", "/q?token=SECRET123&page=2", {"User-Agent": "probe/1.0 (x)"})
+        request(e.port, "GET", "/two")
+        assert request(e.port, "GET", "/three").status == 429
+        out = raw(e.port, b"POST /big HTTP/1.1\r\nHost: h.example\r\nContent-Length: 50\r\n\r\n" + b"x" * 50)
+        assert out.startswith(b"HTTP/1.1 413")
+        lines = _lines(log, 4)
+    finally:
+        e.stop()
+    by = {ln.split('"')[1].split()[1]: ln for ln in lines}
+    ok = by["/q?token=***&page=2"]
+    assert "SECRET123" not in log.read_text()
+    assert ' ua="probe/1.0\\x20(x)" ' in ok and " host=127.0.0.1:" in ok and " upstream_status=200" in ok
+    assert " tries=1 " in ok and int(ok.split(" bytes_received=")[1].split()[0]) > 40
+    limited = by["/three"]
+    assert " 429 " in limited and " tries=0 " in limited and " upstream_status=-" in limited
+    big = by["/big"]
+    assert " 127.0.0.1 " in big and " 413 " in big and " tries=0 " in big and " host=h.example " in big
+
+
+def test_json_lines_carry_the_same_fields_and_redact_params_are_configurable(backends, tmp_path):
+    log = tmp_path / "access.json"
+    conf = tmp_path / "edge.toml"
+    conf.write_text(f'access_log = "{log}"\naccess_log_format = "json"\n[[backends]]\nurl = "{backends[0].url}"\n'
+                    '[server]\nlog_redact_params = ["Sig"]\n')
+    e = Edge("--config", str(conf))
+    try:
+        request(e.port, "GET", "/j?sig=abc&token=visible", {"User-Agent": "j/1"})
+        (line,) = _lines(log, 1)
+    finally:
+        e.stop()
+    d = json.loads(line)
+    assert d["path"] == "/j?sig=***&token=visible"          # the configured list replaces the default
+    assert (d["host"], d["user_agent"], d["upstream_status"], d["tries"]) == (f"127.0.0.1:{e.port}", "j/1", 200, 1)
+    assert d["client_ip"] == "127.0.0.1" and d["bytes_received"] > 20
+
+
+def test_a_bad_log_redact_params_is_a_configuration_error(tmp_path):
+    conf = tmp_path / "edge.toml"
+    conf.write_text('[[backends]]\nurl = "http://127.0.0.1:9"\n[server]\nlog_redact_params = ["a=b"]\n')
+    assert "server.log_redact_params: expected a list of query parameter names" in config_error("--config", str(conf), "--check")
