@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.browser import Browser, chromium
-from tests.support import Backend, Edge, request, wait_until
+from tests.support import ADMIN_AUTH, ADMIN_ENV, Backend, Edge, request, wait_until
 
 
 def metrics(e: Edge) -> dict:
@@ -65,7 +65,7 @@ def test_the_dashboard_in_a_real_browser_shows_every_backend_up_then_a_killed_on
 
 def test_limiter_backend_and_status_class_series_are_there_from_start_and_count(backends):
     e = Edge("--backends", ",".join(x.url for x in backends[:2]), "--admin", "127.0.0.1:0",
-             "--limit", "3/m", "--health-interval", "0.2")
+             "--limit", "3/m", "--health-interval", "0.2", env=ADMIN_ENV)
     try:
         m = metrics(e)
         for b in backends[:2]:
@@ -94,15 +94,15 @@ def test_limiter_backend_and_status_class_series_are_there_from_start_and_count(
                    timeout=10, what="probes counted")
         # a drain and an enable: two transitions (DRAINED, then UP again)
         route = status(e)["backends"][0]["route"]
-        assert request(e.admin_port, "POST", f"/backends/{route}/drain").status == 200
-        assert request(e.admin_port, "POST", f"/backends/{route}/enable").status == 200
+        assert request(e.admin_port, "POST", f"/backends/{route}/drain", headers=ADMIN_AUTH).status == 200
+        assert request(e.admin_port, "POST", f"/backends/{route}/enable", headers=ADMIN_AUTH).status == 200
         m = metrics(e)
         tr = lambda to: m[("lb_backend_transitions_total", frozenset({"backend": backends[0].url, "to": to}.items()))]
         assert (tr("DRAINED"), tr("UP"), tr("DOWN")) == (1, 1, 0)
         st = status(e)
         assert st["top_limited"] == [{"key": "ip:127.0.0.1", "rejected": 2}]
         assert st["key_table"] == {"keys": 1, "max_keys": 100000, "shared": False}
-        assert st["uptime"] >= 0 and st["version"] and st["admin_writes"] is False
+        assert st["uptime"] >= 0 and st["version"] and st["admin_writes"] is True     # a token is configured (ADMIN_ENV)
     finally:
         e.stop()
 
