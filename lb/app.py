@@ -156,11 +156,15 @@ class App:
 
     @staticmethod
     def _tls_context(cfg: Config):
-        """The listener's TLS context, read from disk anew (SIGHUP picks up a replaced pair)."""
+        """The listener's TLS context, read from disk anew (SIGHUP picks up replaced pairs and CRL)."""
         if not cfg.tls_cert:
             return None
-        from .tls import server_context
-        return server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ciphers, cfg.tls_min_version)
+        from .check import certificate_warnings
+        from .config import tls_listener
+        ctx = tls_listener(cfg)
+        for w in certificate_warnings(cfg):     # served anyway (nginx does too); --check reports it
+            log.warning("%s", w)
+        return ctx
 
     def _limit_stage(self, cfg: Config, old):
         if not (cfg.limit or cfg.rules or cfg.keys):
