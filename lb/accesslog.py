@@ -17,7 +17,9 @@ json: one object per line with the same fields, named: time, request_id, client_
 `key` is never the API key itself: a known key's name, or "#" and a keyed hash of it (lb/keys.py's
 label; stable across restarts with EDGE_KEY_HASH_SECRET); null when the client is known by its address
 only. `limited_by`: the rules that rejected the request, and dry-run rules that would have
-("NAME:dry_run"), comma-separated. Absent values are `-` in text and null in JSON. SIGUSR1/SIGHUP reopen
+("NAME:dry_run"), comma-separated. Over mutual TLS, a request with a client certificate ends with its
+subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"). Absent values are
+`-` in text and null in JSON. SIGUSR1/SIGHUP reopen
 the file (logrotate).
 """
 
@@ -100,14 +102,15 @@ class AccessLog:
         self.q.put((time.time(), getattr(x, "request_id", None), getattr(x, "client_ip", None), x.key,
                     req.method, req.target, status, getattr(x, "bytes_sent", None),
                     backend.url if backend is not None else None, getattr(x, "upstream_seconds", None), seconds,
-                    getattr(x, "tries", 1), getattr(x, "limited_by", None), getattr(x, "tunnel", None)))
+                    getattr(x, "tries", 1), getattr(x, "limited_by", None), getattr(x, "tunnel", None),
+                    getattr(req, "client_cert", None)))
 
     def refusal(self, client_ip: str, status: int, reason: str, seconds: float = 0.0,
                 request_id: str | None = None) -> None:
         """A request the edge could not read (400, 408, 413, 414, 431, 499, 505): no method or path known,
         the reason stands in the path's place."""
         self.q.put((time.time(), request_id, client_ip, "", b"-", ("<" + reason + ">").encode(), status,
-                    None, None, None, seconds, 0, None, None))
+                    None, None, None, seconds, 0, None, None, None))
 
     def reopen(self) -> None:
         self.q.put(_REOPEN)
@@ -125,7 +128,8 @@ class AccessLog:
 
     def line(self, item) -> str:
         """One line from a queued tuple (in the writer thread: the request thread never formats)."""
-        (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel) = item
+        (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel,
+         cert) = item
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         # the client's label (lb/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
         key = key[4:] if key and key.startswith("key:") else None
@@ -138,12 +142,15 @@ class AccessLog:
                                   limited_by)))
             if tunnel:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
+            if cert is not None:
+                d["client_cert"] = cert.subject
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
         return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
                 f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
                 f"key={_text(key)} tries={tries} limited_by={_text(limited_by)}"
-                + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else ""))
+                + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
+                + (f" cert={escape(cert.subject, 512)}" if cert is not None else ""))
 
     def _writer(self) -> None:
         while True:

@@ -18,6 +18,7 @@ import os
 import random
 import re
 import socket
+import ssl
 import time
 import socketserver
 import threading
@@ -157,12 +158,15 @@ class Edge:
             else:
                 log.info("client %s: %s", peer_ip, why)
             return
+        cert = tls.client_cert(tsock) if ctx.verify_mode != ssl.CERT_NONE else None
+        if ctx.verify_mode != ssl.CERT_NONE:
+            self.metrics.tls_client_cert(cert is not None)
         try:
-            self._serve(tsock, peer_ip, True)
+            self._serve(tsock, peer_ip, True, cert)
         finally:
             tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
 
-    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool) -> None:
+    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool, cert=None) -> None:
         send_timeout(sock, self.cfg.send_timeout)
         reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
         peer = peer_ip.encode()
@@ -195,6 +199,7 @@ class Edge:
                     if head is None:
                         return
                     req = parse_request(head)
+                    req.client_cert = cert      # the connection's verified certificate (lb/tls.py), or None
                     if identifier is not self.identifier:   # trust: once per connection and per reload
                         identifier = self.identifier
                         peer_trusted = identifier.trusted(peer_ip)

@@ -225,6 +225,13 @@ class LimitStage:
             return ident
         if kind == "global":
             return "*"
+        if kind == "client-cert":
+            # The verified subject (a partner keeps its bucket across a reissued certificate), hashed like a
+            # header; a request without a certificate is limited as its client, as a missing header is.
+            cert = req.client_cert
+            if cert is not None and cert.subject:
+                return "c:" + hashlib.blake2b(cert.subject.encode(), digest_size=16).hexdigest()
+            return ip_key(ip, self.ipv6_prefix)
         found = None
         for _, lname, value in req.headers:
             if lname == r.header:

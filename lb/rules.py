@@ -2,7 +2,7 @@
 
     [[rules]]
     name = "login-guard"          # label in metrics, logs and /status
-    key = "ip"                    # ip | api-key | header:NAME | global
+    key = "ip"                    # ip | api-key | header:NAME | client-cert | global
     limit = "5/m"
     algorithm = "sliding-log"     # optional; default [limits] algorithm
     match = { path_prefix = "/login", methods = ["POST"], host = "api.example.com" }   # all ANDed
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from limiter import ALGORITHMS, parse_rate
 
-KINDS = ("ip", "api-key", "global")          # and header:NAME
+KINDS = ("ip", "api-key", "global", "client-cert")   # and header:NAME; client-cert: the subject (mutual TLS)
 BUILTIN = "default"                          # the name of the built-in per-identity rule (--limit)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -30,7 +30,7 @@ _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 @dataclass(frozen=True)
 class RuleSpec:
     name: str
-    key: str                                  # ip | api-key | global | header:NAME (NAME lower-cased)
+    key: str                                  # ip | api-key | global | client-cert | header:NAME (lower-cased)
     limit: str
     algorithm: str | None = None              # None: [limits] algorithm
     path_prefix: str | None = None
@@ -76,7 +76,7 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
                 raise ValueError(f"{where}.key: header:NAME needs a header name, got {key!r}")
             key = "header:" + hname.lower()
         elif key not in KINDS:
-            raise ValueError(f"{where}.key: expected ip, api-key, header:NAME or global, got {key!r}")
+            raise ValueError(f"{where}.key: expected ip, api-key, header:NAME, client-cert or global, got {key!r}")
         try:
             parse_rate(r["limit"])
         except ValueError as e:
