@@ -97,7 +97,8 @@ class App:
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
                          ejector=self.ejector, retry_budget=self.retry_budget)
-        self.edge.tls = self._tls_context(cfg)
+        from . import tls as tls_mod
+        self.edge.tls = tls_mod.take_inherited() or self._tls_context(cfg)   # a worker: the supervisor's
         self.server = make_server(cfg.listen, self.edge, reuse_port)
         log.info("listening on %s%s, %d backends (%s): %s", hostport(*self.server.server_address[:2]),
                  f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,

@@ -67,6 +67,17 @@ def run(cfg, argv) -> int:
     argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
     if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
         _share_limits(cfg)                 # before any fork: the workers must inherit the same mapping
+    if cfg.tls_cert:
+        # before any fork: every worker inherits one context, so one set of session-ticket keys (lb/tls.py)
+        from . import tls
+        from .check import certificate_warnings
+        from .config import ConfigError, tls_listener
+        try:
+            tls.inherited = tls_listener(cfg)
+        except ConfigError as e:
+            raise StartError(str(e)) from None
+        for w in certificate_warnings(cfg):
+            log.warning("%s", w)
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
     workers = [Worker(i) for i in range(cfg.workers)]
     by_pid: dict[int, Worker] = {}

@@ -220,6 +220,19 @@ def client_cert(tsock: ssl.SSLSocket) -> ClientCert | None:
     return ClientCert(h, subject, uris, dns, xfcc(h, subject, uris, dns))
 
 
+# The listener's context made by the supervisor before it forks the workers (lb/supervisor.py): each
+# worker starts with a copy of the same SSL_CTX, so of the same session-ticket keys, and a client's
+# ticket is good at every worker. The standard library cannot set ticket keys, so a worker's reload
+# (a new context, new keys) ends that sharing: after a SIGHUP a ticket resumes at its own worker only.
+inherited: ssl.SSLContext | None = None
+
+
+def take_inherited() -> ssl.SSLContext | None:
+    global inherited
+    ctx, inherited = inherited, None
+    return ctx
+
+
 def accept(ctx: ssl.SSLContext, sock: socket.socket, deadline: float) -> tuple[ssl.SSLSocket | None, str]:
     """Complete the server handshake before `deadline`: (the TLS socket, "") or (None, why not).
 
