@@ -126,6 +126,11 @@ def run(cfg, argv) -> int:
 
     for w in workers:
         start(w)
+    if cfg.tls_cert:
+        # A worker restarted later reads the certificates from disk itself, as before: the files may have
+        # been replaced (and reloaded) since, and a stale copy must not come back (it loses the shared keys).
+        from . import tls
+        tls.inherited = None
     log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers, os.getpid())
     try:
         while by_pid:
