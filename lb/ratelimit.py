@@ -121,7 +121,8 @@ class LimitStage:
         for r in self.rules:
             s = r.spec
             match = {k: v for k, v in (("path_prefix", s.path_prefix), ("methods", list(s.methods)),
-                                       ("host", s.host)) if v}
+                                       ("host", s.host), ("client_cert_subject", list(s.client_cert_subjects)))
+                     if v}
             row = {"name": r.name, "key": s.key, "limit": s.limit, "algorithm": r.algorithm, "match": match,
                    "dry_run": s.dry_run}
             if isinstance(r.limiter, MemoryStore):

@@ -6,6 +6,7 @@
     limit = "5/m"
     algorithm = "sliding-log"     # optional; default [limits] algorithm
     match = { path_prefix = "/login", methods = ["POST"], host = "api.example.com" }   # all ANDed
+    # (and client_cert_subject = "CN=partner-a,O=Example" or a list: mutual TLS, the verified subject)
     dry_run = false               # true: decide and count, never reject
 
 The path is matched after normalisation (percent-encoded unreserved characters decoded, dot segments
@@ -37,6 +38,7 @@ class RuleSpec:
     methods: tuple[str, ...] = ()
     host: str | None = None
     dry_run: bool = False
+    client_cert_subjects: tuple[str, ...] = ()   # any of these verified subjects (RFC 2253, lower-cased)
 
     @property
     def header(self) -> bytes | None:
@@ -90,9 +92,16 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
         m = r.get("match", {})
         if not isinstance(m, dict):
             raise ValueError(f"{where}.match: expected a table like {{ path_prefix = \"/login\" }}")
-        unknown = set(m) - {"path_prefix", "methods", "host"}
+        unknown = set(m) - {"path_prefix", "methods", "host", "client_cert_subject"}
         if unknown:
-            raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} (known: path_prefix, methods, host)")
+            raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} "
+                             f"(known: path_prefix, methods, host, client_cert_subject)")
+        subjects = m.get("client_cert_subject", [])
+        if isinstance(subjects, str):
+            subjects = [subjects]
+        if not isinstance(subjects, list) or not all(isinstance(x, str) and x for x in subjects):
+            raise ValueError(f"{where}.match.client_cert_subject: expected a subject like \"CN=partner-a,O=Example\" "
+                             f"or a list of them, got {subjects!r}")
         prefix = m.get("path_prefix")
         if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/")):
             raise ValueError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
@@ -108,7 +117,8 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
         out.append(RuleSpec(name=name, key=key, limit=r["limit"], algorithm=algorithm,
                             path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
                             methods=tuple(x.upper() for x in methods),
-                            host=host.lower() if host else None, dry_run=dry))
+                            host=host.lower() if host else None, dry_run=dry,
+                            client_cert_subjects=tuple(x.lower() for x in subjects)))
     return tuple(out)
 
 
@@ -156,7 +166,7 @@ def normalize_path(target: bytes) -> bytes:
 class Matcher:
     """A compiled match table; an empty one matches every request."""
 
-    __slots__ = ("prefix", "methods", "host", "wildcard", "always")
+    __slots__ = ("prefix", "methods", "host", "wildcard", "always", "subjects")
 
     def __init__(self, spec: RuleSpec):
         self.prefix = spec.path_prefix.encode("latin-1") if spec.path_prefix else None
@@ -164,7 +174,8 @@ class Matcher:
         h = spec.host.encode() if spec.host else None
         self.wildcard = h is not None and h.startswith(b"*.")
         self.host = h[1:] if self.wildcard else h       # "*.example.com" -> ".example.com"
-        self.always = self.prefix is None and not self.methods and self.host is None
+        self.subjects = frozenset(spec.client_cert_subjects)
+        self.always = self.prefix is None and not self.methods and self.host is None and not self.subjects
 
     def __call__(self, req, path) -> bool:
         """path: a callable giving the request's normalised path (computed once per request)."""
@@ -183,4 +194,8 @@ class Matcher:
                 return False
         if self.prefix is not None and not path().startswith(self.prefix):
             return False
+        if self.subjects:        # DN values compare case-insensitively (X.520 caseIgnoreMatch)
+            cert = req.client_cert
+            if cert is None or cert.subject.lower() not in self.subjects:
+                return False
         return True

@@ -275,3 +275,28 @@ def test_workers_share_session_ticket_keys_a_ticket_resumes_at_either_worker(bac
         assert resumed == [False] + [True] * 19, resumed
     finally:
         e.stop()
+
+
+def test_a_rule_matched_on_one_client_cert_subject_limits_that_partner_only(backend, pki, tmp_path):
+    subject = re.search(r'Subject="([^"]+)"', seen_headers_of(backend, pki, tmp_path)).group(1)
+    rules = (f'\n[[rules]]\nname = "partner-a-only"\nkey = "global"\nlimit = "1/m"\n'
+             f'match = {{ client_cert_subject = "{subject.upper()}" }}\n')
+    e, _ = toml_edge(tmp_path, backend, pki, f'client_ca = "{pki["client-ca"]}"\nclient_auth = "optional"\n'
+                     + rules, name="match.toml")
+    try:
+        codes = lambda who: [curl(e.port, pki, who, "-o", "/dev/null", "-w", "%{http_code}").stdout
+                             for _ in range(2)]
+        assert codes("partner-a") == ["200", "429"]              # the subject compared case-insensitively
+        assert codes("partner-b") == ["200", "200"]
+        assert codes(None) == ["200", "200"]
+    finally:
+        e.stop()
+
+
+def seen_headers_of(backend, pki, tmp_path) -> str:
+    """partner-a's X-Forwarded-Client-Cert, as an edge with mutual TLS sends it."""
+    e, _ = toml_edge(tmp_path, backend, pki, f'client_ca = "{pki["client-ca"]}"\n', name="peek.toml")
+    try:
+        return seen_headers(curl(e.port, pki, "partner-a"))["x-forwarded-client-cert"]
+    finally:
+        e.stop()
