@@ -574,6 +574,8 @@ def check_tls(c: Config) -> None:
     if not c.tls_cert and (c.tls_certificates or c.tls_client_ca or c.tls_strict_sni):
         raise ConfigError("tls: certificates, strict_sni and client_ca need the default certificate "
                           "(--tls-cert/--tls-key, [tls] cert/key)")
+    if c.tls_client_auth != "require" and not c.tls_client_ca:
+        raise ConfigError("tls.client_auth: needs tls.client_ca (the CA client certificates are checked against)")
     if c.tls_client_crl and not c.tls_client_ca:
         raise ConfigError("tls.client_crl: needs tls.client_ca (the CA whose revocations it lists)")
     if c.tls_cert:

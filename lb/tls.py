@@ -14,6 +14,7 @@ client holds one thread for at most that long and never delays anyone else's han
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import ssl
 import time
@@ -50,8 +51,9 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
             raise ConfigError(f"tls.ciphers: no usable cipher in {ciphers!r}") from None
     try:
         ctx.load_cert_chain(cert, key)
-    except FileNotFoundError as e:
-        raise ConfigError(f"tls: cannot read {e.filename}: {e.strerror}") from None
+    except FileNotFoundError as e:   # load_cert_chain names no file: say which one is missing
+        missing = e.filename or (cert if not os.path.exists(cert) else key)
+        raise ConfigError(f"tls: cannot read {missing}: {e.strerror}") from None
     except PermissionError as e:
         raise ConfigError(f"tls: cannot read {e.filename}: {e.strerror}") from None
     except ssl.SSLError as e:
@@ -70,10 +72,10 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
 def _load_verify(ctx: ssl.SSLContext, path: str, key: str) -> None:
     try:
         ctx.load_verify_locations(cafile=path)
+    except ssl.SSLError as e:    # a file with no PEM certificate (or CRL) in it (an OSError too: first)
+        raise ConfigError(f"{key}: cannot use {path}: {(e.reason or str(e)).replace('_', ' ').lower()}") from None
     except OSError as e:
         raise ConfigError(f"{key}: cannot read {path}: {e.strerror}") from None
-    except ssl.SSLError as e:    # a file with no PEM certificate (or CRL) in it
-        raise ConfigError(f"{key}: cannot use {path}: {(e.reason or str(e)).replace('_', ' ').lower()}") from None
 
 
 # -------------------------------------------------------------------------------------------- SNI
@@ -259,6 +261,8 @@ def accept(ctx: ssl.SSLContext, sock: socket.socket, deadline: float) -> tuple[s
         why = "TLS handshake not completed in time"
     except ssl.SSLError as e:
         why = "TLS handshake failed: " + (e.reason or str(e)).replace("_", " ").lower()
+        if getattr(e, "verify_message", None):       # a client certificate: expired, revoked, unknown CA
+            why += f" ({e.verify_message})"
     except OSError as e:
         why = "TLS handshake failed: " + (e.strerror or type(e).__name__)
     tls.close()

@@ -195,7 +195,8 @@ def test_mtls_require_refuses_no_expired_and_revoked_certificates_and_forwards_t
         for who in (None, "expired"):
             p = curl(e.port, pki, who)
             assert p.returncode != 0 and not p.stdout, (who, p.stdout)
-        e.wait_log(r"TLS handshake failed: .*certificate")
+        e.wait_log(r"TLS handshake failed: peer did not return a certificate")
+        e.wait_log(r"TLS handshake failed: certificate verify failed \(certificate has expired\)")
         assert seen_headers(curl(e.port, pki, "revoked"))["x-forwarded-client-cert"]
         # Revoked now: the new CRL is read on SIGHUP.
         crl.write_bytes(open(pki["crl-revoked"], "rb").read())
@@ -203,6 +204,7 @@ def test_mtls_require_refuses_no_expired_and_revoked_certificates_and_forwards_t
         e.wait_log(r"reloaded:")
         p = curl(e.port, pki, "revoked")
         assert p.returncode != 0 and not p.stdout
+        e.wait_log(r"certificate verify failed \(certificate revoked\)")
         assert "x-forwarded-client-cert" in seen_headers(curl(e.port, pki, "partner-b"))
         from tests.support import request
         metrics = request(e.admin_port, "GET", "/metrics").body.decode()
@@ -300,3 +302,34 @@ def seen_headers_of(backend, pki, tmp_path) -> str:
         return seen_headers(curl(e.port, pki, "partner-a"))["x-forwarded-client-cert"]
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("tls,needle", [
+    ('[[tls.certificates]]\ncert = "API"\n', "tls.certificates[0]: missing key"),
+    ('[[tls.certificates]]\ncert = "API"\nkey = "API-KEY"\nchain = "x"\n', "tls.certificates[0]: unknown key 'chain'"),
+    ('[[tls.certificates]]\ncert = "/nonexistent/a.pem"\nkey = "API-KEY"\n', "tls: cannot read /nonexistent/a.pem"),
+    ('[[tls.certificates]]\ncert = "API"\nkey = "WILD-KEY"\n', "key does not match the certificate"),
+    ('client_ca = "CLIENT-CA"\nclient_auth = "maybe"\n', "tls.client_auth: 'maybe' is not one of require, optional"),
+    ('client_auth = "optional"\n', "tls.client_auth: needs tls.client_ca"),
+    ('client_crl = "CRL-EMPTY"\n', "tls.client_crl: needs tls.client_ca"),
+    ('client_ca = "API-KEY"\n', "tls.client_ca: cannot use"),
+    ('client_ca = "/nonexistent/ca.pem"\n', "tls.client_ca: cannot read /nonexistent/ca.pem"),
+    ('strict_sni = 1\n', "tls.strict_sni: expected true or false"),
+])
+def test_bad_sni_and_mtls_configuration_exits_2_with_one_line(pki, tmp_path, tls, needle):
+    from tests.support import config_error
+    for name in ("client-ca", "crl-empty", "wild-key", "api-key", "api"):   # longest first: API-KEY before API
+        tls = tls.replace(f'"{name.upper()}"', f'"{pki[name]}"')
+    conf = tmp_path / "bad.toml"
+    # [tls] keys before the [[tls.certificates]] tables, as TOML needs
+    head, _, tables = tls.partition("[[")
+    conf.write_text(f'[[backends]]\nurl = "http://127.0.0.1:1"\n[tls]\ncert = "{pki["default"]}"\n'
+                    f'key = "{pki["default-key"]}"\n{head}' + (f"[[{tables}" if tables else ""))
+    assert needle in config_error("--config", str(conf))
+
+
+def test_sni_and_mtls_keys_need_the_default_certificate(pki, tmp_path):
+    from tests.support import config_error
+    conf = tmp_path / "nodefault.toml"
+    conf.write_text(f'[[backends]]\nurl = "http://127.0.0.1:1"\n[tls]\nclient_ca = "{pki["client-ca"]}"\n')
+    assert "need the default certificate" in config_error("--config", str(conf))
