@@ -333,3 +333,24 @@ def test_sni_and_mtls_keys_need_the_default_certificate(pki, tmp_path):
     conf = tmp_path / "nodefault.toml"
     conf.write_text(f'[[backends]]\nurl = "http://127.0.0.1:1"\n[tls]\nclient_ca = "{pki["client-ca"]}"\n')
     assert "need the default certificate" in config_error("--config", str(conf))
+
+
+def test_a_certificate_chosen_by_sni_still_requires_the_client_certificate(backend, pki, tmp_path):
+    """The switched-to context must verify clients as the default does (OpenSSL reads the verify mode from
+    the first context and the CA store from the second): no certificate, no handshake, whatever the name."""
+    e, _ = toml_edge(tmp_path, backend, pki, f'client_ca = "{pki["client-ca"]}"\n' + certificates("api", pki=pki))
+    try:
+        sni = ["--resolve", f"api.example.com:{e.port}:127.0.0.1"]
+        url = f"https://api.example.com:{e.port}/echo"
+        base = ["curl", "-sS", "--cacert", pki["ca"], *sni, url]
+        p = subprocess.run(base, capture_output=True, text=True, timeout=20)
+        assert p.returncode != 0 and not p.stdout, p.stdout
+        p = subprocess.run(base[:2] + ["--cert", pki["partner-a"], "--key", pki["partner-a-key"]] + base[2:],
+                           capture_output=True, text=True, timeout=20)
+        assert "CN=partner-a," in seen_headers(p)["x-forwarded-client-cert"]
+        p = subprocess.run(base[:2] + ["--cert", pki["expired"], "--key", pki["expired-key"]] + base[2:],
+                           capture_output=True, text=True, timeout=20)
+        assert p.returncode != 0 and not p.stdout
+        assert served(e.port, "api.example.com") == "api"       # (s_client sends no client certificate,
+    finally:                                                     # and still sees the server's first)
+        e.stop()
