@@ -28,6 +28,7 @@ from time import monotonic
 from . import netaddr, tls, tunnel
 from .forward import SMALL_BODY, Forwarder
 from .identity import Identifier
+from .rules import configured_subjects
 from .outlier import Ejector
 from .retrybudget import RetryBudget
 from .httpio import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
@@ -160,7 +161,9 @@ class Edge:
             return
         cert = tls.client_cert(tsock) if ctx.verify_mode != ssl.CERT_NONE else None
         if ctx.verify_mode != ssl.CERT_NONE:
-            self.metrics.tls_client_cert(cert is not None)
+            subject = cert.subject.lower() if cert is not None else None
+            self.metrics.tls_client_cert(cert is not None,
+                                         subject if subject in configured_subjects(cfg.rules) else None)
         try:
             self._serve(tsock, peer_ip, True, cert)
         finally:

@@ -17,6 +17,7 @@ matches the Host header case-insensitively, without its port; `*.example.com` ma
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -120,6 +121,12 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
                             host=host.lower() if host else None, dry_run=dry,
                             client_cert_subjects=tuple(x.lower() for x in subjects)))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4)
+def configured_subjects(specs: tuple) -> frozenset:
+    """The client-certificate subjects the rules name: the only ones metrics may use as labels."""
+    return frozenset(s for spec in specs for s in spec.client_cert_subjects)
 
 
 # ------------------------------------------------------------------------------------------ matching

@@ -208,7 +208,7 @@ def test_mtls_require_refuses_no_expired_and_revoked_certificates_and_forwards_t
         assert "x-forwarded-client-cert" in seen_headers(curl(e.port, pki, "partner-b"))
         from tests.support import request
         metrics = request(e.admin_port, "GET", "/metrics").body.decode()
-        assert re.search(r'^lb_tls_client_certs_total\{client_cert="yes"\} [3-9]', metrics, re.M), metrics
+        assert re.search(r'^lb_tls_client_certs_total\{client_cert="yes",subject="other"\} [3-9]', metrics, re.M), metrics
     finally:
         e.stop()
 
@@ -284,13 +284,19 @@ def test_a_rule_matched_on_one_client_cert_subject_limits_that_partner_only(back
     rules = (f'\n[[rules]]\nname = "partner-a-only"\nkey = "global"\nlimit = "1/m"\n'
              f'match = {{ client_cert_subject = "{subject.upper()}" }}\n')
     e, _ = toml_edge(tmp_path, backend, pki, f'client_ca = "{pki["client-ca"]}"\nclient_auth = "optional"\n'
-                     + rules, name="match.toml")
+                     + rules, "--admin", "127.0.0.1:0", name="match.toml")
     try:
         codes = lambda who: [curl(e.port, pki, who, "-o", "/dev/null", "-w", "%{http_code}").stdout
                              for _ in range(2)]
         assert codes("partner-a") == ["200", "429"]              # the subject compared case-insensitively
         assert codes("partner-b") == ["200", "200"]
         assert codes(None) == ["200", "200"]
+        # the metric names the subject a rule names, and no other (bounded labels)
+        from tests.support import request
+        metrics = request(e.admin_port, "GET", "/metrics").body.decode()
+        assert f'client_cert="yes",subject="{subject.lower().replace(chr(92), chr(92) * 2)}"}} 2' in metrics, metrics
+        assert 'client_cert="yes",subject="other"} 2' in metrics
+        assert 'lb_tls_client_certs_total{client_cert="no"} 2' in metrics
     finally:
         e.stop()
 
