@@ -3,8 +3,9 @@
 The parser already refused bad values (one line per problem). Here: the listen and admin hosts
 resolve to an address of this kind of socket, the access log can be opened for appending, the store
 URL names a host that resolves, no two TLS certificates claim one name and none has expired (the edge
-serves them anyway, as nginx does: a warning at start, a problem here). Nothing is bound, opened for writing or connected to, so it is safe
-to run next to the running edge (the systemd unit's ExecReload runs it before sending HUP).
+serves them anyway, as nginx does: a warning at start, a problem here). Nothing is bound, opened for
+writing or connected to, so it is safe to run next to the running edge (the systemd unit's ExecReload
+runs it before sending HUP).
 """
 
 from __future__ import annotations

@@ -208,7 +208,8 @@ def test_mtls_require_refuses_no_expired_and_revoked_certificates_and_forwards_t
         assert "x-forwarded-client-cert" in seen_headers(curl(e.port, pki, "partner-b"))
         from tests.support import request
         metrics = request(e.admin_port, "GET", "/metrics").body.decode()
-        assert re.search(r'^lb_tls_client_certs_total\{client_cert="yes",subject="other"\} [3-9]', metrics, re.M), metrics
+        assert re.search(r'^lb_tls_client_certs_total\{client_cert="yes",subject="other"\} [3-9]', metrics,
+                         re.M), metrics
     finally:
         e.stop()
 
