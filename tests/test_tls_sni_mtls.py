@@ -116,6 +116,18 @@ def test_sni_exact_before_wildcard_case_insensitive_default_for_unknown_and_abse
                             "-w", "%{http_version}", "-o", "/dev/null", f"https://api.example.com:{e.port}/"],
                            capture_output=True, text=True, timeout=20)
         assert p.returncode == 0 and p.stdout == "1.1", p.stderr
+        # ... and a session from it resumes (the tickets are the listener's, whichever certificate served)
+        import socket
+        ctx, session, seen = ssl.create_default_context(cafile=pki["ca"]), None, []
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+                with ctx.wrap_socket(s, server_hostname="api.example.com", session=session) as t:
+                    t.sendall(b"GET / HTTP/1.1\r\nHost: api.example.com\r\nConnection: close\r\n\r\n")
+                    while t.recv(65536):
+                        pass
+                    seen.append((t.session_reused, dict(x[0] for x in t.getpeercert()["subject"])["commonName"]))
+                    session = t.session
+        assert seen == [(False, "api"), (True, "api"), (True, "api")], seen
     finally:
         e.stop()
 
