@@ -373,3 +373,18 @@ def test_a_certificate_chosen_by_sni_still_requires_the_client_certificate(backe
         assert served(e.port, "api.example.com") == "api"       # (s_client sends no client certificate,
     finally:                                                     # and still sees the server's first)
         e.stop()
+
+
+def test_the_json_access_log_names_the_client_certificate_subject(backend, pki, tmp_path):
+    log = tmp_path / "access.json"
+    e, _ = toml_edge(tmp_path, backend, pki, f'client_ca = "{pki["client-ca"]}"\nclient_auth = "optional"\n',
+                     "--access-log", str(log), "--access-log-format", "json", name="json.toml")
+    try:
+        assert curl(e.port, pki, "partner-b").returncode == 0
+        assert curl(e.port, pki, None).returncode == 0
+        wait_until(lambda: log.read_text().count("\n") >= 2, what="two access-log lines")
+        with_cert, without = [json.loads(x) for x in log.read_text().splitlines()]
+        assert with_cert["client_cert"].startswith("CN=partner-b,"), with_cert
+        assert "client_cert" not in without
+    finally:
+        e.stop()
