@@ -23,7 +23,9 @@ request). `bytes_received` counts the request's head and body bytes as read from
 `key` is never the API key itself: a known key's name, or "#" and a keyed hash of it (lb/keys.py's
 label; stable across restarts with EDGE_KEY_HASH_SECRET); null when the client is known by its address
 only. `limited_by`: the rules that rejected the request, and dry-run rules that would have
-("NAME:dry_run"), comma-separated. Absent values are `-` in text and null in JSON. SIGUSR1/SIGHUP reopen
+("NAME:dry_run"), comma-separated. Over mutual TLS, a request with a client certificate ends with its
+subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"). Absent values are
+`-` in text and null in JSON. SIGUSR1/SIGHUP reopen
 the file (logrotate).
 """
 
@@ -171,9 +173,9 @@ class AccessLog:
         (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel,
          req, received, up_status) = item
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
-        host = ua = None
+        host = ua = cert = None
         if req is not None:
-            host, ua = req.host, _user_agent(req.headers)
+            host, ua, cert = req.host, _user_agent(req.headers), getattr(req, "client_cert", None)
             if self.redact and b"?" in target:
                 target = redact_query(target, self.redact)
         # the client's label (lb/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
@@ -188,6 +190,8 @@ class AccessLog:
                                   ua and ua[:512].decode("latin-1"), received, up_status)))
             if tunnel:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
+            if cert is not None:
+                d["client_cert"] = cert.subject
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
         return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
@@ -195,7 +199,8 @@ class AccessLog:
                 f"key={_text(key)} tries={tries} limited_by={_text(limited_by)} "
                 f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
                 f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
-                + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else ""))
+                + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
+                + (f" cert={escape(cert.subject, 512)}" if cert is not None else ""))
 
     def _writer(self) -> None:
         while True:

@@ -113,7 +113,8 @@ class App:
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
                          ejector=self.ejector, retry_budget=self.retry_budget)
-        self.edge.tls = self._tls_context(cfg)
+        from . import tls as tls_mod
+        self.edge.tls = tls_mod.take_inherited() or self._tls_context(cfg)   # a worker: the supervisor's
         if worker is None:               # (workers: the supervisor checked, and its reserve socket holds the port)
             refuse_if_held("--listen", cfg.listen, cfg)
         if cfg.admin:
@@ -200,11 +201,15 @@ class App:
 
     @staticmethod
     def _tls_context(cfg: Config):
-        """The listener's TLS context, read from disk anew (SIGHUP picks up a replaced pair)."""
+        """The listener's TLS context, read from disk anew (SIGHUP picks up replaced pairs and CRL)."""
         if not cfg.tls_cert:
             return None
-        from .tls import server_context
-        return server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ciphers, cfg.tls_min_version)
+        from .check import certificate_warnings
+        from .config import tls_listener
+        ctx = tls_listener(cfg)
+        for w in certificate_warnings(cfg):     # served anyway (nginx does too); --check reports it
+            log.warning("%s", w)
+        return ctx
 
     def _limit_stage(self, cfg: Config, old):
         if not (cfg.limit or cfg.rules or cfg.keys or cfg.max_in_flight):

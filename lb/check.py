@@ -2,8 +2,10 @@
 
 The parser already refused bad values (one line per problem). Here: the listen and admin hosts
 resolve to an address of this kind of socket, the access log can be opened for appending, the store
-URL names a host that resolves. Nothing is bound, opened for writing or connected to, so it is safe
-to run next to the running edge (the systemd unit's ExecReload runs it before sending HUP).
+URL names a host that resolves, no two TLS certificates claim one name and none has expired (the edge
+serves them anyway, as nginx does: a warning at start, a problem here). Nothing is bound, opened for
+writing or connected to, so it is safe to run next to the running edge (the systemd unit's ExecReload
+runs it before sending HUP).
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def problems(cfg) -> list[str]:
                 socket.getaddrinfo(host, None)
             except (OSError, UnicodeError) as e:
                 out.append(f"limits.store {target.display}: {host}: {getattr(e, 'strerror', None) or e}")
+    if cfg.tls_cert:
+        out += certificate_warnings(cfg)
+    return out
+
+
+def certificate_warnings(cfg) -> list[str]:
+    from .config import CertSpec
+    from .tls import cert_info, duplicate_names, expired
+    specs = [CertSpec(cfg.tls_cert, cfg.tls_key), *cfg.tls_certificates]
+    out = [f"tls: {s.cert}: expired {cert_info(s.cert)['notAfter']}" for s in specs if expired(cert_info(s.cert))]
+    out += [f"tls: {d} both claim the name (the first serves it)" for d in duplicate_names(specs)]
     return out
 
 

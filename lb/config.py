@@ -39,6 +39,13 @@ class BackendSpec:
 
 
 @dataclass(frozen=True)
+class CertSpec:
+    """A certificate (chain) and its key: [tls] cert/key, or one [[tls.certificates]] table."""
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True)
 class Config:
     listen: tuple[str, int] = ("127.0.0.1", 8080)
     admin: tuple[str, int] | None = None
@@ -110,6 +117,11 @@ class Config:
     tls_key: str | None = None
     tls_ciphers: str | None = None           # OpenSSL cipher list for TLS 1.2 (1.3's suites are fixed)
     tls_min_version: str = "TLSv1.2"         # or TLSv1.3; 1.0 and 1.1 are never offered
+    tls_certificates: tuple = ()             # CertSpec per [[tls.certificates]]: more names, chosen by SNI
+    tls_strict_sni: bool = False             # no SNI, or a name no certificate has: handshake refused
+    tls_client_ca: str | None = None         # mutual TLS: clients present a certificate this CA signed
+    tls_client_auth: str = "require"         # or optional: a client without one is served, unidentified
+    tls_client_crl: str | None = None        # PEM CRL of the client CA (leaf checked), re-read on SIGHUP
     rules: tuple = ()                        # lb.rules.RuleSpec per [[rules]] table
     keys: tuple = ()                         # lb.keys.KeySpec: [[keys]] tables, then api_keys_file's
     tiers: tuple[tuple[str, str], ...] = ()  # [limits.tiers] name = "N/PERIOD"
@@ -323,7 +335,9 @@ _SECTIONS = {
                "buffer_memory": ("buffer_memory", Num(True, 0, 2 ** 44)), "temp_dir": ("temp_dir", "s"),
                "log_redact_params": ("log_redact_params", "list")},
     "tls": {"cert": ("tls_cert", "s"), "key": ("tls_key", "s"), "ciphers": ("tls_ciphers", "s"),
-            "min_version": ("tls_min_version", "s")},
+            "min_version": ("tls_min_version", "s"), "certificates": ("tls_certificates", "certs"),
+            "strict_sni": ("tls_strict_sni", "b"), "client_ca": ("tls_client_ca", "s"),
+            "client_auth": ("tls_client_auth", "s"), "client_crl": ("tls_client_crl", "s")},
     "limits": {"default": ("limit", "s"), "algorithm": ("algorithm", "s"), "store": ("store", "s"),
                "redis_timeout": ("redis_timeout", SECONDS), "on_store_error": ("on_store_error", "s"),
                "redis_password_file": ("redis_password_file", "s"), "redis_ca_file": ("redis_ca_file", "s"),
@@ -363,6 +377,19 @@ def _typed(value, kind: str, key: str):
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return tuple(value)
+    if kind == "certs":       # [[tls.certificates]]: an array of tables inside [tls]
+        if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+            raise ConfigError(f"{key}: expected [[tls.certificates]] tables with cert and key")
+        specs = []
+        for i, t in enumerate(value):
+            unknown = set(t) - {"cert", "key"}
+            if unknown:
+                raise ConfigError(f"{key}[{i}]: unknown key {sorted(unknown)[0]!r} (known: cert, key)")
+            for k in ("cert", "key"):
+                if not isinstance(t.get(k), str) or not t[k]:
+                    raise ConfigError(f"{key}[{i}]: missing {k} (a PEM file path)")
+            specs.append(CertSpec(t["cert"], t["key"]))
+        return tuple(specs)
     if kind == "table":
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{key}: expected a table of \"key\" = \"N/PERIOD\", got {value!r}")
@@ -497,6 +524,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--tls-key", help="PEM private key file for --tls-cert")
     a("--tls-min-version", help="TLSv1.2 (default) | TLSv1.3")
     a("--tls-ciphers", help="OpenSSL cipher list for TLS 1.2 (default: Python's secure defaults)")
+    a("--tls-client-ca", help="PEM CA file: mutual TLS, clients must present a certificate it signed "
+                              "([tls] client_auth = \"optional\" to serve clients without one)")
     a("--ca-file", help="PEM CA bundle that https:// backends are verified against (default: system CAs)")
     a("--tunnel-idle-timeout", help="seconds an upgraded (WebSocket) connection may be silent both ways "
                                     "(default 300)")
@@ -628,18 +657,35 @@ _TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
 def check_tls(c: Config) -> None:
     if bool(c.tls_cert) != bool(c.tls_key):
         raise ConfigError("tls: cert and key go together (--tls-cert FILE --tls-key FILE)")
-    from .tls import MIN_VERSIONS, server_context
+    from .tls import CLIENT_AUTH, MIN_VERSIONS
     if c.tls_min_version not in MIN_VERSIONS:
         raise ConfigError(f"tls.min_version: {c.tls_min_version!r} is not one of {', '.join(MIN_VERSIONS)} "
                           f"(TLS 1.0 and 1.1 are not offered)")
+    if c.tls_client_auth not in CLIENT_AUTH:
+        raise ConfigError(f"tls.client_auth: {c.tls_client_auth!r} is not one of {', '.join(CLIENT_AUTH)}")
+    if not c.tls_cert and (c.tls_certificates or c.tls_client_ca or c.tls_strict_sni):
+        raise ConfigError("tls: certificates, strict_sni and client_ca need the default certificate "
+                          "(--tls-cert/--tls-key, [tls] cert/key)")
+    if c.tls_client_auth != "require" and not c.tls_client_ca:
+        raise ConfigError("tls.client_auth: needs tls.client_ca (the CA client certificates are checked against)")
+    if c.tls_client_crl and not c.tls_client_ca:
+        raise ConfigError("tls.client_crl: needs tls.client_ca (the CA whose revocations it lists)")
     if c.tls_cert:
-        server_context(c.tls_cert, c.tls_key, c.tls_ciphers, c.tls_min_version)   # the pair must load
+        tls_listener(c)          # every pair must load, and the client CA and CRL must be usable
     if c.ca_file:
         import ssl
         try:
             ssl.create_default_context(cafile=c.ca_file)
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"upstream.ca_file: cannot use {c.ca_file}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def tls_listener(c: Config):
+    """The listener's SSLContext for this configuration, read from disk (ConfigError when it cannot serve)."""
+    from .tls import listener_context
+    return listener_context(CertSpec(c.tls_cert, c.tls_key), c.tls_certificates, c.tls_strict_sni,
+                            ciphers=c.tls_ciphers, min_version=c.tls_min_version, client_ca=c.tls_client_ca,
+                            client_auth=c.tls_client_auth, client_crl=c.tls_client_crl)
 
 
 def _known_keys(values: dict) -> tuple:

@@ -39,7 +39,9 @@ IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"
 _NO_BODY_STATUS = frozenset({204, 304})
 
 # Never copied from a message: hop-by-hop, and the framing the edge writes itself from what it parsed.
-_NOT_COPIED = HOP_BY_HOP | {b"content-length"}
+# X-Forwarded-Client-Cert is the edge's to write (mutual TLS): a client's own copy never reaches a
+# backend, with or without client certificates configured (Envoy's forward_client_cert_details SANITIZE).
+_NOT_COPIED = HOP_BY_HOP | {b"content-length", b"x-forwarded-client-cert"}
 # Forwarding headers we write ourselves (after the client's), and Expect, which the edge answered.
 _REPLACED = _NOT_COPIED | {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"expect"}
 _REPLACED_TRUSTED = _NOT_COPIED | {b"x-forwarded-for", b"expect"}
@@ -100,6 +102,8 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
         out += b"X-Forwarded-Host: " + req.host + b"\r\n"
     if request_id is not None:
         out += b"X-Request-Id: " + request_id + b"\r\n"
+    if req.client_cert is not None:
+        out += b"X-Forwarded-Client-Cert: " + req.client_cert.xfcc + b"\r\n"
     if length is not None:
         out += b"Content-Length: %d\r\n" % length
     elif req.chunked:

@@ -260,7 +260,7 @@ class Reader:
 class Request:
     __slots__ = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive",
                  "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie",
-                 "request_id")
+                 "request_id", "client_cert")
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -324,7 +324,7 @@ def parse_request(head: bytes) -> Request:
     r.headers = headers = _split_headers(lines, 1)
     r.content_length = None
     r.chunked = False
-    r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = None
+    r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = r.client_cert = None
     r.expect_continue = False
     tokens: set[bytes] = set()
     te_seen = False

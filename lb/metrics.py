@@ -66,6 +66,9 @@ FAMILIES = {
     "lb_tunnel_bytes_total": ("counter", "Bytes carried by tunnels, by direction."),
     "lb_tls_handshake_failures_total": ("counter", "TLS connections that never completed a handshake "
                                                    "(timeout, refused protocol version, plain HTTP on the HTTPS port)."),
+    "lb_tls_client_certs_total": ("counter", "Completed handshakes with mutual TLS on, by whether the client "
+                                             "presented a verified certificate (client_cert), and its subject "
+                                             "when a rule names it (match.client_cert_subject; else other)."),
     "lb_worker_requests_total": ("counter", "Requests answered by each worker process (balance check)."),
     "lb_backend_up": ("gauge", "1 when the backend passes its active health checks (with workers: in every one)."),
     "lb_backend_in_rotation": ("gauge", "1 when the backend takes new requests: up, not ejected, not drained."),
@@ -255,6 +258,12 @@ class Metrics:
             self.gauges[("lb_tunnels_open", ())] -= 1
             self._inc("lb_tunnel_bytes_total", (("direction", "upstream"),), to_backend)
             self._inc("lb_tunnel_bytes_total", (("direction", "downstream"),), to_client)
+
+    def tls_client_cert(self, present: bool, subject: str | None = None) -> None:
+        """subject: a subject some rule names (lower case), else None ("other": labels stay bounded)."""
+        labels = (("client_cert", "yes"), ("subject", subject or "other")) if present else (("client_cert", "no"),)
+        with self.lock:
+            self._inc("lb_tls_client_certs_total", labels)
 
     def tls_failed(self) -> None:
         with self.lock:

@@ -20,6 +20,7 @@ import random
 import re
 import socket
 import tempfile
+import ssl
 import time
 import socketserver
 import threading
@@ -31,6 +32,7 @@ from .logs import client_fault
 from .forward import SMALL_BODY, Forwarder
 from .spool import Budget, Spool, SpooledBody
 from .identity import Identifier
+from .rules import configured_subjects
 from .outlier import Ejector
 from .ratelimit import Holds
 from .ratelimit import release as release_slots
@@ -181,12 +183,17 @@ class Edge:
             else:
                 client_fault("client %s: %s", peer_ip, why)
             return
+        cert = tls.client_cert(tsock) if ctx.verify_mode != ssl.CERT_NONE else None
+        if ctx.verify_mode != ssl.CERT_NONE:
+            subject = cert.subject.lower() if cert is not None else None
+            self.metrics.tls_client_cert(cert is not None,
+                                         subject if subject in configured_subjects(cfg.rules) else None)
         try:
-            self._serve(tsock, peer_ip, True, sock)
+            self._serve(tsock, peer_ip, True, sock, cert)
         finally:
             tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
 
-    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool, accepted=None) -> None:
+    def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool, accepted=None, cert=None) -> None:
         send_timeout(sock, self.cfg.send_timeout)
         reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
         peer = peer_ip.encode()
@@ -225,6 +232,7 @@ class Edge:
                     if head is None:
                         return
                     req = parse_request(head)
+                    req.client_cert = cert      # the connection's verified certificate (lb/tls.py), or None
                     if identifier is not self.identifier:   # trust: once per connection and per reload
                         identifier = self.identifier
                         peer_trusted = identifier.trusted(peer_ip)

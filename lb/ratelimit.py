@@ -194,7 +194,8 @@ class LimitStage:
         for r in self.rules:
             s = r.spec
             match = {k: v for k, v in (("path_prefix", s.path_prefix), ("methods", list(s.methods)),
-                                       ("host", s.host)) if v}
+                                       ("host", s.host), ("client_cert_subject", list(s.client_cert_subjects)))
+                     if v}
             row = {"name": r.name, "key": s.key, "limit": s.limit, "algorithm": r.algorithm, "match": match,
                    "dry_run": s.dry_run}
             if s.cost != 1:
@@ -429,6 +430,13 @@ class LimitStage:
             return ident
         if kind == "global":
             return "*"
+        if kind == "client-cert":
+            # The verified subject (a partner keeps its bucket across a reissued certificate), hashed like a
+            # header; a request without a certificate is limited as its client, as a missing header is.
+            cert = req.client_cert
+            if cert is not None and cert.subject:
+                return "c:" + hashlib.blake2b(cert.subject.encode(), digest_size=16).hexdigest()
+            return ip_key(ip, self.ipv6_prefix)
         found = None
         for _, lname, value in req.headers:
             if lname == r.header:

@@ -2,12 +2,13 @@
 
     [[rules]]
     name = "login-guard"          # label in metrics, logs and /status
-    key = "ip"                    # ip | api-key | header:NAME | global
+    key = "ip"                    # ip | api-key | header:NAME | client-cert | global
     limit = "5/m"                 # optional when max_in_flight is set (at least one of the two)
     algorithm = "sliding-log"     # optional; default [limits] algorithm
     cost = 1                      # units each matching request spends of `limit` (at most its N)
     max_in_flight = 0             # concurrent matching requests per key (nginx's limit_conn); 0 off
     match = { path_prefix = "/login", methods = ["POST"], host = "api.example.com" }   # all ANDed
+    # (and client_cert_subject = "CN=partner-a,O=Example" or a list: mutual TLS, the verified subject)
     dry_run = false               # true: decide and count, never reject
 
 The path is matched after normalisation (percent-encoded unreserved characters decoded, dot segments
@@ -18,12 +19,13 @@ matches the Host header case-insensitively, without its port; `*.example.com` ma
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
 from limiter import ALGORITHMS, parse_rate
 
-KINDS = ("ip", "api-key", "global")          # and header:NAME
+KINDS = ("ip", "api-key", "global", "client-cert")   # and header:NAME; client-cert: the subject (mutual TLS)
 BUILTIN = "default"                          # the name of the built-in per-identity rule (--limit)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -32,7 +34,7 @@ _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 @dataclass(frozen=True)
 class RuleSpec:
     name: str
-    key: str                                  # ip | api-key | global | header:NAME (NAME lower-cased)
+    key: str                                  # ip | api-key | global | client-cert | header:NAME (lower-cased)
     limit: str | None                         # None: a concurrency-only rule (max_in_flight)
     algorithm: str | None = None              # None: [limits] algorithm
     path_prefix: str | None = None
@@ -41,6 +43,7 @@ class RuleSpec:
     dry_run: bool = False
     cost: int = 1                             # units a matching request spends of limit
     max_in_flight: int = 0                    # concurrent requests per key; 0: no concurrency limit
+    client_cert_subjects: tuple[str, ...] = ()   # any of these verified subjects (RFC 2253, lower-cased)
 
     @property
     def header(self) -> bytes | None:
@@ -87,7 +90,7 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
                 raise ValueError(f"{where}.key: header:NAME needs a header name, got {key!r}")
             key = "header:" + hname.lower()
         elif key not in KINDS:
-            raise ValueError(f"{where}.key: expected ip, api-key, header:NAME or global, got {key!r}")
+            raise ValueError(f"{where}.key: expected ip, api-key, header:NAME, client-cert or global, got {key!r}")
         cost = r.get("cost", 1)
         if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
             raise ValueError(f"{where}.cost: expected a whole number >= 1, got {cost!r}")
@@ -110,9 +113,16 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
         m = r.get("match", {})
         if not isinstance(m, dict):
             raise ValueError(f"{where}.match: expected a table like {{ path_prefix = \"/login\" }}")
-        unknown = set(m) - {"path_prefix", "methods", "host"}
+        unknown = set(m) - {"path_prefix", "methods", "host", "client_cert_subject"}
         if unknown:
-            raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} (known: path_prefix, methods, host)")
+            raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} "
+                             f"(known: path_prefix, methods, host, client_cert_subject)")
+        subjects = m.get("client_cert_subject", [])
+        if isinstance(subjects, str):
+            subjects = [subjects]
+        if not isinstance(subjects, list) or not all(isinstance(x, str) and x for x in subjects):
+            raise ValueError(f"{where}.match.client_cert_subject: expected a subject like \"CN=partner-a,O=Example\" "
+                             f"or a list of them, got {subjects!r}")
         prefix = m.get("path_prefix")
         if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/")):
             raise ValueError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
@@ -129,8 +139,15 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
                             max_in_flight=conc,
                             path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
                             methods=tuple(x.upper() for x in methods),
-                            host=host.lower() if host else None, dry_run=dry))
+                            host=host.lower() if host else None, dry_run=dry,
+                            client_cert_subjects=tuple(x.lower() for x in subjects)))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4)
+def configured_subjects(specs: tuple) -> frozenset:
+    """The client-certificate subjects the rules name: the only ones metrics may use as labels."""
+    return frozenset(s for spec in specs for s in spec.client_cert_subjects)
 
 
 # ------------------------------------------------------------------------------------------ matching
@@ -177,7 +194,7 @@ def normalize_path(target: bytes) -> bytes:
 class Matcher:
     """A compiled match table; an empty one matches every request."""
 
-    __slots__ = ("prefix", "methods", "host", "wildcard", "always")
+    __slots__ = ("prefix", "methods", "host", "wildcard", "always", "subjects")
 
     def __init__(self, spec: RuleSpec):
         self.prefix = spec.path_prefix.encode("latin-1") if spec.path_prefix else None
@@ -185,7 +202,8 @@ class Matcher:
         h = spec.host.encode() if spec.host else None
         self.wildcard = h is not None and h.startswith(b"*.")
         self.host = h[1:] if self.wildcard else h       # "*.example.com" -> ".example.com"
-        self.always = self.prefix is None and not self.methods and self.host is None
+        self.subjects = frozenset(spec.client_cert_subjects)
+        self.always = self.prefix is None and not self.methods and self.host is None and not self.subjects
 
     def __call__(self, req, path) -> bool:
         """path: a callable giving the request's normalised path (computed once per request)."""
@@ -204,4 +222,8 @@ class Matcher:
                 return False
         if self.prefix is not None and not path().startswith(self.prefix):
             return False
+        if self.subjects:        # DN values compare case-insensitively (X.520 caseIgnoreMatch)
+            cert = req.client_cert
+            if cert is None or cert.subject.lower() not in self.subjects:
+                return False
         return True

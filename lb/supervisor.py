@@ -89,6 +89,17 @@ def run(cfg, argv) -> int:
     if cfg.store == "memory":              # in-flight counts across workers (also for a reload that adds them)
         from limiter import concurrency
         concurrency.share(min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections)))
+    if cfg.tls_cert:
+        # before any fork: every worker inherits one context, so one set of session-ticket keys (lb/tls.py)
+        from . import tls
+        from .check import certificate_warnings
+        from .config import ConfigError, tls_listener
+        try:
+            tls.inherited = tls_listener(cfg)
+        except ConfigError as e:
+            raise StartError(str(e)) from None
+        for w in certificate_warnings(cfg):
+            log.warning("%s", w)
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
     workers = [Worker(i) for i in range(cfg.workers)]
     by_pid: dict[int, Worker] = {}
@@ -137,6 +148,11 @@ def run(cfg, argv) -> int:
 
     for w in workers:
         start(w)
+    if cfg.tls_cert:
+        # A worker restarted later reads the certificates from disk itself, as before: the files may have
+        # been replaced (and reloaded) since, and a stale copy must not come back (it loses the shared keys).
+        from . import tls
+        tls.inherited = None
     log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers, os.getpid())
     try:
         while by_pid:
