@@ -31,8 +31,8 @@ CLIENT_AUTH = ("require", "optional")
 
 
 def server_context(cert: str, key: str, ciphers: str | None = None, min_version: str = "TLSv1.2",
-                   client_ca: str | None = None, client_auth: str = "require", client_crl: str | None = None
-                   ) -> ssl.SSLContext:
+                   client_ca: str | None = None, client_auth: str = "require", client_crl: str | None = None,
+                   where: str = "") -> ssl.SSLContext:
     """A server context for the pair on disk; ConfigError (one line) when it cannot serve.
 
     client_ca: clients are asked for a certificate signed by it -- required (refused at the handshake
@@ -59,8 +59,10 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
             with open(path, "rb"):
                 pass
         except OSError as e:
-            raise ConfigError(f"tls.{what}: cannot read {path}: {e.strerror or e} (set by --tls-{what} or "
-                              f"[tls] {what}: a PEM file the edge's user can read)") from None
+            # where: a [[tls.certificates]] entry ("tls.certificates[1]"); else the default pair's flag and key
+            source = f"{where}.{what}" if where else f"--tls-{what} or [tls] {what}"
+            raise ConfigError(f"tls: cannot read {path}: {e.strerror or e} (set by {source}: a PEM file the "
+                              f"edge's user can read)") from None
     try:
         ctx.load_cert_chain(cert, key)
     except FileNotFoundError as e:   # load_cert_chain names no file: say which one is missing
@@ -123,7 +125,8 @@ def listener_context(default: CertSpec, more: tuple = (), strict_sni: bool = Fal
         return ctx
     exact: dict[str, ssl.SSLContext] = {}
     wild: dict[str, ssl.SSLContext] = {}       # "*.example.com" under "example.com"
-    for spec, c in [(default, ctx)] + [(s, server_context(s.cert, s.key, **settings)) for s in more]:
+    for spec, c in [(default, ctx)] + [(s, server_context(s.cert, s.key, **settings, where=f"tls.certificates[{i}]"))
+                                       for i, s in enumerate(more)]:
         for name in cert_names(cert_info(spec.cert)):
             if name.startswith("*."):
                 wild.setdefault(name[2:], c)

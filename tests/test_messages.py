@@ -18,7 +18,7 @@ from tests.support import Edge, config_error, request
 def test_a_missing_tls_file_is_named_with_the_setting_that_names_it(tmp_path):
     line = config_error("--check", "--backends", "http://127.0.0.1:9", "--tls-cert", str(tmp_path / "c.pem"),
                         "--tls-key", str(tmp_path / "k.pem"))
-    assert f"tls.cert: cannot read {tmp_path / 'c.pem'}: No such file or directory" in line, line
+    assert f"tls: cannot read {tmp_path / 'c.pem'}: No such file or directory" in line, line
     assert "--tls-cert" in line and "None" not in line
 
 

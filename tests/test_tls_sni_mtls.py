@@ -326,7 +326,7 @@ def seen_headers_of(backend, pki, tmp_path) -> str:
 @pytest.mark.parametrize("tls,needle", [
     ('[[tls.certificates]]\ncert = "API"\n', "tls.certificates[0]: missing key"),
     ('[[tls.certificates]]\ncert = "API"\nkey = "API-KEY"\nchain = "x"\n', "tls.certificates[0]: unknown key 'chain'"),
-    ('[[tls.certificates]]\ncert = "/nonexistent/a.pem"\nkey = "API-KEY"\n', "tls: cannot read /nonexistent/a.pem"),
+    ('[[tls.certificates]]\ncert = "/nonexistent/a.pem"\nkey = "API-KEY"\n', "tls: cannot read /nonexistent/a.pem: No such file or directory (set by tls.certificates[0].cert"),
     ('[[tls.certificates]]\ncert = "API"\nkey = "WILD-KEY"\n', "key does not match the certificate"),
     ('client_ca = "CLIENT-CA"\nclient_auth = "maybe"\n', "tls.client_auth: 'maybe' is not one of require, optional"),
     ('client_auth = "optional"\n', "tls.client_auth: needs tls.client_ca"),
