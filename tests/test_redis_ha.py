@@ -383,8 +383,9 @@ def test_the_memory_policy_is_read_on_each_cluster_seed_and_on_the_master_sentin
     import logging
     from lb.config import load
     from lb.store import memory_policy
-    said = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", cluster.url]))
+    # (a longer timeout than the edge's 1 s: a CONFIG GET on a loaded 2-core machine is no test of policy)
+    said = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", cluster.url]), timeout=10.0)
     assert len(said) == 2 and all(level == logging.INFO and " node 127.0.0.1:" in line
                                   and "maxmemory-policy noeviction" in line for level, line in said), said
-    [(level, line)] = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", sentinels.url]))
+    [(level, line)] = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", sentinels.url]), timeout=10.0)
     assert level == logging.INFO and f"master 127.0.0.1:{sentinels.master.port}: maxmemory 0" in line, line

@@ -167,7 +167,10 @@ def _writes(server, prefix, stop, out):
     with c.monitor() as m:
         out.append("ready")
         while not stop.is_set():
-            cmd = m.next_command()["command"].split()
+            try:
+                cmd = m.next_command()["command"].split()
+            except redis.exceptions.TimeoutError:
+                continue        # nothing written for the client's socket timeout (after the hammering: stop)
             if len(cmd) > 2 and cmd[0] in ("SET", "ZADD") and cmd[1].startswith(prefix) and cmd[1].endswith("{hot}"):
                 out.append((cmd[1][len(prefix):].split(":")[0], cmd[0], *cmd[2:]))
 
