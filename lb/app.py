@@ -36,6 +36,7 @@ from .netaddr import held, hostport
 from .outlier import Ejector
 from .tunnel import close_all as close_tunnels
 from .proxy import Edge, EdgeServer
+from .breaker import Breaker
 from .retrybudget import RetryBudget
 from .server import StartError
 
@@ -101,7 +102,9 @@ class App:
         cfg = self._with_demo(cfg)
         self.cfg = cfg
         self.metrics = Metrics()
-        backends = [make_backend(s, cfg) for s in cfg.backends]
+        self.breaker = Breaker(cfg.max_requests, cfg.max_pending)   # the pool's circuit breaker
+        self.metrics.breaker = self.breaker
+        backends = [make_backend(s, cfg, breaker=self.breaker) for s in cfg.backends]
         self.balancer = Balancer(backends, cfg.strategy, slow_start=cfg.slow_start)
         self.ejector = Ejector(cfg.eject_after, cfg.eject_for, cfg.max_ejected_percent)
         self.retry_budget = RetryBudget(cfg.retry_budget_percent, cfg.retry_budget_min)
@@ -112,7 +115,7 @@ class App:
         self.access_log = self._open_access_log(cfg)
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
-                         ejector=self.ejector, retry_budget=self.retry_budget)
+                         ejector=self.ejector, retry_budget=self.retry_budget, breaker=self.breaker)
         from . import tls as tls_mod
         self.edge.tls = tls_mod.take_inherited() or self._tls_context(cfg)   # a worker: the supervisor's
         if worker is None:               # (workers: the supervisor checked, and its reserve socket holds the port)
@@ -253,6 +256,7 @@ class App:
                         "max_in_flight": self.cfg.max_in_flight, "status": self.cfg.limit_status},
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
+            "breaker": self.breaker.status(),
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
             "known_keys": len(self.cfg.keys), "unknown_keys": self.cfg.unknown_keys,
             "backends": [self.backend_status(b, now) for b in self.balancer.backends],
@@ -479,7 +483,7 @@ class App:
             for spec in new.backends:
                 b = current.pop(spec.url, None)
                 if b is None:
-                    b = make_backend(spec, new, joined_at=time.monotonic())   # slow start, if on
+                    b = make_backend(spec, new, joined_at=time.monotonic(), breaker=self.breaker)   # slow start, if on
                     added.append(b)
                 else:
                     if b.weight != spec.weight:
@@ -488,7 +492,7 @@ class App:
                     b.spec = spec
                     if new_pools:        # a pool's limits are fixed at creation: a new one, the old drains
                         old_pools.append(b.pool)
-                        b.pool = make_backend(spec, new).pool
+                        b.pool = make_backend(spec, new, breaker=self.breaker).pool
                 keep.append(b)
             removed = list(current.values())
 
@@ -497,6 +501,7 @@ class App:
             h.rise, h.fall = new.healthy_threshold, new.unhealthy_threshold
             self.ejector.configure(new.eject_after, new.eject_for, new.max_ejected_percent)
             self.retry_budget.configure(new.retry_budget_percent, new.retry_budget_min)
+            self.breaker.configure(new.max_requests, new.max_pending)
             # One assignment each: a request in flight sees the old or the new part, never half of one.
             self.edge.cfg = new
             self.edge.limiter = limiter

@@ -80,6 +80,8 @@ class Config:
     retries: int = 2                         # a connect failure is retried on another backend, N times
     retry_budget_percent: float = 20.0       # retries in flight at most this % of active requests...
     retry_budget_min: int = 10               # ...but always this many (Envoy's budget, Linkerd's floor)
+    max_requests: int = 0                    # circuit breaker: requests in flight to the pool, then 503; 0 off
+    max_pending: int = 0                     # requests waiting for a pooled connection, then 503; 0 unlimited
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
@@ -319,6 +321,8 @@ _SECTIONS = {
                  "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", Num(True, 0, 100)),
                  "retry_budget_percent": ("retry_budget_percent", PERCENT),
                  "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000)),
+                 "max_requests": ("max_requests", Num(True, 0, 10_000_000)),
+                 "max_pending": ("max_pending", Num(True, 0, 10_000_000)),
                  "proxy_buffering": ("proxy_buffering", "onoff"),
                  "max_temp_file_size": ("max_temp_file_size", Num(True, 0, 2 ** 50))},
     "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
@@ -496,6 +500,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
     a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
     a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
+    a("--max-requests", help="circuit breaker: requests in flight to the pool, past it a 503 at once (default 0: off)")
+    a("--max-pending", help="requests waiting for a pooled connection, past it a 503 at once (default 0: unlimited)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
     a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "
