@@ -283,7 +283,9 @@ def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None, breaker
     cls, tls = BackendPool, {}
     if spec.scheme == "https":
         cls, tls = TLSBackendPool, {"cert_reqs": "CERT_REQUIRED", "ca_certs": cfg.ca_file}
-    pool = cls(spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
+        if spec.address:     # one address of a DNS name: the certificate is still the name's
+            tls.update(server_hostname=spec.host, assert_hostname=spec.host)
+    pool = cls(spec.address or spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
                connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool, **tls)
     pool.url = spec.url

@@ -55,6 +55,8 @@ FAMILIES = {
                                                     "a new one at max_connections."),
     "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
                                     "by the failed one."),
+    "lb_dns_resolutions_total": ("counter", "Resolutions of DNS-named backends ([upstream] resolver), by result (ok, failed)."),
+    "lb_dns_addresses": ("gauge", "Addresses a DNS-named backend resolves to now: each is a backend."),
     "lb_overflow_total": ("counter", "Requests answered 503 at once by the pool's circuit breaker, by the cap (max_requests, max_pending)."),
     "lb_pool_requests_in_flight": ("gauge", "Requests in flight to the pool, counted by its circuit breaker (when max_requests is set)."),
     "lb_pool_pending": ("gauge", "Requests waiting for a pooled backend connection."),
