@@ -61,7 +61,7 @@ def status(e):
 
 
 def addresses(e):
-    return sorted(b.get("address") for b in status(e)["backends"])
+    return sorted(b["address"] for b in status(e)["backends"] if "address" in b)
 
 
 def served_by(e, n=12):
@@ -162,3 +162,46 @@ def test_without_a_resolver_a_name_is_one_backend_as_before():
     finally:
         e.stop()
         a.stop()
+
+
+def test_a_reload_keeps_the_resolved_set_and_a_dropped_resolver_drains_it(tmp_path):
+    import signal
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    other = Backend("other")
+    dns.records["api.test"] = ["127.0.0.1", "127.0.0.2"]
+    cfg = tmp_path / "edge.toml"
+    upstream = f'[upstream]\nresolver = "127.0.0.1:{dns.port}"\nresolve_interval = 0.3\n'
+    one = f'[[backends]]\nurl = "http://api.test:{a.port}"\n'
+    cfg.write_text(one + upstream)
+    e = Edge("--config", str(cfg), "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert addresses(e) == ["127.0.0.1", "127.0.0.2"]
+        # another backend added: the name's two addresses are kept as they are, not re-made
+        cfg.write_text(one + f'[[backends]]\nurl = "{other.url}"\n' + upstream)
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 3 backends \(1 added, 0 removed")
+        assert addresses(e) == ["127.0.0.1", "127.0.0.2"] and len(status(e)["backends"]) == 3
+        # no resolver: the name is one backend again, its addresses drain
+        cfg.write_text(one + f'[[backends]]\nurl = "{other.url}"\n')
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 2 backends \(1 added, 2 removed")
+        assert sorted(x["url"] for x in status(e)["backends"]) == sorted([f"http://api.test:{a.port}", other.url])
+        assert status(e)["resolved"] == {}
+    finally:
+        e.stop()
+        for x in (a, b, other):
+            x.stop()
+        dns.close()
+
+
+def test_answers_are_parsed_a_and_aaaa_with_their_ttl_other_types_skipped():
+    from lb.resolve import AAAA, A, parse_answer
+    q = b"\x12\x34\x81\x80\x00\x01\x00\x03\x00\x00\x00\x00" + b"\x03api\x04test\x00" + b"\x00\x1c\x00\x01"
+    rr6 = b"\xc0\x0c" + struct.pack("!HHIH", AAAA, 1, 60, 16) + socket.inet_pton(socket.AF_INET6, "fd00::5")
+    cname = b"\xc0\x0c" + struct.pack("!HHIH", 5, 1, 60, 4) + b"\x01x\xc0\x0c"   # another type: skipped
+    rr4 = b"\xc0\x0c" + struct.pack("!HHIH", A, 1, 7, 4) + socket.inet_aton("10.0.0.5")
+    data = q + cname + rr6 + rr4
+    assert parse_answer(data, AAAA) == [("fd00::5", 60)]
+    assert parse_answer(data, A) == [("10.0.0.5", 7)]
