@@ -205,3 +205,10 @@ def test_answers_are_parsed_a_and_aaaa_with_their_ttl_other_types_skipped():
     data = q + cname + rr6 + rr4
     assert parse_answer(data, AAAA) == [("fd00::5", 60)]
     assert parse_answer(data, A) == [("10.0.0.5", 7)]
+
+
+def test_a_resolver_that_is_not_an_address_is_a_config_error_naming_the_key():
+    from tests.support import config_error
+    line = config_error("--backends", "http://127.0.0.1:9", "--resolver", "dns.example:53")
+    assert "upstream.resolver" in line and "dns.example:53" in line
+    assert "--max-requests" in config_error("--backends", "http://127.0.0.1:9", "--max-requests", "-1")
