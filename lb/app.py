@@ -36,6 +36,8 @@ from .netaddr import held, hostport
 from .outlier import Ejector
 from .tunnel import close_all as close_tunnels
 from .proxy import Edge, EdgeServer
+from .breaker import Breaker
+from .resolve import ResolveError, is_address, lookup
 from .retrybudget import RetryBudget
 from .server import StartError
 
@@ -43,6 +45,7 @@ log = logging.getLogger("edge")
 
 # Settings a running process cannot take on; a reload names them in one line.
 NEED_RESTART = ("listen", "admin", "workers", "cpu_affinity")
+RESOLVE_TIMEOUT = 2.0     # one DNS question; a resolver silent this long is a failed resolution
 POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeout", "pool_idle_timeout", "no_pool")
 
 
@@ -101,7 +104,17 @@ class App:
         cfg = self._with_demo(cfg)
         self.cfg = cfg
         self.metrics = Metrics()
-        backends = [make_backend(s, cfg) for s in cfg.backends]
+        self.breaker = Breaker(cfg.max_requests, cfg.max_pending)   # the pool's circuit breaker
+        self.metrics.breaker = self.breaker
+        self.resolved: dict[str, list[str]] = {}   # a DNS-named backend's URL -> its addresses (lb/resolve.py)
+        self.resolve_failing: dict[str, str] = {}  # ... -> why its last resolution failed (logged once)
+        self.resolutions = {"ok": 0, "failed": 0}
+        self._resolving = None                     # the re-resolution thread, once a resolver is set
+        try:
+            specs = self._concrete(cfg.backends, cfg)
+        except ConfigError as e:
+            raise StartError(str(e)) from None
+        backends = [make_backend(s, cfg, breaker=self.breaker) for s in specs]
         self.balancer = Balancer(backends, cfg.strategy, slow_start=cfg.slow_start)
         self.ejector = Ejector(cfg.eject_after, cfg.eject_for, cfg.max_ejected_percent)
         self.retry_budget = RetryBudget(cfg.retry_budget_percent, cfg.retry_budget_min)
@@ -112,7 +125,7 @@ class App:
         self.access_log = self._open_access_log(cfg)
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
-                         ejector=self.ejector, retry_budget=self.retry_budget)
+                         ejector=self.ejector, retry_budget=self.retry_budget, breaker=self.breaker)
         from . import tls as tls_mod
         self.edge.tls = tls_mod.take_inherited() or self._tls_context(cfg)   # a worker: the supervisor's
         if worker is None:               # (workers: the supervisor checked, and its reserve socket holds the port)
@@ -165,6 +178,85 @@ class App:
         self.metrics.declare_backends(b.url for b in backends)
         for b in backends:
             self._watch(b)
+        self._start_resolving()
+
+    # -- DNS-named backends (lb/resolve.py) ----------------------------------------------------------
+
+    def _concrete(self, specs, cfg) -> list[BackendSpec]:
+        """The backends the configured ones stand for: with a resolver set, a DNS name is one backend per
+        address (the addresses known, or asked now); an IP literal, or any name without a resolver, is one.
+        Raises ConfigError for a name that does not resolve (at start, or new in a reload)."""
+        out = []
+        for spec in specs:
+            if cfg.resolver is None or is_address(spec.host):
+                out.append(spec)
+                continue
+            addrs = self.resolved.get(spec.url)
+            if addrs is None:
+                try:
+                    addrs, _ = lookup(spec.host, cfg.resolver, RESOLVE_TIMEOUT)
+                except ResolveError as e:
+                    raise ConfigError(f"backends: {spec.url}: {spec.host} does not resolve with resolver "
+                                      f"{cfg.resolver} ({e})") from None
+                self.resolved[spec.url] = addrs
+                self.resolutions["ok"] += 1
+            out += [_at(spec, a) for a in addrs]
+        return out
+
+    def _start_resolving(self) -> None:
+        if self.cfg.resolver is not None and self._resolving is None:
+            self._resolving = threading.Thread(target=self._resolve_loop, daemon=True, name="resolve")
+            self._resolving.start()
+
+    def _resolve_loop(self) -> None:
+        """Every resolve_interval (sooner when a record's TTL is shorter, never more than once a second)."""
+        while True:
+            cfg = self.cfg
+            wait = cfg.resolve_interval
+            if cfg.resolver is not None:
+                for spec in cfg.backends:
+                    if not is_address(spec.host):
+                        ttl = self._resolve(spec, cfg)
+                        if ttl is not None:
+                            wait = min(wait, max(1.0, ttl))
+            time.sleep(wait if cfg.resolver is not None else 1.0)
+
+    def _resolve(self, spec: BackendSpec, cfg) -> float | None:
+        """Ask again for one name; a changed set is applied. A failure keeps the last good set, logged once."""
+        try:
+            addrs, ttl = lookup(spec.host, cfg.resolver, RESOLVE_TIMEOUT)
+        except ResolveError as e:
+            self.resolutions["failed"] += 1
+            if spec.url not in self.resolve_failing:
+                log.warning("backend %s: resolving %s failed (%s); its last addresses stay: %s", spec.url,
+                            spec.host, e, ", ".join(self.resolved.get(spec.url, ())) or "none")
+            self.resolve_failing[spec.url] = str(e)
+            return None
+        self.resolutions["ok"] += 1
+        if self.resolve_failing.pop(spec.url, None) is not None:
+            log.info("backend %s: %s resolves again", spec.url, spec.host)
+        with self._reload_lock:
+            if self.cfg is not cfg or addrs == self.resolved.get(spec.url):
+                return ttl     # unchanged, or a reload came between (it resolved with what it knew)
+            self.resolved[spec.url] = addrs
+            want = {s.url: s for s in (_at(spec, a) for a in addrs)}
+            mine = spec.url + " ("
+            old = self.balancer.backends
+            removed = [b for b in old if b.spec.address and b.url.startswith(mine) and b.url not in want]
+            have = {b.url for b in old}
+            added = [make_backend(s, cfg, joined_at=time.monotonic(), breaker=self.breaker)   # slow start, if on
+                     for u, s in want.items() if u not in have]
+            self.balancer.set_backends([b for b in old if b not in removed] + added)
+            self.metrics.declare_backends(b.url for b in added)
+            for b in added:
+                self._watch(b)
+            for b in removed:
+                self.health.unwatch(b)
+                self.ejector.forget(b)
+                threading.Thread(target=self._drain_backend, args=(b,), daemon=True, name=f"drain {b.url}").start()
+            log.info("backend %s: %s resolves to %s (%d added, %d draining)", spec.url, spec.host,
+                     ", ".join(addrs), len(added), len(removed))
+        return ttl
 
     def _watch(self, b) -> None:
         """Health checks for b, and its state changes counted (lb_backend_transitions_total)."""
@@ -253,6 +345,10 @@ class App:
                         "max_in_flight": self.cfg.max_in_flight, "status": self.cfg.limit_status},
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
                         "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
+            "breaker": self.breaker.status(),
+            "resolver": self.cfg.resolver, "resolve_interval": self.cfg.resolve_interval,
+            "resolved": {u: {"addresses": a, **({"failing": self.resolve_failing[u]} if u in self.resolve_failing else {})}
+                         for u, a in self.resolved.items()},
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
             "known_keys": len(self.cfg.keys), "unknown_keys": self.cfg.unknown_keys,
             "backends": [self.backend_status(b, now) for b in self.balancer.backends],
@@ -290,7 +386,8 @@ class App:
                 "drained": b.drained, "ejected": b.ejected,
                 "ejected_for": round(max(0.0, b.ejected_until - now), 3) if b.ejected else 0,
                 "times_ejected": b.times_ejected, "fail_streak": b.fail_streak, "pass_streak": b.pass_streak,
-                "last_probe": b.last_probe, "inflight": b.inflight}
+                "last_probe": b.last_probe, "inflight": b.inflight,
+                **({"name": b.spec.url, "address": b.spec.address} if b.spec.address else {})}
 
     # -- admin actions ------------------------------------------------------------------------------
 
@@ -338,6 +435,11 @@ class App:
                ("lb_idle_connections_closed_total", ()): self.edge.idle_closed,
                ("lb_buffer_memory_bytes", ()): self.edge.buffers.used,
                ("lb_buffer_temp_files", ()): self.edge.buffers.files}
+        if self.cfg.resolver is not None:
+            for result, n in self.resolutions.items():
+                out[("lb_dns_resolutions_total", (("result", result),))] = n
+            for u, a in self.resolved.items():
+                out[("lb_dns_addresses", (("backend", u),))] = len(a)
         for b in self.balancer.backends:
             lab = (("backend", b.url),)
             out[("lb_backend_up", lab)] = 1 if b.up else 0
@@ -473,13 +575,24 @@ class App:
                 sdnotify.notify("READY=1")
                 return False
 
+            if new.resolver != old.resolver:
+                self.resolved = {}              # another resolver: every name asked again
+            try:
+                specs = self._concrete(new.backends, new)
+            except ConfigError as e:
+                log.error("reload rejected, the running configuration stays: %s", e)
+                sdnotify.notify("READY=1")
+                return False
+            for url in set(self.resolved) - {s.url for s in new.backends}:
+                del self.resolved[url]
+
             current = {b.url: b for b in self.balancer.backends}
             keep, added, old_pools, reweighted = [], [], [], []
             new_pools = any(getattr(new, n) != getattr(old, n) for n in POOL_SETTINGS)
-            for spec in new.backends:
+            for spec in specs:
                 b = current.pop(spec.url, None)
                 if b is None:
-                    b = make_backend(spec, new, joined_at=time.monotonic())   # slow start, if on
+                    b = make_backend(spec, new, joined_at=time.monotonic(), breaker=self.breaker)   # slow start, if on
                     added.append(b)
                 else:
                     if b.weight != spec.weight:
@@ -488,7 +601,7 @@ class App:
                     b.spec = spec
                     if new_pools:        # a pool's limits are fixed at creation: a new one, the old drains
                         old_pools.append(b.pool)
-                        b.pool = make_backend(spec, new).pool
+                        b.pool = make_backend(spec, new, breaker=self.breaker).pool
                 keep.append(b)
             removed = list(current.values())
 
@@ -497,6 +610,7 @@ class App:
             h.rise, h.fall = new.healthy_threshold, new.unhealthy_threshold
             self.ejector.configure(new.eject_after, new.eject_for, new.max_ejected_percent)
             self.retry_budget.configure(new.retry_budget_percent, new.retry_budget_min)
+            self.breaker.configure(new.max_requests, new.max_pending)
             # One assignment each: a request in flight sees the old or the new part, never half of one.
             self.edge.cfg = new
             self.edge.limiter = limiter
@@ -525,6 +639,7 @@ class App:
                      f", {len(reweighted)} reweighted: {', '.join(reweighted)}" if reweighted else "",
                      new.limit or "off", len(new.rules), len(new.keys), ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
+            self._start_resolving()
             self._memory_policy(new)   # Redis's own configuration may have changed too
             if old_log is not None:
                 old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
@@ -609,3 +724,8 @@ class App:
             self.access_log.close()
         for s in self.demo_servers:
             s.shutdown()
+
+
+def _at(spec: BackendSpec, address: str) -> BackendSpec:
+    """One address of a DNS-named backend: its own backend, shown as `URL (ADDRESS)`."""
+    return replace(spec, url=f"{spec.url} ({address})", address=address)

@@ -79,6 +79,7 @@ class LifoSlots:
         self.lock = threading.Lock()
         self.waiters: deque = deque()    # (gate, box) per waiting getter, the longest-waiting first
         self.waiting = 0
+        self.breaker = None              # the pool's Breaker (lb/breaker.py): its cap on waiters, pool-wide
 
     def qsize(self) -> int:
         return len(self.items)
@@ -115,12 +116,18 @@ class LifoSlots:
                 else:
                     self.waiting -= 1
                     return item
+            breaker = self.breaker
+            if breaker is not None and not breaker.wait():
+                self.waiting -= 1
+                raise PendingFull
             gate, box = threading.Lock(), []
             gate.acquire()
             self.waiters.append((gate, box))
         try:
             gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
         finally:
+            if breaker is not None:
+                breaker.unwait()
             with self.lock:
                 self.waiting -= 1
                 if not box:
@@ -128,6 +135,10 @@ class LifoSlots:
         if box:
             return box[0]
         raise queue.Empty
+
+
+class PendingFull(queue.Empty):
+    """The pool's line for a connection is at its cap (max_pending): shed at once, not queued."""
 
 
 class BackendPool(urllib3.HTTPConnectionPool):
@@ -149,6 +160,9 @@ class BackendPool(urllib3.HTTPConnectionPool):
             raise ClosedPoolError(self, "Pool is closed.")
         try:
             conn = self.pool.get(block=True, timeout=timeout)
+        except PendingFull:
+            raise PoolExhausted(f"overflow: {self.pool.breaker.max_pending} requests already wait for a "
+                                "connection (max_pending)") from None
         except queue.Empty:
             raise EmptyPoolError(self, "Pool is empty and a new connection can't be opened due to blocking mode.") from None
         if conn is None:
@@ -265,14 +279,17 @@ class Backend:
         return f"<Backend {self.url} w={self.weight} {self.state}>"
 
 
-def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None) -> Backend:
+def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None, breaker=None) -> Backend:
     cls, tls = BackendPool, {}
     if spec.scheme == "https":
         cls, tls = TLSBackendPool, {"cert_reqs": "CERT_REQUIRED", "ca_certs": cfg.ca_file}
-    pool = cls(spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
+        if spec.address:     # one address of a DNS name: the certificate is still the name's
+            tls.update(server_hostname=spec.host, assert_hostname=spec.host)
+    pool = cls(spec.address or spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
                connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool, **tls)
     pool.url = spec.url
+    pool.pool.breaker = breaker
     b = Backend(spec, pool)
     b.joined_at = joined_at   # None at start: the whole pool starts together, nobody ramps
     return b

@@ -36,6 +36,7 @@ class BackendSpec:
     host: str = ""    # without brackets
     port: int = 80
     scheme: str = "http"   # or https: TLS to the backend, verified
+    address: str = ""      # one address a DNS name resolved to (lb/resolve.py): connect there, host stays the name
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,10 @@ class Config:
     retries: int = 2                         # a connect failure is retried on another backend, N times
     retry_budget_percent: float = 20.0       # retries in flight at most this % of active requests...
     retry_budget_min: int = 10               # ...but always this many (Envoy's budget, Linkerd's floor)
+    max_requests: int = 0                    # circuit breaker: requests in flight to the pool, then 503; 0 off
+    max_pending: int = 0                     # requests waiting for a pooled connection, then 503; 0 unlimited
+    resolver: str | None = None              # DNS-named backends: "HOST:PORT" (a DNS server) or "system"; None: off
+    resolve_interval: float = 30.0           # re-resolve them this often (or sooner, at the records' TTL)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
@@ -319,6 +324,9 @@ _SECTIONS = {
                  "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", Num(True, 0, 100)),
                  "retry_budget_percent": ("retry_budget_percent", PERCENT),
                  "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000)),
+                 "max_requests": ("max_requests", Num(True, 0, 10_000_000)),
+                 "max_pending": ("max_pending", Num(True, 0, 10_000_000)),
+                 "resolver": ("resolver", "s"), "resolve_interval": ("resolve_interval", SECONDS),
                  "proxy_buffering": ("proxy_buffering", "onoff"),
                  "max_temp_file_size": ("max_temp_file_size", Num(True, 0, 2 ** 50))},
     "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
@@ -496,6 +504,11 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
     a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
     a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
+    a("--max-requests", help="circuit breaker: requests in flight to the pool, past it a 503 at once (default 0: off)")
+    a("--max-pending", help="requests waiting for a pooled connection, past it a 503 at once (default 0: unlimited)")
+    a("--resolver", help="DNS-named backends: every address a backend's name resolves to is a backend; "
+                         "HOST:PORT of a DNS server, or 'system' (getaddrinfo). Default: off (a name is one backend)")
+    a("--resolve-interval", help="seconds between re-resolutions of DNS-named backends (default 30, or the records' TTL)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
     a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "
@@ -702,6 +715,11 @@ def _known_keys(values: dict) -> tuple:
     return keys
 
 
+def _is_ip(host: str) -> bool:
+    from .resolve import is_address
+    return is_address(host)
+
+
 def validate(c: Config) -> list[str]:
     """Checks across keys; every problem found, one line each."""
     bad: list[str] = []
@@ -722,6 +740,11 @@ def validate(c: Config) -> list[str]:
         bad.append(f"access_log_format: {c.access_log_format!r} is not one of {', '.join(ACCESS_LOG_FORMATS)}")
     if not c.backends and not c.demo:
         bad.append("backends: none configured (use --backends URL,... or [[backends]], or --demo)")
+    if c.resolver is not None and c.resolver != "system":
+        parts = split_hostport(c.resolver)
+        if parts is None or not parts[1].isdigit() or not 0 < int(parts[1]) <= 65535 or not _is_ip(parts[0]):
+            bad.append(f"upstream.resolver: expected \"system\" or IP:PORT of a DNS server (e.g. \"127.0.0.1:53\"), "
+                       f"got {c.resolver!r}")
     seen = set()
     for b in c.backends:
         if b.url in seen:

@@ -33,7 +33,7 @@ def probe(b: Backend, path: str, timeout: float) -> tuple[bool, str]:
     deadline = monotonic() + timeout
     s = None
     try:
-        s = socket.create_connection((b.spec.host, b.spec.port), timeout=timeout)
+        s = socket.create_connection((b.spec.address or b.spec.host, b.spec.port), timeout=timeout)
         if b.spec.scheme == "https":    # verified as the request pool verifies it
             ctx = ssl.create_default_context(cafile=getattr(b.pool, "ca_certs", None))
             s.settimeout(max(deadline - monotonic(), 0.001))     # the handshake is inside the deadline

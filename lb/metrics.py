@@ -55,6 +55,11 @@ FAMILIES = {
                                                     "a new one at max_connections."),
     "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
                                     "by the failed one."),
+    "lb_dns_resolutions_total": ("counter", "Resolutions of DNS-named backends ([upstream] resolver), by result (ok, failed)."),
+    "lb_dns_addresses": ("gauge", "Addresses a DNS-named backend resolves to now: each is a backend."),
+    "lb_overflow_total": ("counter", "Requests answered 503 at once by the pool's circuit breaker, by the cap (max_requests, max_pending)."),
+    "lb_pool_requests_in_flight": ("gauge", "Requests in flight to the pool, counted by its circuit breaker (when max_requests is set)."),
+    "lb_pool_pending": ("gauge", "Requests waiting for a pooled backend connection."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
@@ -180,6 +185,7 @@ class Metrics:
         for k in _DURATION.values():
             self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
+        self.breaker = None           # Breaker (lb/breaker.py), likewise
         self._done_keys: dict = {}    # backend_done's record keys, by (backend, status // 100)
         self.carry = Carry()          # with workers: the numbers of workers that restarted
         self.top = TopKeys()          # the most rejected clients (limit_outcome)
@@ -370,6 +376,10 @@ class Metrics:
             c.append(["lb_retry_budget_exhausted_total", [], rb.refused])
             g += [["lb_retries_in_flight", [], rb.retrying], ["lb_retries_in_flight_peak", [], rb.peak],
                   ["lb_upstream_active", [], rb.active]]
+        br = self.breaker
+        if br is not None:
+            c += [["lb_overflow_total", [["limit", k]], v] for k, v in br.overflow.items()]
+            g += [["lb_pool_requests_in_flight", [], br.requests], ["lb_pool_pending", [], br.pending]]
         served = sum(x[4] for x in h if x[0] == "lb_request_duration_seconds")
         return {"worker": worker, "id": [os.getpid(), self.started], "c": c, "g": g, "h": h, "served": served, "top": self.top_now()}
 

@@ -36,6 +36,7 @@ from .rules import configured_subjects
 from .outlier import Ejector
 from .ratelimit import Holds
 from .ratelimit import release as release_slots
+from .breaker import Breaker
 from .retrybudget import RetryBudget
 from .httpio import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
                      own_response, parse_request, send, send_timeout)
@@ -141,7 +142,7 @@ class Edge:
     """The request pipeline over one configuration. serve_connection runs on each client's thread."""
 
     def __init__(self, cfg, balancer, metrics, limiter=None, identifier=None, access_log=None,
-                 ejector=None, retry_budget=None):
+                 ejector=None, retry_budget=None, breaker=None):
         self.cfg = cfg
         self.balancer = balancer
         self.metrics = metrics
@@ -150,6 +151,7 @@ class Edge:
         self.access_log = access_log        # AccessLog, or None
         self.ejector = ejector or Ejector(0)          # passive health (lb/outlier.py)
         self.retry_budget = retry_budget or RetryBudget()
+        self.breaker = breaker or Breaker()           # the pool's circuit breaker (lb/breaker.py)
         self.refused_connections = 0
         self.idle_closed = 0                # idle keep-alive connections closed to make room at the cap
         self.draining = False               # set after SIGTERM's grace: finish what is in flight, take nothing new
@@ -336,6 +338,8 @@ class Edge:
         finally:
             if x.slots is not None:  # in-flight slots (--max-in-flight): given back on every path, here only
                 release_slots(x.slots)
+            if x.admitted is not None:   # the pool's circuit breaker, likewise
+                x.admitted.leave()
 
     def _handle(self, x: "Exchange", req: Request, reader: Reader, sock: socket.socket, peer: bytes,
                 peer_trusted: bool, peer_ip: str) -> bool:
@@ -382,7 +386,15 @@ class Edge:
             except ValueError as e:
                 return self._answer(sock, x, 400, str(e), False)
 
-        # 3. choose a backend (a sticky route takes no round-robin turn)
+        # 3. choose a backend (a sticky route takes no round-robin turn). The pool's circuit breaker
+        #    first (Envoy checks it as the request is about to use the cluster): a shed request takes
+        #    nobody's round-robin turn, but has spent its token, as a 503 for "nobody healthy" has.
+        breaker = self.breaker
+        if breaker.max_requests:
+            if not breaker.enter():
+                return self._answer(sock, x, 503, f"overflow: {breaker.max_requests} requests in flight to the "
+                                    "pool (max_requests)", keep_if_early)
+            x.admitted = breaker
         if self.ejector.ejected:
             self.sweep_ejections()
         backend = None
@@ -535,7 +547,7 @@ class Exchange:
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name", "rid_header", "counted", "slots", "reader", "bytes_received", "upstream_status")
+                 "tunnel", "key_name", "rid_header", "counted", "slots", "admitted", "reader", "bytes_received", "upstream_status")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
@@ -543,6 +555,7 @@ class Exchange:
         self.key = ""                # who, as logs may show it (never a raw API key)
         self.key_name = None         # a known API key's configured name (lb/keys.py)
         self.slots = None            # in-flight slots to give back (lb/ratelimit.py: release)
+        self.admitted = None         # the Breaker that admitted it, to leave() at its end
         self.limited_by = ""         # the rules that rejected (or, dry-run, would have)
         self.upgrade = None          # the Upgrade value forwarded, for an allowed upgrade (lb/tunnel.py)
         self.tunnel = None           # (bytes client->backend, bytes backend->client, why it ended) after a 101

@@ -1,0 +1,214 @@
+"""DNS-named backends (issue 28): with [upstream] resolver set, every A/AAAA record of a backend's name
+is a backend; re-resolved every resolve_interval, an address that joins gets traffic, one that vanished
+drains (its requests in flight finish), a failed resolution keeps the last set and is logged once.
+
+The resolver is a small DNS server of the test's own on a loopback port: the machine's is never asked."""
+
+import json
+import socket
+import struct
+import threading
+
+from tests.support import Backend, Edge, request, wait_until
+
+
+class TinyDNS:
+    """Answers A queries from `records` (name -> [IPv4]); AAAA with no records; `fail` -> SERVFAIL."""
+
+    def __init__(self):
+        self.records: dict[str, list[str]] = {}
+        self.fail = False
+        self.queries = 0
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.running = True
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while self.running:
+            try:
+                data, peer = self.sock.recvfrom(512)
+            except OSError:
+                return
+            self.queries += 1
+            qid, _, qd, _, _, _ = struct.unpack("!HHHHHH", data[:12])
+            i, labels = 12, []
+            while data[i]:
+                labels.append(data[i + 1:i + 1 + data[i]].decode())
+                i += 1 + data[i]
+            qtype = struct.unpack("!H", data[i + 1:i + 3])[0]
+            question = data[12:i + 5]
+            name = ".".join(labels).lower()
+            if self.fail:
+                self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8182, 1, 0, 0, 0) + question, peer)
+                continue
+            addrs = self.records.get(name) if qtype == 1 else []
+            if addrs is None:      # unknown name: NXDOMAIN
+                self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8183, 1, 0, 0, 0) + question, peer)
+                continue
+            answers = b"".join(b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(a)
+                               for a in addrs)
+            self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, len(addrs), 0, 0) + question + answers, peer)
+
+    def close(self):
+        self.running = False
+        self.sock.close()
+
+
+def status(e):
+    return json.loads(request(e.admin_port, "GET", "/status").body)
+
+
+def addresses(e):
+    return sorted(b["address"] for b in status(e)["backends"] if "address" in b)
+
+
+def served_by(e, n=12):
+    return {request(e.port, "GET", "/").header("X-Backend") for _ in range(n)}
+
+
+def test_each_address_is_a_backend_and_the_set_follows_dns():
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    port = a.port
+    b = Backend("two", port, host="127.0.0.2")
+    c = Backend("three", port, host="127.0.0.3")
+    dns.records["api.test"] = ["127.0.0.1", "127.0.0.2"]
+    e = Edge("--backends", f"http://api.test:{port}", "--resolver", f"127.0.0.1:{dns.port}",
+             "--resolve-interval", "0.3", "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert addresses(e) == ["127.0.0.1", "127.0.0.2"]
+        st = status(e)
+        assert st["resolved"] == {f"http://api.test:{port}": {"addresses": ["127.0.0.1", "127.0.0.2"]}}
+        assert {x["url"] for x in st["backends"]} == {f"http://api.test:{port} (127.0.0.1)",
+                                                      f"http://api.test:{port} (127.0.0.2)"}
+        assert served_by(e) == {"one", "two"}
+
+        # a request in flight to the address that vanishes finishes; the new address gets traffic
+        dns.records["api.test"] = ["127.0.0.1"]
+        wait_until(lambda: addresses(e) == ["127.0.0.1"], what="127.0.0.2 removed")
+        slow = {}
+        t = threading.Thread(target=lambda: slow.update(r=request(e.port, "GET", "/slow?ms=1500", timeout=10)))
+        t.start()
+        wait_until(lambda: status(e)["backends"][0]["inflight"] == 1, what="the slow request in flight")
+        dns.records["api.test"] = ["127.0.0.3"]
+        wait_until(lambda: addresses(e) == ["127.0.0.3"], what="the set follows DNS")
+        assert served_by(e) == {"three"}
+        t.join(10)
+        assert slow["r"].status == 200 and slow["r"].header("X-Backend") == "one"   # drained, not cut
+        e.wait_log(r"127\.0\.0\.1\) removed \(drained\)")
+        assert "resolves to 127.0.0.3 (1 added, 1 draining)" in e.log()
+
+        # a failed resolution keeps the last good set, logged once however many times it fails
+        before = dns.queries
+        dns.fail = True
+        wait_until(lambda: dns.queries >= before + 8, what="several failed resolutions")
+        assert e.log().count("resolving api.test failed") == 1
+        assert served_by(e, 4) == {"three"}
+        text = request(e.admin_port, "GET", "/metrics").body.decode()
+        assert 'lb_dns_resolutions_total{result="failed"}' in text
+        assert "failing" in status(e)["resolved"][f"http://api.test:{port}"]
+        dns.fail = False
+        e.wait_log("api.test resolves again")
+    finally:
+        e.stop()
+        for x in (a, b, c):
+            x.stop()
+        dns.close()
+
+
+def test_a_new_address_ramps_up_with_slow_start():
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    dns.records["api.test"] = ["127.0.0.1"]
+    e = Edge("--backends", f"http://api.test:{a.port}", "--resolver", f"127.0.0.1:{dns.port}",
+             "--resolve-interval", "0.3", "--admin", "127.0.0.1:0", "--health-interval", "60",
+             "--slow-start", "30")
+    try:
+        dns.records["api.test"] = ["127.0.0.1", "127.0.0.2"]
+        wait_until(lambda: len(status(e)["backends"]) == 2, what="the new address joins")
+        new = [x for x in status(e)["backends"] if x["address"] == "127.0.0.2"][0]
+        old = [x for x in status(e)["backends"] if x["address"] == "127.0.0.1"][0]
+        assert new["effective_weight"] < 0.5 and old["effective_weight"] == 1
+    finally:
+        e.stop()
+        a.stop()
+        b.stop()
+        dns.close()
+
+
+def test_a_name_that_does_not_resolve_at_start_is_refused_in_one_line():
+    dns = TinyDNS()
+    try:
+        import subprocess, sys
+        from tests.support import ROOT
+        p = subprocess.run([sys.executable, "edge.py", "--listen", "127.0.0.1:0", "--backends", "http://nowhere.test:80",
+                            "--resolver", f"127.0.0.1:{dns.port}"], cwd=ROOT, capture_output=True, text=True, timeout=20)
+        assert p.returncode != 0 and "Traceback" not in p.stderr
+        assert "nowhere.test does not resolve" in p.stderr and "NXDOMAIN" in p.stderr, p.stderr
+    finally:
+        dns.close()
+
+
+def test_without_a_resolver_a_name_is_one_backend_as_before():
+    a = Backend("one", 0, host="127.0.0.1")
+    e = Edge("--backends", f"http://localhost:{a.port}", "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        st = status(e)
+        assert [x["url"] for x in st["backends"]] == [f"http://localhost:{a.port}"]
+        assert "address" not in st["backends"][0] and st["resolved"] == {}
+    finally:
+        e.stop()
+        a.stop()
+
+
+def test_a_reload_keeps_the_resolved_set_and_a_dropped_resolver_drains_it(tmp_path):
+    import signal
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    other = Backend("other")
+    dns.records["api.test"] = ["127.0.0.1", "127.0.0.2"]
+    cfg = tmp_path / "edge.toml"
+    upstream = f'[upstream]\nresolver = "127.0.0.1:{dns.port}"\nresolve_interval = 0.3\n'
+    one = f'[[backends]]\nurl = "http://api.test:{a.port}"\n'
+    cfg.write_text(one + upstream)
+    e = Edge("--config", str(cfg), "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert addresses(e) == ["127.0.0.1", "127.0.0.2"]
+        # another backend added: the name's two addresses are kept as they are, not re-made
+        cfg.write_text(one + f'[[backends]]\nurl = "{other.url}"\n' + upstream)
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 3 backends \(1 added, 0 removed")
+        assert addresses(e) == ["127.0.0.1", "127.0.0.2"] and len(status(e)["backends"]) == 3
+        # no resolver: the name is one backend again, its addresses drain
+        cfg.write_text(one + f'[[backends]]\nurl = "{other.url}"\n')
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 2 backends \(1 added, 2 removed")
+        assert sorted(x["url"] for x in status(e)["backends"]) == sorted([f"http://api.test:{a.port}", other.url])
+        assert status(e)["resolved"] == {}
+    finally:
+        e.stop()
+        for x in (a, b, other):
+            x.stop()
+        dns.close()
+
+
+def test_answers_are_parsed_a_and_aaaa_with_their_ttl_other_types_skipped():
+    from lb.resolve import AAAA, A, parse_answer
+    q = b"\x12\x34\x81\x80\x00\x01\x00\x03\x00\x00\x00\x00" + b"\x03api\x04test\x00" + b"\x00\x1c\x00\x01"
+    rr6 = b"\xc0\x0c" + struct.pack("!HHIH", AAAA, 1, 60, 16) + socket.inet_pton(socket.AF_INET6, "fd00::5")
+    cname = b"\xc0\x0c" + struct.pack("!HHIH", 5, 1, 60, 4) + b"\x01x\xc0\x0c"   # another type: skipped
+    rr4 = b"\xc0\x0c" + struct.pack("!HHIH", A, 1, 7, 4) + socket.inet_aton("10.0.0.5")
+    data = q + cname + rr6 + rr4
+    assert parse_answer(data, AAAA) == [("fd00::5", 60)]
+    assert parse_answer(data, A) == [("10.0.0.5", 7)]
+
+
+def test_a_resolver_that_is_not_an_address_is_a_config_error_naming_the_key():
+    from tests.support import config_error
+    line = config_error("--backends", "http://127.0.0.1:9", "--resolver", "dns.example:53")
+    assert "upstream.resolver" in line and "dns.example:53" in line
+    assert "--max-requests" in config_error("--backends", "http://127.0.0.1:9", "--max-requests", "-1")
