@@ -17,8 +17,8 @@ request's wait is compared with max_delay in Lua as `due - now <= D` and in Pyth
 
 from __future__ import annotations
 
-from .redis_store import _COMMON, _SCRIPTS, _fw_state, _sc_state, _tb_state
-from .shaping import ShapedFixedWindow, ShapedSlidingCounter, ShapedTokenBucket
+from .redis_store import _COMMON, _PEEKS, _SCRIPTS, _fw_state, _sc_state, _tb_state
+from .shaping import ShapedFixedWindow, ShapedSlidingCounter, ShapedSlidingLog, ShapedTokenBucket
 
 # ARGV: now, grace_ms, capacity, per_token (T), rate, cost, max_delay
 TOKEN_BUCKET = _COMMON + """
@@ -122,8 +122,101 @@ redis.call('SET', KEYS[1], string.format('%.17g %d %d', sk, prev, cur), 'PX', tt
 return reply('1', raw)
 """
 
+# Python's math.nextafter and limiter.algorithms._delta / _first_true, for the doubles of an instant (>= 0)
+_FLOATS = """
+local TINY = 4.9406564584124654e-324
+local function up(x)  -- the next double above x
+  if x == 0 then return TINY end
+  local _, e = math.frexp(x)  -- x = m * 2^e, 0.5 <= m < 1: its ulp is 2^(e - 53)
+  return x + math.ldexp(1, e - 53)
+end
+local function down(x)  -- the next double below x > 0
+  local m, e = math.frexp(x)
+  if m == 0.5 then return x - math.ldexp(1, e - 54) end
+  return x - math.ldexp(1, e - 53)
+end
+local function delta(x, t)  -- seconds from t until x, rounded so that t + result >= x
+  local r = x - t
+  if r <= 0 then return 0.0 end
+  while t + r < x do r = up(r) end
+  return r
+end
+"""
+
+# ARGV: now, grace_ms, window, limit, cost, max_delay.  Reply "<0|1>[ <L> <last>[ <m> <due>]]": L the entries
+# still counting (> now), last the newest; when m = L - (N - c) > 0 entries must leave first, due is the
+# m-th oldest of them (the run instant).  All ShapedSlidingLog.step reads (see _shaped_sl_state).
+SLIDING_LOG = _COMMON + _FLOATS + """
+local w = tonumber(ARGV[3])
+local limit = tonumber(ARGV[4])
+local c = tonumber(ARGV[5])
+local D = tonumber(ARGV[6])
+local key = KEYS[1]
+local nows = '(' .. string.format('%.17g', now)
+local L = redis.call('ZCOUNT', key, nows, '+inf')
+local pre = '0'
+local last = nil
+local e = now + w
+if L > 0 then
+  last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+  pre = L .. ' ' .. last
+  local m = L - (limit - c)
+  if m > 0 then
+    local dues = redis.call('ZRANGEBYSCORE', key, nows, '+inf', 'WITHSCORES', 'LIMIT', m - 1, 1)[2]
+    pre = pre .. ' ' .. m .. ' ' .. dues
+    local due = tonumber(dues)
+    if not (D > 0 and delta(due, now) <= D) then return reply('0', pre) end
+    e = due + w  -- held: at due the m-th entry has left
+  end
+end
+redis.call('ZREMRANGEBYSCORE', key, '-inf', string.sub(nows, 2))
+local es = string.format('%.17g', e)
+local i = redis.call('ZCOUNT', key, es, es)  -- equal expiries need distinct members
+for j = 0, c - 1 do redis.call('ZADD', key, es, es .. '#' .. (i + j)) end
+if last and tonumber(last) > e then e = tonumber(last) end
+redis.call('PEXPIRE', key, ttl_ms(e, now, grace))
+return reply('1', pre)
+"""
+
+# The same reply, nothing written (RedisStore.peek)
+PEEK_SLIDING_LOG = """
+local limit = tonumber(ARGV[4])
+local c = tonumber(ARGV[5])
+local key = KEYS[1]
+local nows = '(' .. ARGV[1]
+local L = redis.call('ZCOUNT', key, nows, '+inf')
+if L == 0 then return '1 0' end
+local pre = L .. ' ' .. redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+local m = L - (limit - c)
+if m > 0 then
+  pre = pre .. ' ' .. m .. ' ' .. redis.call('ZRANGEBYSCORE', key, nows, '+inf', 'WITHSCORES', 'LIMIT', m - 1, 1)[2]
+end
+return '1 ' .. pre
+"""
+
+
+def _shaped_sl_state(raw):
+    """A stand-in log with the real one's length, newest entry and m-th oldest (every entry > now): what
+    ShapedSlidingLog.step reads, so it decides and reports on it exactly as on the real log.  After an
+    admission its middle is not the real one's: the store keeps only denials (exact_after_admission)."""
+    parts = raw.split()
+    n = int(parts[0])
+    if not n:
+        return None
+    last = float(parts[1])
+    if len(parts) == 2:
+        return [last] * n
+    m = int(parts[2])
+    return [float(parts[3])] * m + [last] * (n - m)
+
+
+_shaped_sl_state.exact_after_admission = False
+
+_PEEKS[ShapedSlidingLog] = PEEK_SLIDING_LOG
+
 _SCRIPTS.update({
     ShapedTokenBucket: (TOKEN_BUCKET, _tb_state, lambda a: (a.capacity, a.per_token, a.rate, a.cost, a.max_delay)),
     ShapedFixedWindow: (FIXED_WINDOW, _fw_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
     ShapedSlidingCounter: (SLIDING_COUNTER, _sc_state, lambda a: (a.window, a.limit, a.cost)),
+    ShapedSlidingLog: (SLIDING_LOG, _shaped_sl_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
 })

@@ -187,8 +187,8 @@ match = { path_prefix = "/export" }
 
 @pytest.mark.parametrize("args, said", [
     (("--limit", "10/s", "--limit-status", "401"), "limits.status"),
-    (("--limit", "10/s", "--max-delay", "1", "--store", "redis://127.0.0.1:1/0", "--algorithm", "sliding-log"),
-     "max_delay with sliding-log needs the memory store"),
+    (("--limit", "10/s", "--max-delay", "1", "--store", "redis://127.0.0.1:1/0", "--algorithm", "sliding-counter"),
+     "max_delay with sliding-counter needs the memory store"),
     (("--limit", "10/s", "--max-delay", "-1"), "--max-delay"),
 ])
 def test_settings_that_cannot_be_exact_are_refused_with_one_line(backends, args, said):
