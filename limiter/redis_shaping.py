@@ -231,7 +231,10 @@ if L > 0 then
     e = due + w  -- held: at due the m-th entry has left
   end
 end
-redis.call('ZREMRANGEBYSCORE', key, '-inf', string.sub(nows, 2))
+-- Pruned only once older than the grace: an instant that reaches the key late (read outside any lock, an
+-- edge whose clock is behind) still sees every entry of its window.  Counting every entry > its own
+-- instant then bounds every trailing window by N, by each request's own (or run) instant.
+redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%.17g', now - grace / 1000))
 local es = string.format('%.17g', e)
 local i = redis.call('ZCOUNT', key, es, es)  -- equal expiries need distinct members
 for j = 0, c - 1 do redis.call('ZADD', key, es, es .. '#' .. (i + j)) end
