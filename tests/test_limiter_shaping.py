@@ -202,7 +202,7 @@ def test_random_costs_and_delays_on_redis_decide_as_the_memory_store(redis_serve
     """Costs 1..5, delays 0..2 windows, several keys, bursts and gaps: every decision (held ones with their
     delay) and every peek equal the memory store's, with and without the denial cache; drift stays 0."""
     rnd = random.Random(f"random-{algorithm}")
-    held = denied = 0
+    held = denied = local = 0
     for trial in range(24):
         cost = rnd.randint(1, 5)
         n, w = rnd.randint(cost, 3 * cost + 2), rnd.choice([1.0, 0.5, 2.0, 0.3])
@@ -223,7 +223,8 @@ def test_random_costs_and_delays_on_redis_decide_as_the_memory_store(redis_serve
             held += getattr(a, "delay", 0.0) > 0
             denied += not a.allowed
         assert red.drift == 0
-    assert held > 50 and denied > 50, (held, denied)   # both paths were exercised
+        local += red.answered_locally
+    assert held > 50 and denied > 50 and local > 50, (held, denied, local)   # every path was exercised
 
 
 def test_the_lua_threshold_search_is_pythons_float_for_float(redis_server):
