@@ -556,7 +556,7 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--ipv6-prefix", help="IPv6 clients are limited per prefix of this length (default 64; 0 or 128: "
                             "per address)")
     a("--max-delay", help="seconds an over-limit request may be held (its slot reserved) instead of refused "
-                          "(default 0: off; nginx's limit_req delay); on Redis: token-bucket and fixed-window")
+                          "(default 0: off; nginx's limit_req delay); every store and algorithm")
     a("--max-in-flight", help="concurrent requests per client identity (default 0: off; nginx's limit_conn) "
                               "-> 429 with Retry-After: 1")
     a("--limit-status", help="status of a rate-limit rejection (default 429; e.g. 503): "
@@ -798,17 +798,6 @@ def _validate_shaping(c: Config) -> None:
     """Delay mode, costs, in-flight limits and the rejection status: where each can be exact."""
     if c.limit_status not in REJECT_STATUSES:
         raise ConfigError(f"limits.status: {c.limit_status} is not one of {', '.join(map(str, sorted(REJECT_STATUSES)))}")
-    if c.store != "memory":      # what the Redis scripts implement (limiter.shaping.REDIS_SUPPORT)
-        from limiter.shaping import redis_refusal
-        if c.max_delay and (c.limit or c.keys):
-            why = redis_refusal(c.algorithm, 1, c.max_delay)
-            if why:
-                raise ConfigError(f"limits.max_delay: {why}")
-        for r in c.rules:
-            if r.limit:
-                why = redis_refusal(r.algorithm or c.algorithm, r.cost, 0.0 if r.dry_run else c.max_delay)
-                if why:
-                    raise ConfigError(f"rules ({r.name}): {why}")
 
 
 def _validate_limits(c: Config) -> None:

@@ -36,7 +36,7 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     clock      the clock allow(key) reads when no `now` is passed (default time.time)
     cost       units each request spends (default 1; more than the limit is refused: it could never pass)
     max_delay  seconds an over-limit request may be held instead of rejected (0: off); a held request's
-               Decision has .delay (limiter.shaping).  On Redis: limiter.shaping.REDIS_SUPPORT
+               Decision has .delay (limiter.shaping); every store, every algorithm
     redis_options  Redis stores only: prefix, timeout, pool_size, on_error, retry_interval, ttl_grace,
                password_file, ca_file, cert_file, key_file (see limiter.redis_store.RedisStore)
     """
@@ -48,12 +48,7 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
         raise ValueError(f"burst only applies to algorithm token-bucket, not {algorithm!r}")
     algo = shaped(cls(limit, window, burst) if cls is TokenBucket else cls(limit, window), cost, max_delay)
     if algo.__class__ is not cls and store not in ("memory", "shm"):
-        # Redis: the scripts limiter.redis_shaping has; the rest refused (no silent difference between stores)
-        from .shaping import redis_refusal
-        why = redis_refusal(algorithm, cost, max_delay)
-        if why:
-            raise ValueError(why)
-        from . import redis_shaping  # noqa: F401  (registers its scripts with the store)
+        from . import redis_shaping  # noqa: F401  (registers its scripts with the Redis store)
     if store == "shm":  # limiter.shm: the table the supervisor shared with its workers before fork
         from .shm import ShmStore
         return ShmStore(algo, redis_options.pop("shm_arena", None), name=redis_options.pop("prefix", None),

@@ -297,6 +297,10 @@ if n == 0 then return '1 0' end
 return '1 ' .. n .. ' ' .. live[2] .. ' ' .. live[#live]
 """
 
+# algorithm class -> the read-only peek script (after the store's constants) for those whose reply format
+# is not the base one's (limiter.redis_shaping's sliding log)
+_PEEKS: dict = {}
+
 _SCRIPTS = {
     TokenBucket: (TOKEN_BUCKET, _tb_state, lambda a: (a.capacity, a.per_token, a.rate)),
     FixedWindow: (FIXED_WINDOW, _fw_state, lambda a: (a.window, a.limit)),
@@ -348,9 +352,13 @@ class RedisStore:
         # The configuration is baked into this limiter's copy of the script (a local ARGV shadowing the
         # real one; one SHA per configuration), so each call sends only the key and now.
         consts = [str(math.ceil(ttl_grace * 1000)), *(repr(float(x)) for x in args(algorithm))]
-        self.lua = "local ARGV = {ARGV[1], %s}\n%s" % (", ".join(f"'{c}'" for c in consts), lua)
+        self.head = "local ARGV = {ARGV[1], %s}\n" % ", ".join(f"'{c}'" for c in consts)
+        self.lua = self.head + lua
         self.script = _Script(self.lua)
         self._step = algorithm.step
+        # A parser whose stand-in state is exact for what a denial needs but not after the step admitted
+        # (the shaped sliding log's: the log's middle is not in the reply) keeps only denials.
+        self._keeps_admissions = getattr(self._state, "exact_after_admission", True)
         self.clock = clock
         self.max_keys = max_keys
         # on_error="local": one in-process limiter per Redis server that failed (a cluster has several),
@@ -374,7 +382,9 @@ class RedisStore:
             now = self.clock()
         k = f"{self.prefix}{{{key}}}".encode()
         if not hasattr(self, "_peek"):
-            self._peek = _Script(PEEK_LOG if isinstance(self.algorithm, SlidingLog) else PEEK_GET)
+            peek = _PEEKS.get(type(self.algorithm))   # a script whose reply needs the constants
+            self._peek = _Script(self.head + peek if peek else
+                                 PEEK_LOG if isinstance(self.algorithm, SlidingLog) else PEEK_GET)
         reply = self._route(k).evalsha(self._peek, k, now)
         state = self._state(reply[2:] or None)
         if type(state) is list:
@@ -429,7 +439,7 @@ class RedisStore:
                     if state is not None:
                         self._denied.pop(key, None)
                     return self._drifted(key, now, reply, d)
-                if d.remaining:
+                if d.remaining or (d.allowed and not self._keeps_admissions):
                     if state is not None:
                         self._denied.pop(key, None)
                 elif self.deny_cache:
@@ -456,7 +466,7 @@ class RedisStore:
     def _remember(self, key, state_held, d, node) -> None:
         """After a round trip: keep state_held (what Redis now holds for key) when it cannot admit (d, its
         decision, left nothing remaining); forget the key's entry otherwise.  state_held None: unknown."""
-        if d.remaining or state_held is None:
+        if d.remaining or state_held is None or (d.allowed and not self._keeps_admissions):
             if self._denied:
                 self._denied.pop(key, None)
         elif self.deny_cache:

@@ -65,21 +65,6 @@ def _retry(due, max_delay, now):
     return r
 
 
-# What the Redis store's scripts implement (limiter.redis_shaping): algorithm -> (cost, delay).
-REDIS_SUPPORT = {"token-bucket": (True, True), "fixed-window": (True, True), "sliding-counter": (True, False),
-                 "sliding-log": (False, False)}
-
-
-def redis_refusal(algorithm: str, cost: int = 1, max_delay: float = 0.0) -> str | None:
-    """Why the Redis store cannot charge `cost` / hold up to `max_delay` with this algorithm, or None."""
-    can_cost, can_delay = REDIS_SUPPORT.get(algorithm, (False, False))
-    if cost != 1 and not can_cost:
-        return f"a cost with {algorithm} needs the memory store (on Redis: token-bucket, fixed-window, sliding-counter)"
-    if max_delay and not can_delay:
-        return f"max_delay with {algorithm} needs the memory store (on Redis: token-bucket, fixed-window)"
-    return None
-
-
 def check_shaping(algorithm, cost, max_delay):
     if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
         raise ValueError(f"cost must be a positive integer (units per request), got {cost!r}")

@@ -187,12 +187,21 @@ match = { path_prefix = "/export" }
 
 @pytest.mark.parametrize("args, said", [
     (("--limit", "10/s", "--limit-status", "401"), "limits.status"),
-    (("--limit", "10/s", "--max-delay", "1", "--store", "redis://127.0.0.1:1/0", "--algorithm", "sliding-log"),
-     "max_delay with sliding-log needs the memory store"),
     (("--limit", "10/s", "--max-delay", "-1"), "--max-delay"),
 ])
 def test_settings_that_cannot_be_exact_are_refused_with_one_line(backends, args, said):
     assert said in config_error("--backends", backends[0].url, *args)
+
+
+def test_a_delay_and_a_cost_are_accepted_on_redis_with_every_algorithm(tmp_path):
+    """Issue 29: cost exact in every store, delay mode on every store -- no algorithm is refused on Redis."""
+    from lb.config import load
+    path = tmp_path / "c.toml"
+    path.write_text('[[rules]]\nname = "export"\nkey = "ip"\nlimit = "4/s"\ncost = 2\nalgorithm = "sliding-log"\n')
+    for algorithm in ("sliding-counter", "sliding-log"):
+        c = load(["--backends", "http://127.0.0.1:1", "--limit", "10/s", "--max-delay", "1", "--store",
+                  "redis://127.0.0.1:1/0", "--algorithm", algorithm, "--config", str(path)])
+        assert (c.max_delay, c.algorithm, [(r.cost, r.algorithm) for r in c.rules]) == (1.0, algorithm, [(2, "sliding-log")])
 
 
 def test_a_cost_above_the_limit_is_refused(backends, tmp_path):

@@ -291,3 +291,32 @@ def test_the_edge_logs_the_policy_at_start_and_on_reload():
             edge.stop()
     finally:
         server.stop()
+
+
+def test_a_shaped_log_with_instants_out_of_order_admits_at_most_n_units_in_every_trailing_window(redis_server):
+    """Issue 29: the sliding log with a cost or a delay on Redis, instants up to 50 ms late (read outside
+    any lock; injected, seeded): by each request's own run instant (now, or now + delay when held), every
+    trailing window holds at most N units.  The script keeps entries for the TTL grace past their expiry,
+    so a late instant still sees every entry of its window (pruned at now, 3-4 units over N here)."""
+    import random
+    from bisect import bisect_left, bisect_right
+    from limiter import build
+    rnd = random.Random(29)
+    worst = 0
+    for trial in range(40):
+        cost, w = rnd.randint(1, 4), 0.2
+        n = rnd.randint(cost, 12)
+        max_delay = rnd.choice([0.0, 0.1]) if cost > 1 else 0.05   # cost 1, no delay: the base log's rule
+        red = build("sliding-log", limit=n, window=w, cost=cost, max_delay=max_delay, store=redis_server.url,
+                    prefix=f"test:shaped-ooo:{trial}:", timeout=2.0, deny_cache=0)
+        red.strict = True
+        runs, t = [], 1000.0
+        for _ in range(400):
+            t += rnd.expovariate(3 * n / w)
+            now = t - rnd.uniform(0, 0.05)
+            d = red.allow("k", now)
+            if d.allowed:
+                runs += [now + getattr(d, "delay", 0.0)] * cost
+        runs.sort()
+        worst = max(worst, max(bisect_right(runs, x) - bisect_left(runs, x - w + 1e-9) for x in runs) - n)
+    assert worst <= 0, worst

@@ -496,6 +496,32 @@ def test_one_script_with_the_denial_cache_decides_as_the_memory_store_does(own_r
             assert int(hdr(a, "Retry-After")) <= int(hdr(b, "Retry-After"))
 
 
+def test_costs_and_delays_in_one_script_decide_as_the_memory_store_does(own_redis):
+    """Issue 29: a cost on every algorithm and delay mode together, three rules and the built-in limit
+    in one script call (limiter.redis_multi): every verdict, delay and header equals the memory store's."""
+    import random
+    rnd = random.Random(29)
+    rules = [{"name": "log", "key": "ip", "limit": "7/2s", "algorithm": "sliding-log", "cost": 2},
+             {"name": "counter", "key": "api-key", "limit": "9/3s", "algorithm": "sliding-counter", "cost": 3},
+             {"name": "all", "key": "global", "limit": "20/s", "algorithm": "sliding-log", "cost": 1}]
+    red = stage("5/s", rules, store=own_redis.url, timeout=2.0, max_delay=0.8, algorithm="sliding-counter")
+    mem = stage("5/s", rules, max_delay=0.8, algorithm="sliding-counter")
+    t, held = 7000.0, 0
+    for _ in range(600):
+        t += rnd.choice((0.0, 0.001, 0.01, 0.05, 0.2, 0.7))
+        r = req(X_Api_Key=rnd.choice("abc"))
+        ip = rnd.choice(("192.0.2.1", "192.0.2.2", "192.0.2.3"))
+        a, b = red.check(r, ip, now=t), mem.check(r, ip, now=t)
+        assert (a.status, a.delay) == (b.status, b.delay), (t, a.limited_by, b.limited_by)
+        held += a.delay > 0
+        if a.status == 0:
+            assert a.headers == b.headers
+        else:
+            assert set(a.rejected) <= set(b.rejected)
+            assert int(hdr(a, "Retry-After")) <= int(hdr(b, "Retry-After"))
+    assert held > 30, held
+
+
 # ------------------------------------------------------------- cost, in-flight and delay in the stage
 
 @pytest.mark.parametrize("rule, message", [
