@@ -139,6 +139,11 @@ def run(seconds: float = 20.0, clients: int = 4, slowloris: int = 40, chaos_ever
         # after the crowd has gone: everything the attack held must be given back
         wait_until(lambda: proc_stats(edge.popen.pid)["threads"] <= start["threads"] + clients + 2,
                    timeout=10, what="threads to come back down")
+        try:   # closing is asynchronous too (a thread's socket after its last byte): give it a moment, no more
+            wait_until(lambda: proc_stats(edge.popen.pid)["fds"] <= start["fds"] + 10, timeout=5,
+                       what="descriptors to come back down")
+        except AssertionError:
+            pass    # what is still open is reported in "end" (and judged by the caller)
         res["end"] = proc_stats(edge.popen.pid)
         res["start"] = start
         res["high"] = {k: max(s[k] for s in samples) for k in ("threads", "fds", "rss_mb")}
