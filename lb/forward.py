@@ -348,7 +348,9 @@ class Forwarder:
                 send_err = e    # the backend stopped reading: it may have answered early (its 413)
             # After a failed send only an answer already there counts: read it without waiting long.
             ur.timeout = cfg.read_timeout if send_err is None else 0.5
-            ur.deadline = x.start + cfg.response_timeout
+            # The whole response within response_timeout of the backend having the request (Envoy's route
+            # timeout starts at the request's end): a slow upload or a delay-mode hold is not the backend's.
+            ur.deadline = monotonic() + cfg.response_timeout
             try:
                 rhead = ur.read_head(max_first_line=8192, what="response")
                 while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
