@@ -427,7 +427,8 @@ class Forwarder:
         tokens = rh.conn_tokens
         limiting = bool(x.rl)
         skip = not_relayed(x.rl, x.rid_header)
-        cl = rh.content_length
+        # A 1xx or 204 has no body, whatever length it names: no Content-Length for it (RFC 9110 8.6)
+        cl = rh.content_length if status >= 200 and status != 204 else None
         for name, lname, value in rh.headers:
             if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
                 if lname == b"content-length" and cl is not None:
