@@ -135,12 +135,9 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 pass
             request.close()
             return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            with self._active_lock:
-                self.active -= 1
-            raise
+        # A thread that cannot start raises here, and socketserver then calls shutdown_request(), which
+        # takes the connection off the count: once, there.
+        super().process_request(request, client_address)
 
     def finish_request(self, request, client_address):
         self.edge.serve_connection(request, client_address)
