@@ -395,6 +395,7 @@ class Forwarder:
         log.warning("backend %s %s: %s %s -> %d (%s)%s", backend.url, kind, req.method.decode(),
                     req.target[:200].decode("latin-1"), status, detail, after)
         self.edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
+        keep = keep and not self.edge.closing      # from SIGTERM on, as relay() and _answer() say it
         data = own_response(status, _REASONS[kind], close=not keep, extra=x.extra_headers(),
                             head_only=req.method == b"HEAD")
         x.bytes_sent = len(data)
