@@ -146,12 +146,9 @@ class AdminServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 pass
             request.close()
             return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            with self._lock:
-                self.active -= 1
-            raise
+        # A thread that cannot start raises here, and socketserver then calls shutdown_request(), which
+        # takes the connection off the count: once, there.
+        super().process_request(request, client_address)
 
     def finish_request(self, request, client_address):
         Connection(self.app, request, client_address[0]).serve()

@@ -352,7 +352,9 @@ class Forwarder:
                 send_err = e    # the backend stopped reading: it may have answered early (its 413)
             # After a failed send only an answer already there counts: read it without waiting long.
             ur.timeout = cfg.read_timeout if send_err is None else 0.5
-            ur.deadline = x.start + cfg.response_timeout
+            # The whole response within response_timeout of the backend having the request (Envoy's route
+            # timeout starts at the request's end): a slow upload or a delay-mode hold is not the backend's.
+            ur.deadline = monotonic() + cfg.response_timeout
             try:
                 rhead = ur.read_head(max_first_line=8192, what="response")
                 while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
@@ -398,6 +400,7 @@ class Forwarder:
         log.warning("backend %s %s: %s %s -> %d (%s)%s", backend.url, kind, req.method.decode(),
                     req.target[:200].decode("latin-1"), status, detail, after)
         self.edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
+        keep = keep and not self.edge.closing      # from SIGTERM on, as relay() and _answer() say it
         data = own_response(status, _REASONS[kind], close=not keep, extra=x.extra_headers(),
                             head_only=req.method == b"HEAD")
         x.bytes_sent = len(data)
@@ -430,7 +433,8 @@ class Forwarder:
         tokens = rh.conn_tokens
         limiting = bool(x.rl)
         skip = not_relayed(x.rl, x.rid_header)
-        cl = rh.content_length
+        # A 1xx or 204 has no body, whatever length it names: no Content-Length for it (RFC 9110 8.6)
+        cl = rh.content_length if status >= 200 and status != 204 else None
         for name, lname, value in rh.headers:
             if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
                 if lname == b"content-length" and cl is not None:

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import re
+import select
 import socket
 import tempfile
 import ssl
@@ -48,6 +49,27 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 
 
 # ------------------------------------------------------------------------------------------- server
+
+def _watch_while_held(sock: socket.socket, delay: float) -> None:
+    """Delay mode's wait, watching the client (nginx's ngx_http_test_reading during limit_req's delay): a
+    client that closes or resets while held raises ClientGone (a 499), so its request never reaches a
+    backend. Bytes from it (a pipelined request, a TLS record) cannot say that: the rest is slept."""
+    end = monotonic() + delay
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while (left := end - monotonic()) > 0:
+        if not poller.poll(left * 1000):
+            return
+        try:
+            if socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                raise ClientGone()
+        except BlockingIOError:
+            continue
+        except OSError:
+            raise ClientGone() from None
+        time.sleep(max(0.0, end - monotonic()))
+        return
+
 
 class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing.
@@ -116,12 +138,9 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 pass
             request.close()
             return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            with self._active_lock:
-                self.active -= 1
-            raise
+        # A thread that cannot start raises here, and socketserver then calls shutdown_request(), which
+        # takes the connection off the count: once, there.
+        super().process_request(request, client_address)
 
     def finish_request(self, request, client_address):
         self.edge.serve_connection(request, client_address)
@@ -377,7 +396,8 @@ class Edge:
             if v.status:
                 return self._answer(sock, x, v.status, v.reason, keep_if_early and v.status != 400)
             x.slots = v.slots
-            if v.delay and not self.holds.hold(v.delay, self.limiter.max_delayed, self.metrics):
+            if v.delay and not self.holds.hold(v.delay, self.limiter.max_delayed, self.metrics,
+                                               lambda d: _watch_while_held(sock, d)):
                 x.rl += b"Retry-After: %d\r\n" % math.ceil(v.delay)   # held requests at their cap
                 return self._answer(sock, x, self.limiter.status_code, "too many requests held", keep_if_early)
         else:

@@ -79,8 +79,9 @@ class Holds:
         self.n = 0
         self.lock = threading.Lock()
 
-    def hold(self, delay: float, cap: int, metrics) -> bool:
-        """Sleep `delay` (the request's slot is already reserved); False at once when `cap` are held."""
+    def hold(self, delay: float, cap: int, metrics, wait=sleep) -> bool:
+        """wait(delay) (the request's slot is already reserved; the proxy's wait raises ClientGone when the
+        client leaves meanwhile); False at once when `cap` are held."""
         with self.lock:
             if self.n >= cap:
                 metrics.inc("lb_delayed_refused_total")
@@ -89,7 +90,7 @@ class Holds:
         metrics.inc("lb_delayed_total")
         metrics.add_gauge("lb_delayed_in_flight", +1)
         try:
-            sleep(delay)
+            wait(delay)
         finally:
             with self.lock:
                 self.n -= 1

@@ -51,7 +51,7 @@ def take(edge, x, conn, rh, ur: Reader, sock: socket.socket, reader: Reader) -> 
     if answer is None:
         backend.pool.release(conn, False)
         return edge.forwarder.failed(sock, x, "protocol", 502, "101 without an Upgrade header", False)
-    wrong = wrong_accept(x.req, rh)
+    wrong = unasked(x.upgrade, rh) or wrong_accept(x.req, rh)
     if wrong:
         # Not the handshake this client asked for (a cached or replayed 101, a backend that skipped the
         # check): a client would refuse it; the edge does not open a tunnel on it.
@@ -65,6 +65,17 @@ def take(edge, x, conn, rh, ur: Reader, sock: socket.socket, reader: Reader) -> 
     finally:
         reader.buf.clear()
         up.close()
+
+
+def unasked(offered: bytes, rh) -> str | None:
+    """Why the 101 switches to a protocol the edge did not forward in its Upgrade (RFC 9110 7.8: a server
+    MUST NOT switch to one the client did not indicate; the allowlist is what was offered), or None."""
+    asked = {t.strip().split(b"/")[0].lower() for t in offered.split(b",")}
+    for _, lname, value in rh.headers:
+        if lname == b"upgrade":
+            if any(t.strip().split(b"/")[0].lower() not in asked for t in value.split(b",")):
+                return "101 to a protocol the client did not ask for"
+    return None
 
 
 def wrong_accept(req, rh) -> str | None:

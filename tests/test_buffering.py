@@ -451,3 +451,24 @@ def test_a_buffered_body_is_whole_before_the_backend_and_replayable(backend):
         assert backend.stats()["count"] == before          # not even a head reached it
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("buffering", ["on", "off"])
+def test_a_slow_upload_does_not_spend_the_backends_response_timeout(backend, buffering):
+    """--response-timeout bounds the backend's answer, counted from when it has the request (Envoy's
+    route timeout starts at the end of the downstream request): an upload slower than it is not a 504
+    blamed on a backend that ran the request and would have answered at once."""
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--response-timeout", "2",
+             "--request-buffering", buffering)
+    try:
+        s = socket.create_connection(("127.0.0.1", e.port), timeout=20)
+        n = 300_000
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % n)
+        for _ in range(6):              # ~3 s of upload, past the 2 s response timeout
+            s.sendall(b"u" * (n // 6))
+            time.sleep(0.5)
+        head, _ = _head(s)
+        s.close()
+        assert head.startswith(b"HTTP/1.1 200 "), head
+    finally:
+        e.stop()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.support import Edge, config_error, request, wait_until
+from tests.support import Backend, Edge, config_error, request, wait_until
 
 
 def metric(e, name):
@@ -94,6 +94,30 @@ def test_beyond_the_delay_a_request_is_refused_and_held_requests_are_capped(back
         assert metric(capped, "lb_delayed_refused_total") >= 1
     finally:
         capped.stop()
+
+
+def test_a_client_that_leaves_while_held_is_a_499_and_never_reaches_the_backend():
+    # nginx's limit_req watches the client during its delay (ngx_http_test_reading): one that closes is
+    # finished with 499. Forwarded after its delay, a POST its client gave up on would still be run.
+    b = Backend("held")
+    e = Edge("--backends", b.url, "--limit", "1/s", "--max-delay", "5", "--admin", "127.0.0.1:0",
+             "--health-interval", "30")
+    try:
+        assert request(e.port, "GET", "/first", {"X-Api-Key": "k"}).status == 200
+        for i in range(2):
+            s = socket.create_connection(("127.0.0.1", e.port))
+            s.sendall(b"POST /gone%d HTTP/1.1\r\nHost: x\r\nX-Api-Key: k\r\nContent-Length: 0\r\n\r\n" % i)
+            s.close()
+        wait_until(lambda: metric(e, 'lb_edge_responses_total{code="499"}') == 2, timeout=10,
+                   what="both held requests ended as 499")
+        assert metric(e, "lb_delayed_total") == 2 and metric(e, "lb_delayed_in_flight") == 0
+        assert b.stats()["last"] == ["/first"]
+        # a client that stays is still held, then forwarded
+        assert request(e.port, "GET", "/stays", {"X-Api-Key": "k"}).status == 200
+        assert b.stats()["last"] == ["/first", "/stays"]
+    finally:
+        e.stop()
+        b.stop()
 
 
 # ----------------------------------------------------------------------------------------- in flight

@@ -554,6 +554,28 @@ def test_readyz_fails_as_soon_as_a_drain_starts_while_requests_are_still_served(
         e.stop()
 
 
+def test_from_sigterm_on_a_502_also_says_connection_close_and_the_connection_closes(backends):
+    """Issue 24 (6) for the edge's own answers to a failed backend (Forwarder.failed): a 502 inside the
+    grace period closes a keep-alive connection like a relayed 200 does, so the client does not meet
+    the drain's close on its next request."""
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--grace", "3", "--retries", "0",
+             "--eject-after", "0")
+    try:
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
+        for path in (b"/garbage", b"/reset"):
+            s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+            s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = _read_response(s)
+            assert b" 502 " in answer.split(b"\r\n")[0], answer
+            assert b"\r\nconnection: close\r\n" in answer.lower(), (path, answer)
+            assert s.recv(1) == b"", "the edge closes the connection after that response"
+            s.close()
+    finally:
+        e.stop()
+
+
 def test_from_sigterm_on_keep_alive_responses_say_connection_close_and_the_connection_closes(backends):
     """Issue 24 (6): during --grace (and the drain after it) every response on a keep-alive connection
     carries Connection: close and the edge closes it after, so a client opens its next connection to

@@ -339,3 +339,33 @@ def test_under_32_concurrent_clients_no_one_reads_a_response_left_on_a_connectio
     finally:
         e.stop()
         b.close()
+
+
+def test_a_204_reaches_the_client_without_the_content_length_the_backend_put_on_it():
+    # RFC 9110 8.6: no Content-Length in a 204 (nginx drops it). The edge writes the framing from what it
+    # parsed, and a 204 has no body whatever it says: a client that believed the length would wait for
+    # it, or read the next response's first bytes as this one's body.
+    def serve(s, _server):
+        r = ConnReader(s)
+        while (req := read_request(r)) is not None:
+            if req[1] == "/nc":
+                s.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\nX-Path: /nc\r\n\r\n")
+            else:
+                s.sendall(own_answer(req[0], req[1]))
+
+    b = RawServer(serve)
+    e = Edge("--backends", b.url, "--health-interval", "30")
+    try:
+        s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+        s.sendall(b"GET /nc HTTP/1.1\r\nHost: h\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(4096)
+        head = data.partition(b"\r\n\r\n")[0]
+        s.close()
+        assert head.startswith(b"HTTP/1.1 204 ") and b"X-Path: /nc" in head, head
+        assert b"content-length" not in head.lower(), head
+        check_own(e.port, "GET", "/after")
+    finally:
+        e.stop()
+        b.close()

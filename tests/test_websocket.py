@@ -388,6 +388,24 @@ def test_a_101_whose_accept_does_not_answer_the_clients_key_is_a_502(accept, why
         srv.close()
 
 
+def test_a_101_to_a_protocol_the_client_did_not_ask_for_is_a_502():
+    """RFC 9110 7.8: a server MUST NOT switch to a protocol the client did not indicate. A 101 naming
+    another protocol than the (allowed) one forwarded is not the switch this client asked for: without
+    the check it opened a tunnel to a protocol the edge's upgrade allowlist never let through."""
+    from tests.support import raw
+    srv, port = _raw_101_backend(
+        lambda _req: b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n")
+    e = Edge("--backends", f"http://127.0.0.1:{port}", "--health-interval", "30")
+    try:
+        out = raw(e.port, _handshake(e.port) + b"\x81\x85\x01\x02\x03\x04dgohn", timeout=10)
+        assert out.startswith(b"HTTP/1.1 502 ") and out.count(b"HTTP/1.1") == 1, out
+        assert b"dgohn" not in out
+        e.wait_log("101 to a protocol the client did not ask for")
+    finally:
+        e.stop()
+        srv.close()
+
+
 def test_a_101_whose_accept_answers_the_key_is_tunnelled():
     """The accept computed from the client's key (here the RFC's own example, and one of ours)."""
     import base64
