@@ -19,6 +19,7 @@ from limiter import redis_url
 
 from . import __version__, logs
 from .netaddr import hostport, network, split_hostport
+from .retrypolicy import parse_conditions
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,8 @@ class Config:
     retries: int = 2                         # a connect failure is retried on another backend, N times
     retry_budget_percent: float = 20.0       # retries in flight at most this % of active requests...
     retry_budget_min: int = 10               # ...but always this many (Envoy's budget, Linkerd's floor)
+    retry_on: tuple = ("connect",)           # which failed tries are retried (lb/retrypolicy.py CONDITIONS)
+    per_try_timeout: float = 0.0             # one try's wait for its response head (0: read_timeout only)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
@@ -319,6 +322,7 @@ _SECTIONS = {
                  "no_pool": ("no_pool", "b"), "ca_file": ("ca_file", "s"), "retries": ("retries", Num(True, 0, 100)),
                  "retry_budget_percent": ("retry_budget_percent", PERCENT),
                  "retry_budget_min": ("retry_budget_min", Num(True, 0, 100_000)),
+                 "retry_on": ("retry_on", "retryon"), "per_try_timeout": ("per_try_timeout", SECONDS0),
                  "proxy_buffering": ("proxy_buffering", "onoff"),
                  "max_temp_file_size": ("max_temp_file_size", Num(True, 0, 2 ** 50))},
     "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
@@ -373,6 +377,13 @@ def _typed(value, kind: str, key: str):
         return value
     if kind == "hostport":
         return parse_hostport(value, key)
+    if kind == "retryon":     # "connect,503" or ["connect", "503"]
+        if not isinstance(value, (str, list)):
+            raise ConfigError(f"{key}: expected a list of conditions, got {value!r}")
+        try:
+            return parse_conditions(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
     if kind == "list":
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -496,6 +507,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--retries", help="retries of a connect failure on other backends (default 2; 0 off)")
     a("--retry-budget-percent", help="retries in flight at most this %% of active requests (default 20)")
     a("--retry-budget-min", help="retries in flight always allowed, whatever the budget (default 10)")
+    a("--retry-on", help="failed tries retried on another backend: connect,reset,timeout,5xx,502,503,504 "
+                         "(default connect; all but connect: idempotent methods with a buffered body only)")
+    a("--per-try-timeout", help="seconds one try waits for its response head (default 0: read timeout only)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
     a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "
@@ -587,6 +601,8 @@ def _from_flags(ns: argparse.Namespace, problems: list[str]) -> dict:
                         raise ConfigError(f"--key-limit: expected KEY=N/PERIOD, got {item!r}")
                     pairs.append((k, rate))
                 out["key_limits"] = tuple(pairs)
+            elif name == "retry_on":
+                out[name] = _typed(value, "retryon", flag)
             elif name in ("trusted_proxies", "upgrades"):
                 out[name] = tuple(x for x in value.split(",") if x.strip())
             else:
