@@ -53,8 +53,10 @@ FAMILIES = {
     "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
     "lb_idle_connections_closed_total": ("counter", "Idle keep-alive client connections closed to make room for "
                                                     "a new one at max_connections."),
-    "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
+    "lb_retries_total": ("counter", "Tries that failed (--retry-on) and were retried on another backend, "
                                     "by the failed one."),
+    "lb_retries_by_condition_total": ("counter", "Tries retried on another backend, by the --retry-on condition "
+                                                 "they met (connect, reset, timeout, 5xx, 502, 503, 504)."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
@@ -269,13 +271,16 @@ class Metrics:
         with self.lock:
             self._inc("lb_tls_handshake_failures_total")
 
-    def try_failed(self, backend: str, kind: str) -> None:
-        """One try that failed and was retried elsewhere: the backend's error, not a response of ours."""
+    def try_failed(self, backend: str, kind: str | None, condition: str = "connect") -> None:
+        """One try that failed and was retried elsewhere: the backend's error (kind; None when it
+        answered with a status the retry policy names), not a response of ours."""
         b = (("backend", backend),)
         with self.lock:
             self._inc("lb_requests_total", b)
-            self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
+            if kind is not None:
+                self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
             self._inc("lb_retries_total", b)
+            self._inc("lb_retries_by_condition_total", (("condition", condition),))
 
     def ejection(self, backend: str, returned: bool = False) -> None:
         self.inc("lb_ejection_returns_total" if returned else "lb_ejections_total", backend=backend)
