@@ -31,6 +31,7 @@ from bisect import bisect_left
 
 from . import __version__
 from .fanout import serve_unix
+from .retrypolicy import CONDITIONS as RETRY_CONDITIONS
 
 # Seconds. Proxy latencies live between ~0.2 ms and a backend's timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -179,6 +180,8 @@ class Metrics:
         self.gauges[("lb_tunnels_open", ())] = 0
         for code in _EDGE_CODES:
             self.counters[("lb_edge_responses_total", (("code", code),))] = 0
+        for cond in RETRY_CONDITIONS:
+            self.counters[("lb_retries_by_condition_total", (("condition", cond),))] = 0
         for k in _DURATION.values():
             self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
@@ -205,6 +208,11 @@ class Metrics:
         """Any counter in FAMILIES, e.g. inc("lb_retries_total", backend=url)."""
         with self.lock:
             self._inc(name, _labels(**labels), n)
+
+    def by_label(self, name: str, label: str) -> dict:
+        """A counter family's values by one label, e.g. {"503": 4} (this process's, for /status)."""
+        with self.lock:
+            return {dict(labels).get(label, ""): v for (n, labels), v in self.counters.items() if n == name}
 
     def add_gauge(self, name: str, delta: float, **labels) -> None:
         """A gauge kept by events, e.g. add_gauge("lb_x_open", +1) when an x opens."""

@@ -11,7 +11,9 @@ import pytest
 from lb.retrypolicy import RETRY_AFTER_MAX, RetryPolicy, parse_conditions, retry_after
 from tests.rawserver import ConnReader, RawServer, RecordingBackend, read_request
 from tests.support import Edge, request, wait_until
-from tests.test_failover import metric
+import json
+
+from tests.test_failover import admin, metric
 
 # -- the policy ---------------------------------------------------------------------------------------
 
@@ -154,6 +156,9 @@ def test_a_get_answered_503_is_retried_on_the_other_backend_but_a_post_is_not(ok
         wait_until(lambda: metric(e, 'lb_retries_by_condition_total{condition="503"}') == len(sick.got),
                    what="the retries counted by condition")
         assert metric(e, f'lb_retries_total{{backend="{sick.url}"}}') == len(sick.got)
+        retries = json.loads(admin(e, "GET", "/status")[1])["retries"]
+        assert retries["on"] == ["503"] and retries["by_condition"]["503"] == len(sick.got)
+        assert retries["by_condition"]["connect"] == 0                 # every condition there from the start
         posts = [request(e.port, "POST", f"/p{i}", body=b"x") for i in range(4)]
         assert 503 in [r.status for r in posts]                         # the backend's own 503, relayed
         assert [r.body for r in posts if r.status == 503][0] == b"busy"
@@ -233,6 +238,8 @@ def test_a_retry_after_on_a_503_keeps_the_backend_out_of_the_rotation_that_long(
     try:
         wait_until(lambda: request(e.port, "GET", "/a").status == 200 and tired.got, what="a 503 from it")
         rested = tired.at[0]
+        st = json.loads(admin(e, "GET", "/status")[1])["backends"]
+        assert 0 < [b for b in st if b["url"] == tired.url][0]["resting_for"] <= 5
         # Every request goes to the other backend until the 5 s are up; then it is picked again.
         wait_until(lambda: request(e.port, "GET", "/b").body == b"rest", timeout=15, interval=0.1,
                    what="the rested backend back in rotation")
@@ -241,3 +248,16 @@ def test_a_retry_after_on_a_503_keeps_the_backend_out_of_the_rotation_that_long(
     finally:
         e.stop()
         tired.close()
+
+
+def test_a_streamed_request_body_is_not_retried_on_a_503(ok):
+    sick = Scripted(lambda n: UNAVAILABLE)
+    e = edge_for([sick, ok], "503", "--request-buffering", "off")
+    try:
+        got = [request(e.port, "PUT", f"/s{i}", body=b"x" * 200_000).status for i in range(4)]
+        assert got.count(503) == len(sick.got) >= 1, got                # a body never held whole: not replayed
+        assert metric(e, "lb_retries_by_condition_total") == 0
+        assert [request(e.port, "GET", f"/g{i}").status for i in range(4)] == [200] * 4   # no body: retried
+    finally:
+        e.stop()
+        sick.close()
