@@ -344,7 +344,9 @@ class App:
             "shaping": {"max_delay": self.cfg.max_delay, "held": self.edge.holds.n, "max_delayed": self.cfg.max_delayed,
                         "max_in_flight": self.cfg.max_in_flight, "status": self.cfg.limit_status},
             "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
-                        "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak},
+                        "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak,
+                        "on": list(self.cfg.retry_on), "per_try_timeout": self.cfg.per_try_timeout,
+                        "by_condition": self.metrics.by_label("lb_retries_by_condition_total", "condition")},
             "breaker": self.breaker.status(),
             "resolver": self.cfg.resolver, "resolve_interval": self.cfg.resolve_interval,
             "resolved": {u: {"addresses": a, **({"failing": self.resolve_failing[u]} if u in self.resolve_failing else {})}
@@ -387,6 +389,7 @@ class App:
                 "ejected_for": round(max(0.0, b.ejected_until - now), 3) if b.ejected else 0,
                 "times_ejected": b.times_ejected, "fail_streak": b.fail_streak, "pass_streak": b.pass_streak,
                 "last_probe": b.last_probe, "inflight": b.inflight,
+                "resting_for": round(max(0.0, self.balancer.resting.get(b, 0.0) - self.balancer.clock()), 3),
                 **({"name": b.spec.url, "address": b.spec.address} if b.spec.address else {})}
 
     # -- admin actions ------------------------------------------------------------------------------

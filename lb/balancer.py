@@ -7,6 +7,9 @@ ramp is over, in the smooth weighted round robin and in least-request alike. The
 
 One lock guards the cursor and the running weights, so concurrent picks never repeat or skip a turn.
 `exclude` (the backends a request has already tried) are skipped without taking their turn.
+
+A backend resting (rest(): its 503 said Retry-After) is skipped the same way until its time is up --
+unless every backend in rotation is resting or excluded: then one of them still beats a 503 of ours.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Balancer:
         self._rng = rng or random.Random()
         self._cursor = 0
         self._lock = threading.Lock()
+        self.resting: dict[Backend, float] = {}    # backend -> clock() time it may be picked again
         self._set_strategy(strategy)
 
     def _set_strategy(self, strategy: str) -> None:
@@ -52,7 +56,20 @@ class Balancer:
 
     def pick(self, exclude=()) -> Backend | None:
         """The next backend in rotation, not one of `exclude`; None when there is none."""
+        if self.resting:     # empty but for a few seconds after a Retry-After: one truth test per pick
+            now = self.clock()
+            for b, until in list(self.resting.items()):
+                if until <= now:
+                    self.resting.pop(b, None)
+            if self.resting:
+                b = self._pick(tuple(exclude) + tuple(self.resting))
+                if b is not None:
+                    return b
         return self._pick(exclude)
+
+    def rest(self, backend: Backend, seconds: float) -> None:
+        """Leave `backend` out of the picks for `seconds` (a 503's Retry-After; this process only)."""
+        self.resting[backend] = max(self.resting.get(backend, 0.0), self.clock() + seconds)
 
     def by_route(self, route: str | None) -> Backend | None:
         """The backend in rotation a sticky `route` cookie names; None (reassign, never an error) otherwise."""

@@ -19,6 +19,7 @@ from limiter import redis_url
 
 from . import __version__, logs
 from .netaddr import hostport, network, split_hostport
+from .retrypolicy import parse_conditions
 
 
 class ConfigError(ValueError):
@@ -85,6 +86,8 @@ class Config:
     max_pending: int = 0                     # requests waiting for a pooled connection, then 503; 0 unlimited
     resolver: str | None = None              # DNS-named backends: "HOST:PORT" (a DNS server) or "system"; None: off
     resolve_interval: float = 30.0           # re-resolve them this often (or sooner, at the records' TTL)
+    retry_on: tuple = ("connect",)           # which failed tries are retried (lb/retrypolicy.py CONDITIONS)
+    per_try_timeout: float = 0.0             # one try's wait for its response head (0: read_timeout only)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
@@ -327,6 +330,7 @@ _SECTIONS = {
                  "max_requests": ("max_requests", Num(True, 0, 10_000_000)),
                  "max_pending": ("max_pending", Num(True, 0, 10_000_000)),
                  "resolver": ("resolver", "s"), "resolve_interval": ("resolve_interval", SECONDS),
+                 "retry_on": ("retry_on", "retryon"), "per_try_timeout": ("per_try_timeout", SECONDS0),
                  "proxy_buffering": ("proxy_buffering", "onoff"),
                  "max_temp_file_size": ("max_temp_file_size", Num(True, 0, 2 ** 50))},
     "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
@@ -381,6 +385,13 @@ def _typed(value, kind: str, key: str):
         return value
     if kind == "hostport":
         return parse_hostport(value, key)
+    if kind == "retryon":     # "connect,503" or ["connect", "503"]
+        if not isinstance(value, (str, list)):
+            raise ConfigError(f"{key}: expected a list of conditions, got {value!r}")
+        try:
+            return parse_conditions(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
     if kind == "list":
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -509,6 +520,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--resolver", help="DNS-named backends: every address a backend's name resolves to is a backend; "
                          "HOST:PORT of a DNS server, or 'system' (getaddrinfo). Default: off (a name is one backend)")
     a("--resolve-interval", help="seconds between re-resolutions of DNS-named backends (default 30, or the records' TTL)")
+    a("--retry-on", help="failed tries retried on another backend: connect,reset,timeout,5xx,502,503,504 "
+                         "(default connect; all but connect: idempotent methods with a buffered body only)")
+    a("--per-try-timeout", help="seconds one try waits for its response head (default 0: read timeout only)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
     a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "
@@ -600,6 +614,8 @@ def _from_flags(ns: argparse.Namespace, problems: list[str]) -> dict:
                         raise ConfigError(f"--key-limit: expected KEY=N/PERIOD, got {item!r}")
                     pairs.append((k, rate))
                 out["key_limits"] = tuple(pairs)
+            elif name == "retry_on":
+                out[name] = _typed(value, "retryon", flag)
             elif name in ("trusted_proxies", "upgrades"):
                 out[name] = tuple(x for x in value.split(",") if x.strip())
             else:

@@ -19,19 +19,21 @@ import logging
 import select
 import socket
 import ssl
-from time import monotonic
+from time import monotonic, sleep
 
 from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
 from . import tunnel
 from .backends import Backend, PoolExhausted
-from .logs import client_fault
+from .logs import ClientFaults, client_fault
+from .retrypolicy import RetryPolicy, retry_after
 from .spool import Spool, SpooledBody
 from .netaddr import hostport
 from .httpio import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
                      not_relayed, own_response, parse_response, send)
 
 log = logging.getLogger("edge")
+retry_log = ClientFaults(log, what="retries")   # retries past connect: one WARNING per window, then a count
 
 SMALL_BODY = 65536           # bodies up to this are read whole and sent with their head, both ways
 PIECE = 262144               # the most of a body held at once while relaying
@@ -172,6 +174,7 @@ class Forwarder:
 
     def __init__(self, edge):
         self.edge = edge
+        self._policy, self._policy_of = None, None
 
     # -- one request --------------------------------------------------------------------------------
 
@@ -195,6 +198,7 @@ class Forwarder:
         else:
             length = len(body) if (req.chunked or req.content_length is not None) else None
         keep_if_failed = req.keep_alive and not streamed   # a streamed body may be half read
+        policy = self.policy()
         budget = edge.retry_budget
         budget.start()
         held = False          # this request holds a retry slot of the budget
@@ -228,30 +232,44 @@ class Forwarder:
                             self.observe(backend, False, f.detail)
                         nxt = None
                         budgeted = False
-                        if f.kind == "connect" and not f.sent:
-                            if len(tried) <= edge.cfg.retries:
-                                nxt = edge.balancer.pick(exclude=tried)
-                                # A backend already out of rotation (ejected by this failure or by those
-                                # of requests picked with this one, DOWN, drained) takes no new requests:
-                                # this one goes elsewhere as forward()'s repick would have sent it, free
-                                # of the budget. Only the requests in flight to it when it left can take
-                                # that path, once; a backend still in rotation pays for every retry.
-                                budgeted = nxt is not None and backend.in_rotation
-                                if budgeted and not budget.try_retry(held):
-                                    f.detail += (f"; retry budget exhausted: {budget.retrying} retries in "
-                                                 f"flight for {budget.active} requests")
-                                    nxt = None
+                        # A "connect" after bytes were sent (a TLS failure past the handshake) is not one.
+                        cond = None if f.kind == "connect" and f.sent else \
+                            policy.should_retry(f.kind, None, req.method, not streamed, False)
+                        if cond is not None:
+                            nxt, budgeted, refused = self.next_try(backend, tried, held)
+                            f.detail += refused
                         if nxt is None:
                             keep = self.failed(sock, x, f.kind, f.status, f.detail, keep_if_failed, tried)
                             if streamed:
                                 linger(sock)     # the rest of the body may still be arriving
                             return keep
                         held = held or budgeted
-                        self.retrying(x, backend, f, nxt, len(tried))
+                        self.retrying(x, backend, f.kind, f.detail, cond, nxt, len(tried))
+                        if cond != "connect":
+                            sleep(policy.backoff(len(tried) - 1))
                         backend = nxt
                         continue
                     except HttpError as e:
                         return self.client_failed(sock, x, e.status, e.reason)
+                    if rh.status in policy.statuses and not rh.early:
+                        # The head is ours alone so far (relay() has not begun): a 5xx the policy names
+                        # can still go elsewhere, its connection closed with the body unread.
+                        if rh.status == 503:
+                            self.rest(backend, rh)
+                        cond = policy.should_retry("status", rh.status, req.method, not streamed, False)
+                        nxt = None
+                        if cond is not None:
+                            tried = (tried or []) + [backend]
+                            nxt, budgeted, _ = self.next_try(backend, tried, held)
+                        if nxt is not None:
+                            backend.pool.release(conn, False)
+                            self.observe(backend, False, rh.status_line)
+                            held = held or budgeted
+                            self.retrying(x, backend, None, rh.status_line[9:].decode("latin-1"), cond, nxt,
+                                          len(tried))
+                            sleep(policy.backoff(len(tried) - 1))
+                            backend = nxt
+                            continue
                     if rh.status == 101 and x.upgrade:
                         self.observe(backend, True, "101 Switching Protocols")
                         # The handshake is over: a tunnel (open for hours) neither keeps the retry slot
@@ -296,16 +314,55 @@ class Forwarder:
             x.set_cookie = b"Set-Cookie: route=" + nxt.route.encode() + b"; Path=/; HttpOnly\r\n"
         return nxt
 
-    def retrying(self, x, failed: Backend, f: "UpstreamFailed", nxt: Backend, tries: int) -> None:
-        """A failed connect is retried elsewhere: logged and counted, not answered."""
+    def policy(self) -> RetryPolicy:
+        """The retry policy of the current configuration (rebuilt after a reload changed it)."""
+        cfg = self.edge.cfg
+        if self._policy_of is not cfg:
+            self._policy, self._policy_of = RetryPolicy(cfg.retry_on), cfg
+        return self._policy
+
+    def next_try(self, backend: Backend, tried: list, held: bool) -> tuple[Backend | None, bool, str]:
+        """(the backend to retry on or None, whether the retry holds a budget slot, why not if refused)."""
+        edge = self.edge
+        if len(tried) > edge.cfg.retries:
+            return None, False, ""
+        nxt = edge.balancer.pick(exclude=tried)
+        # A backend already out of rotation (ejected by this failure or by those of requests picked
+        # with this one, DOWN, drained) takes no new requests: this one goes elsewhere as forward()'s
+        # repick would have sent it, free of the budget. Only the requests in flight to it when it left
+        # can take that path, once; a backend still in rotation pays for every retry.
+        budgeted = nxt is not None and backend.in_rotation
+        if budgeted and not edge.retry_budget.try_retry(held):
+            b = edge.retry_budget
+            return None, False, f"; retry budget exhausted: {b.retrying} retries in flight for {b.active} requests"
+        return nxt, budgeted, ""
+
+    def rest(self, backend: Backend, rh) -> None:
+        """A 503 with Retry-After: the balancer leaves this backend alone that long (at most 300 s)."""
+        for _, lname, value in rh.headers:
+            if lname == b"retry-after":
+                secs = retry_after(value)
+                if secs:
+                    self.edge.balancer.rest(backend, secs)
+                    retry_log("backend %s answered 503 with Retry-After: %s: not picked for %gs", backend.url,
+                              value.decode("latin-1"), secs)
+                return
+
+    def retrying(self, x, failed: Backend, kind: str | None, detail: str, cond: str, nxt: Backend,
+                 tries: int) -> None:
+        """A failed try is retried elsewhere: logged and counted, not answered. kind: the failure's
+        (None: the backend answered, with the status `detail` names)."""
         req = x.req
         x.tries = tries + 1
         if x.set_cookie:          # sticky: the client is pinned to whoever answers
             x.set_cookie = b"Set-Cookie: route=" + nxt.route.encode() + b"; Path=/; HttpOnly\r\n"
         x.backend = nxt
-        log.warning("backend %s %s: %s %s (%s); retrying on %s (try %d)", failed.url, f.kind,
-                    req.method.decode(), req.target[:200].decode("latin-1"), f.detail, nxt.url, tries + 1)
-        self.edge.metrics.try_failed(failed.url, f.kind)
+        # A connect failure's line as always (one per request: passive health ejects the backend soon);
+        # the other conditions can be every request of an outage: rate-limited, then one summary.
+        say = log.warning if cond == "connect" else retry_log
+        say("backend %s %s: %s %s (%s); retrying on %s (try %d)", failed.url, kind or "answered",
+            req.method.decode(), req.target[:200].decode("latin-1"), detail, nxt.url, tries + 1)
+        self.edge.metrics.try_failed(failed.url, kind, cond)
 
     def attempt(self, x, backend: Backend, head: bytes, body):
         """One try on `backend`: (conn, response head, reader) once a final (or 101) head arrived.
@@ -351,7 +408,9 @@ class Forwarder:
             except OSError as e:
                 send_err = e    # the backend stopped reading: it may have answered early (its 413)
             # After a failed send only an answer already there counts: read it without waiting long.
-            ur.timeout = cfg.read_timeout if send_err is None else 0.5
+            per_try = cfg.per_try_timeout
+            ur.timeout = (per_try if 0 < per_try < cfg.read_timeout else cfg.read_timeout) \
+                if send_err is None else 0.5
             # The whole response within response_timeout of the backend having the request (Envoy's route
             # timeout starts at the request's end): a slow upload or a delay-mode hold is not the backend's.
             ur.deadline = monotonic() + cfg.response_timeout
@@ -363,6 +422,8 @@ class Forwarder:
                     raise UpstreamError("reset", "closed the connection without a response")
                 rh = parse_response(rhead)
                 x.upstream_status = rh.status      # the access log's upstream_status
+                if per_try:
+                    ur.timeout = cfg.read_timeout  # the body's reads: the per-try bound is the head's
             except HttpError as e:
                 # Our reader's limits and its "closed inside the head", hit by a *response* head.
                 pool.release(conn, False)
@@ -378,6 +439,9 @@ class Forwarder:
                     if isinstance(e, (socket.timeout, BlockingIOError)):   # BlockingIOError: SO_SNDTIMEO
                         raise UpstreamFailed("timeout", 504, "stopped reading the request body", True) from None
                 kind, status, detail = classify(e, reused)
+                if kind == "timeout" and 0 < per_try < cfg.read_timeout and isinstance(e, socket.timeout) \
+                        and str(e) != "deadline":
+                    detail = f"no response head within the per-try timeout ({per_try:g}s)"
                 if kind == "reset" and reused and not retried and replayable and req.method in IDEMPOTENT:
                     # A kept-alive connection the backend had already closed: nothing was processed.
                     # If the fresh connection cannot connect either, that is a connect failure like any

@@ -129,8 +129,9 @@ class ClientFaults:
     schedule(delay, fn) runs fn later (a timer thread; injected in the tests).
     """
 
-    def __init__(self, logger: logging.Logger, every: float = 10.0, burst: int = 5, schedule=None):
-        self.log, self.every, self.burst = logger, every, burst
+    def __init__(self, logger: logging.Logger, every: float = 10.0, burst: int = 5, schedule=None,
+                 what: str = "client errors"):
+        self.log, self.every, self.burst, self.what = logger, every, burst, what
         self.schedule = schedule or _timer
         self.lock = threading.Lock()
         self.open = False          # a window is running (its summary is scheduled)
@@ -166,7 +167,7 @@ class ClientFaults:
                 self.open = False
                 return
             self.schedule(self.every, self.flush)
-        self.log.warning("%d more client errors in the last %g s (%d not logged; last: %s)", n, self.every,
+        self.log.warning("%d more %s in the last %g s (%d not logged; last: %s)", n, self.what, self.every,
                          max(0, n - self.burst), last)
 
 

@@ -31,6 +31,7 @@ from bisect import bisect_left
 
 from . import __version__
 from .fanout import serve_unix
+from .retrypolicy import CONDITIONS as RETRY_CONDITIONS
 
 # Seconds. Proxy latencies live between ~0.2 ms and a backend's timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -53,13 +54,15 @@ FAMILIES = {
     "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
     "lb_idle_connections_closed_total": ("counter", "Idle keep-alive client connections closed to make room for "
                                                     "a new one at max_connections."),
-    "lb_retries_total": ("counter", "Tries that failed to connect and were retried on another backend, "
+    "lb_retries_total": ("counter", "Tries that failed (--retry-on) and were retried on another backend, "
                                     "by the failed one."),
     "lb_dns_resolutions_total": ("counter", "Resolutions of DNS-named backends ([upstream] resolver), by result (ok, failed)."),
     "lb_dns_addresses": ("gauge", "Addresses a DNS-named backend resolves to now: each is a backend."),
     "lb_overflow_total": ("counter", "Requests answered 503 at once by the pool's circuit breaker, by the cap (max_requests, max_pending)."),
     "lb_pool_requests_in_flight": ("gauge", "Requests in flight to the pool, counted by its circuit breaker (when max_requests is set)."),
     "lb_pool_pending": ("gauge", "Requests waiting for a pooled backend connection."),
+    "lb_retries_by_condition_total": ("counter", "Tries retried on another backend, by the --retry-on condition "
+                                                 "they met (connect, reset, timeout, 5xx, 502, 503, 504)."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
@@ -182,6 +185,8 @@ class Metrics:
         self.gauges[("lb_tunnels_open", ())] = 0
         for code in _EDGE_CODES:
             self.counters[("lb_edge_responses_total", (("code", code),))] = 0
+        for cond in RETRY_CONDITIONS:
+            self.counters[("lb_retries_by_condition_total", (("condition", cond),))] = 0
         for k in _DURATION.values():
             self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
@@ -209,6 +214,11 @@ class Metrics:
         """Any counter in FAMILIES, e.g. inc("lb_retries_total", backend=url)."""
         with self.lock:
             self._inc(name, _labels(**labels), n)
+
+    def by_label(self, name: str, label: str) -> dict:
+        """A counter family's values by one label, e.g. {"503": 4} (this process's, for /status)."""
+        with self.lock:
+            return {dict(labels).get(label, ""): v for (n, labels), v in self.counters.items() if n == name}
 
     def add_gauge(self, name: str, delta: float, **labels) -> None:
         """A gauge kept by events, e.g. add_gauge("lb_x_open", +1) when an x opens."""
@@ -275,13 +285,16 @@ class Metrics:
         with self.lock:
             self._inc("lb_tls_handshake_failures_total")
 
-    def try_failed(self, backend: str, kind: str) -> None:
-        """One try that failed and was retried elsewhere: the backend's error, not a response of ours."""
+    def try_failed(self, backend: str, kind: str | None, condition: str = "connect") -> None:
+        """One try that failed and was retried elsewhere: the backend's error (kind; None when it
+        answered with a status the retry policy names), not a response of ours."""
         b = (("backend", backend),)
         with self.lock:
             self._inc("lb_requests_total", b)
-            self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
+            if kind is not None:
+                self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
             self._inc("lb_retries_total", b)
+            self._inc("lb_retries_by_condition_total", (("condition", condition),))
 
     def ejection(self, backend: str, returned: bool = False) -> None:
         self.inc("lb_ejection_returns_total" if returned else "lb_ejections_total", backend=backend)
