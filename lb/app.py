@@ -247,13 +247,7 @@ class App:
             added = [make_backend(s, cfg, joined_at=time.monotonic(), breaker=self.breaker)   # slow start, if on
                      for u, s in want.items() if u not in have]
             self.balancer.set_backends([b for b in old if b not in removed] + added)
-            self.metrics.declare_backends(b.url for b in added)
-            for b in added:
-                self._watch(b)
-            for b in removed:
-                self.health.unwatch(b)
-                self.ejector.forget(b)
-                threading.Thread(target=self._drain_backend, args=(b,), daemon=True, name=f"drain {b.url}").start()
+            self._joined_and_left(added, removed)
             log.info("backend %s: %s resolves to %s (%d added, %d draining)", spec.url, spec.host,
                      ", ".join(addrs), len(added), len(removed))
         return ttl
@@ -629,14 +623,7 @@ class App:
             self.cfg = new
             for p in old_pools:
                 p.close()   # idle connections close now; one in use closes when its request gives it back
-            self.metrics.declare_backends(b.url for b in added)
-            for b in added:
-                self._watch(b)
-            for b in removed:
-                self.health.unwatch(b)
-                self.ejector.forget(b)
-                threading.Thread(target=self._drain_backend, args=(b,), daemon=True,
-                                 name=f"drain {b.url}").start()
+            self._joined_and_left(added, removed)
             log.info("reloaded: %d backends (%d added, %d removed%s), limit %s, %d rules, %d known keys%s",
                      len(keep), len(added), len(removed),
                      f", {len(reweighted)} reweighted: {', '.join(reweighted)}" if reweighted else "",
@@ -667,6 +654,17 @@ class App:
                 n += 1
         except OSError:
             return n
+
+    def _joined_and_left(self, added, removed) -> None:
+        """Backends that joined the rotation (a reload, a DNS answer) are counted and probed; those that left
+        are forgotten by health and ejection and drained (their in-flight requests finish, then the pool closes)."""
+        self.metrics.declare_backends(b.url for b in added)
+        for b in added:
+            self._watch(b)
+        for b in removed:
+            self.health.unwatch(b)
+            self.ejector.forget(b)
+            threading.Thread(target=self._drain_backend, args=(b,), daemon=True, name=f"drain {b.url}").start()
 
     def _drain_backend(self, b, deadline: float = 300.0) -> None:
         """A backend taken out by reload: its in-flight requests finish, then its pool is closed."""
