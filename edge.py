@@ -10,7 +10,7 @@ Signals: SIGHUP reloads the configuration (and reopens the logs); SIGUSR1 reopen
 SIGTERM/SIGINT stop accepting, let in-flight requests finish (up to --drain-timeout) and exit 0.
 See README.md for every flag and the TOML keys.
 
-This file only parses, configures and calls down: lb/server.py serves, lb/supervisor.py runs workers.
+This file only parses, configures and calls down: lb/process/serve.py serves, lb/process/supervisor.py runs workers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 from lb import logs
-from lb.config import ConfigError, load
+from lb.config.load import ConfigError, load
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             logs.say(f"configuration error: {p}")
         return 2
     if cfg.check:
-        from lb.check import problems
+        from lb.config.check import problems
         from lb.netaddr import hostport
         found = problems(cfg)
         for p in found:
@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"listen {hostport(*cfg.listen)}{', tls' if cfg.tls_cert else ''}"
                   f"{', limit ' + cfg.limit if cfg.limit else ''})")
         return 2 if found else 0
-    from lb.server import StartError
+    from lb.process.serve import StartError
     try:
         if cfg.workers > 1:
-            from lb import supervisor
+            from lb.process import supervisor
             return supervisor.run(cfg, argv)
-        from lb.server import serve
+        from lb.process.serve import serve
         return serve(cfg, argv)
     except StartError as e:
         logs.say(f"cannot start: {e}")

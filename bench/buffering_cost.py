@@ -1,5 +1,5 @@
 """What buffering costs a fast client: the edge's CPU per large response and per large upload, with
-response/request buffering on (the default) and off. One edge process per setting, one lb.demo
+response/request buffering on (the default) and off. One edge process per setting, one demo.backends
 backend, one client on this thread, sequential requests; the edge's CPU is read from /proc/PID/stat
 (user + system), so the client's and the backend's are not in it.
 

@@ -2,7 +2,7 @@
 
     python -m bench.failover_bench [--seconds 10] [--rates 0,100,300] [--delay-ms 5] [--out docs/bench-failover.md]
 
-Three identity backends (lb/demo.py) answer after --delay-ms, the third after 10x that. Two edges over
+Three identity backends (demo/backends.py) answer after --delay-ms, the third after 10x that. Two edges over
 them, --strategy round-robin and --strategy least-request, are driven in turn (A B A B: this machine is
 shared and noisy) by wrk.loadgen at a constant rate (latency from each request's intended send time);
 the slow backend's share is read from the backends' own counters. Rate 0 is a closed loop instead: 12

@@ -15,9 +15,9 @@ import tempfile
 import timeit
 from types import SimpleNamespace
 
-from lb.accesslog import AccessLog
-from lb.metrics import Metrics
-from lb.proxy import _REQUEST_ID, new_request_id
+from lb.ops.accesslog import AccessLog
+from lb.ops.metrics import Metrics
+from lb.proxy.edge import _REQUEST_ID, new_request_id
 
 N = 100_000
 

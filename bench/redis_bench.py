@@ -272,7 +272,7 @@ def concurrency(url: str, callers=(1, 8, 32, 128), flights=(0, 1, 2, 4), seconds
     """Decisions/s and per-call p99 with N threads calling allow() at once (distinct keys, all admitted,
     no denial cache), batching off (flights 0: every call its own round trip on a pooled connection,
     as before) vs on; configurations interleaved, `rounds` times, the best round counts."""
-    from limiter.redis_batch import Batcher
+    from limiter.redis.batch import Batcher
     lim = build("token-bucket", 10**9, 1.0, store=url, prefix=f"conc:{uuid.uuid4().hex[:6]}:", timeout=1.0,
                 deny_cache=0)
     link = lim.link

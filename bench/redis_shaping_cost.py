@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost and delay mode on Redis, per decision: the shaped scripts (limiter/redis_shaping.py) against the
+"""Cost and delay mode on Redis, per decision: the shaped scripts (limiter/redis/shaping.py) against the
 base ones, one key at 2x its limit (100/s) so admissions, held requests and denials alternate; client
 µs per call and the server's µs per EVALSHA (INFO commandstats).  Starts its own redis-server.
 

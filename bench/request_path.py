@@ -37,9 +37,9 @@ RESPONSE = (b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 01 Dec 2026 
 
 def measure(n: int, extra: list[str]) -> dict:
     """In this process (the checkout on sys.path): µs per request, best of 5 batches of n."""
-    from lb import config
-    from lb.app import App
-    from lb.httpio import Reader, parse_request
+    from lb.config import load as config
+    from lb.process.app import App
+    from lb.http.framing import Reader, parse_request
 
     backend = socket.create_server(("127.0.0.1", 0))
     port = backend.getsockname()[1]

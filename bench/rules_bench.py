@@ -4,7 +4,7 @@
   1. The rate-limit stage (lb.ratelimit.LimitStage.check on a parsed request), memory store: the
      built-in rule alone, + 1 rule, + 3 rules (one with a path match).
   2. The Redis store (a redis-server this script starts): one request's 3 rules as ONE script call
-     (limiter.redis_multi) against the same 3 decisions as 3 separate calls, and 1 rule alone.
+     (limiter.redis.multi) against the same 3 decisions as 3 separate calls, and 1 rule alone.
 
     python3 bench/rules_bench.py [--calls 20000] [--redis-calls 3000]
 
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.redis_bench import measure  # noqa: E402
-from lb.httpio import parse_request  # noqa: E402
-from lb.ratelimit import LimitStage  # noqa: E402
-from lb.rules import parse_rules  # noqa: E402
+from lb.http.framing import parse_request  # noqa: E402
+from lb.limiting.stage import LimitStage  # noqa: E402
+from lb.limiting.rules import parse_rules  # noqa: E402
 from limiter import build  # noqa: E402
 from limiter.compose import allow_all  # noqa: E402
 

@@ -26,7 +26,7 @@ _URL_TOKEN = re.compile(r"(\bredis[a-z+-]*://)([^:\s]+)@", re.I)
 
 # The URL pattern cannot tell where a password with a blank in it starts (`redis://:pa ss@host`); its
 # literal text can. Only such passwords are hidden by their text: starring out every occurrence of an
-# ordinary one ("wrong", "redis") would garble lines that never held it. lb.config registers each store
+# ordinary one ("wrong", "redis") would garble lines that never held it. lb.config.load registers each store
 # password it validates (URL, redis_password_file or EDGE_REDIS_PASSWORD).
 _SECRETS: set[str] = set()
 _BLANK = re.compile(r"\s")
@@ -177,5 +177,5 @@ def _timer(delay: float, fn) -> None:
     t.start()
 
 
-# The edge's client-caused lines (lb/proxy.py, lb/forward.py): one window for all of them.
+# The edge's client-caused lines (lb/proxy/edge.py, lb/proxy/forward.py): one window for all of them.
 client_fault = ClientFaults(logging.getLogger("edge"))

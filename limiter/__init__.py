@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import re
 
-from .algorithms import ALGORITHMS, MAX_COUNT, MIN_WINDOW, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
-from .memory import MemoryStore
-from .shaping import shaped
-from .redis_url import SCHEMES as REDIS_SCHEMES
+from limiter.algorithms import ALGORITHMS, MAX_COUNT, MIN_WINDOW, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from limiter.memory import MemoryStore
+from limiter.shaping import shaped
+from limiter.redis.url import SCHEMES as REDIS_SCHEMES
 
 __all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
 
@@ -28,8 +28,8 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
     algorithm  one of ALGORITHMS: token-bucket, fixed-window, sliding-log, sliding-counter
     limit      N requests per window (token bucket: refill N per window, capacity N unless burst=)
     window     the period in seconds
-    store      "memory"; "shm" (limiter.shm: shared by forked workers); or redis://, rediss://, redis-sentinel://, redis-cluster:// (limiter.redis_url;
-               limiter.redis_store: state shared by every edge)
+    store      "memory"; "shm" (limiter.shm: shared by forked workers); or redis://, rediss://, redis-sentinel://, redis-cluster:// (limiter.redis.url;
+               limiter.redis.store: state shared by every edge)
     burst      token-bucket only: bucket capacity, apart from N
     max_keys   hard cap on keys holding state in memory (idle keys are evicted long before; when only
                live state is left a new key is refused, see limiter.memory)
@@ -48,9 +48,9 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
         raise ValueError(f"burst only applies to algorithm token-bucket, not {algorithm!r}")
     algo = shaped(cls(limit, window, burst) if cls is TokenBucket else cls(limit, window), cost, max_delay)
     if algo.__class__ is not cls and store not in ("memory", "shm"):
-        from . import redis_shaping  # noqa: F401  (registers its scripts with the Redis store)
+        from limiter.redis import shaping as redis_shaping  # noqa: F401  (registers its scripts with the Redis store)
     if store == "shm":  # limiter.shm: the table the supervisor shared with its workers before fork
-        from .shm import ShmStore
+        from limiter.shm import ShmStore
         return ShmStore(algo, redis_options.pop("shm_arena", None), name=redis_options.pop("prefix", None),
                         **({"clock": clock} if clock else {}), **redis_options)
     if store == "memory":
@@ -58,9 +58,9 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
             raise ValueError(f"options {', '.join(sorted(redis_options))} only apply to store='redis://...'")
         return MemoryStore(algo, max_keys=max_keys, **({"clock": clock} if clock else {}))
     if isinstance(store, str) and store.partition("://")[0] in REDIS_SCHEMES:
-        from .redis_store import RedisStore  # imports redis only when it is used
+        from limiter.redis.store import RedisStore  # imports redis only when it is used
         return RedisStore(algo, store, max_keys=max_keys, **({"clock": clock} if clock else {}), **redis_options)
-    from .redis_url import parse
+    from limiter.redis.url import parse
     parse(store)  # raises the one-line reason (never echoing a password)
     raise AssertionError("unreachable")
 

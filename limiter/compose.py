@@ -17,13 +17,13 @@ limits -- are decided and reported but never veto).  What is spent:
 Atomic across checks: the memory store holds every involved stripe lock at once (taken in one global
 order, so two requests can never deadlock), the shared-memory store the same with its cross-process
 locks (limiter.shm.allow_all_shm); the Redis store runs all checks as ONE script
-(limiter.redis_multi).  One check goes straight to limiter.allow (the common case, no overhead).
+(limiter.redis.multi).  One check goes straight to limiter.allow (the common case, no overhead).
 Other stores are decided one check after another (see the end of allow_all).
 """
 
 from __future__ import annotations
 
-from .memory import MemoryStore
+from limiter.memory import MemoryStore
 
 
 def allow_all(checks, now: float | None = None):
@@ -38,12 +38,12 @@ def allow_all(checks, now: float | None = None):
     kinds = {type(lim) for lim, _, _ in checks}
     if kinds == {MemoryStore}:
         return allow_all_memory(checks, now)
-    from .shm import ShmStore, allow_all_shm
+    from limiter.shm import ShmStore, allow_all_shm
     if kinds == {ShmStore}:  # --workers N with the memory store
         return allow_all_shm(checks, now)
-    from .redis_store import RedisStore  # only when a Redis store is in use
+    from limiter.redis.store import RedisStore  # only when a Redis store is in use
     if kinds == {RedisStore} and len({lim.link for lim, _, _ in checks}) == 1:
-        from .redis_multi import allow_all_redis
+        from limiter.redis.multi import allow_all_redis
         return allow_all_redis(checks, checks[0][0].clock() if now is None else now)
     # Any other store (or a mix): one decision after another -- correct per limit, but neither atomic
     # across limits nor all-or-nothing (a limit that admitted spends even when another rejects, as

@@ -116,8 +116,8 @@ class RedisInFlight:
                  password_file=None, ca_file=None, cert_file=None, key_file=None, clock=time, **_ignored):
         from redis.exceptions import RedisError   # limiter imports redis only when a Redis store is used
 
-        from .redis_link import link_for
-        from .redis_url import parse
+        from limiter.redis.link import link_for
+        from limiter.redis.url import parse
         self._error = RedisError
         self.limit = _check_limit(limit)
         if not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
@@ -135,7 +135,7 @@ class RedisInFlight:
         self.degraded = 0
 
     def _call(self, node, script, key: bytes, member: bytes) -> bytes:
-        from .redis_batch import Call
+        from limiter.redis.batch import Call
         cmd = script.pack(key, self.clock(), member)
         if node.batcher is not None:
             return node.batcher.call(script, cmd)

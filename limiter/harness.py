@@ -14,7 +14,7 @@ import argparse
 import math
 import sys
 
-from . import build
+from limiter import build
 
 ORDER = ["fixed-window", "token-bucket", "sliding-counter", "sliding-log"]
 

@@ -44,7 +44,7 @@ import threading
 from time import monotonic
 from time import time as _time
 
-from .algorithms import Decision
+from limiter.algorithms import Decision
 
 log = logging.getLogger("edge")
 

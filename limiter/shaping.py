@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right, insort
 
-from .algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket, _delta
+from limiter.algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket, _delta
 
 _new = tuple.__new__
 _nextafter = math.nextafter

@@ -46,8 +46,8 @@ import threading
 from time import monotonic
 from time import time as _time
 
-from .algorithms import FixedWindow, SlidingCounter, SlidingLog, TokenBucket
-from .memory import TableFullDecision
+from limiter.algorithms import FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from limiter.memory import TableFullDecision
 
 log = logging.getLogger("edge")
 
@@ -118,7 +118,7 @@ class Arena:
         os.close(self.lock_fd)
 
 
-ARENA: Arena | None = None  # set by the supervisor before it forks the workers (lb/supervisor.py)
+ARENA: Arena | None = None  # set by the supervisor before it forks the workers (lb/process/supervisor.py)
 
 
 def create(slots: int, state_bytes: int, stripes: int = 64) -> Arena:

@@ -89,10 +89,10 @@ class Proc:
 
 
 class Backend(Proc):
-    """`python -m lb.demo` on a port of its own choosing (or the one given, to restart in place)."""
+    """`python -m demo.backends` on a port of its own choosing (or the one given, to restart in place)."""
 
     def __init__(self, name: str, port: int = 0, *args: str, host: str = "127.0.0.1"):
-        super().__init__([PY, "-m", "lb.demo", "--host", host, "--port", str(port), "--name", name, *args],
+        super().__init__([PY, "-m", "demo.backends", "--host", host, "--port", str(port), "--name", name, *args],
                          f"backend-{name}")
         m = self.wait_log(r"listening \S+:(\d+) ")
         self.port = int(m.group(1))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from lb.accesslog import redact_query
+from lb.ops.accesslog import redact_query
 from tests.support import Edge, config_error, raw, request, wait_until
 
 NAMES = frozenset({b"token", b"access_token", b"api_key", b"key", b"password", b"secret", b"signature"})

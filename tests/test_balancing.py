@@ -6,12 +6,12 @@ from collections import Counter
 
 import pytest
 
-from lb.backends import Backend, make_backend
-from lb.balancer import SLOW_START_MIN, Balancer
-from lb.config import Config, parse_backend_url
-from lb.health import record
-from lb.outlier import MAX_EJECTION_TIME, Ejector
-from lb.retrybudget import RetryBudget
+from lb.upstream.backends import Backend, make_backend
+from lb.upstream.balancer import SLOW_START_MIN, Balancer
+from lb.config.load import Config, parse_backend_url
+from lb.upstream.health import record
+from lb.upstream.outlier import MAX_EJECTION_TIME, Ejector
+from lb.upstream.retrybudget import RetryBudget
 
 
 def pool(*weights, **kw):

@@ -1,8 +1,8 @@
 """Slow clients cost memory (bounded) or disk, never a backend connection: response buffering (nginx's
-proxy_buffering) and request buffering (proxy_request_buffering), both on by default (lb/spool.py,
+proxy_buffering) and request buffering (proxy_request_buffering), both on by default (lb/proxy/spool.py,
 Forwarder.relay's _Buffered, Edge._read_body).
 
-Real processes and sockets: an edge with --pool-maxsize 2 in front of lb.demo or a raw scripted backend,
+Real processes and sockets: an edge with --pool-maxsize 2 in front of demo.backends or a raw scripted backend,
 slow readers (a 4 KiB receive buffer, a few KB at a time) and slow uploaders (~10 kB/s). Timing bounds
 are generous (a shared 2-core machine); memory is read from /proc/PID/status, not asserted tightly.
 """

@@ -188,7 +188,7 @@ def test_status_in_workers_mode_sums_the_limited_clients_and_shows_the_shared_ta
 
 
 def test_the_top_limited_list_stays_bounded_under_rotating_keys():
-    from lb.metrics import TopKeys
+    from lb.ops.metrics import TopKeys
     t = TopKeys()
     for _ in range(50):
         t.count("ip:10.0.0.1")
@@ -221,7 +221,7 @@ def test_the_page_asks_for_the_token_when_writes_are_enabled_and_drains_with_it(
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from lb import dashboard
+    from lb.ops import dashboard
     posts = []
     st = {"version": "t", "python": "3", "uptime": 5, "workers": 1, "strategy": "weighted", "store": "memory",
           "store_up": None, "connections": 0, "limit": None, "rules": [], "top_limited": [], "key_table": None,

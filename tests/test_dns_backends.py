@@ -197,7 +197,7 @@ def test_a_reload_keeps_the_resolved_set_and_a_dropped_resolver_drains_it(tmp_pa
 
 
 def test_answers_are_parsed_a_and_aaaa_with_their_ttl_other_types_skipped():
-    from lb.resolve import AAAA, A, parse_answer
+    from lb.upstream.resolve import AAAA, A, parse_answer
     q = b"\x12\x34\x81\x80\x00\x01\x00\x03\x00\x00\x00\x00" + b"\x03api\x04test\x00" + b"\x00\x1c\x00\x01"
     rr6 = b"\xc0\x0c" + struct.pack("!HHIH", AAAA, 1, 60, 16) + socket.inet_pton(socket.AF_INET6, "fd00::5")
     cname = b"\xc0\x0c" + struct.pack("!HHIH", 5, 1, 60, 4) + b"\x01x\xc0\x0c"   # another type: skipped

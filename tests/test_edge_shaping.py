@@ -219,7 +219,7 @@ def test_settings_that_cannot_be_exact_are_refused_with_one_line(backends, args,
 
 def test_a_delay_and_a_cost_are_accepted_on_redis_with_every_algorithm(tmp_path):
     """Issue 29: cost exact in every store, delay mode on every store -- no algorithm is refused on Redis."""
-    from lb.config import load
+    from lb.config.load import load
     path = tmp_path / "c.toml"
     path.write_text('[[rules]]\nname = "export"\nkey = "ip"\nlimit = "4/s"\ncost = 2\nalgorithm = "sliding-log"\n')
     for algorithm in ("sliding-counter", "sliding-log"):

@@ -13,7 +13,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lb.httpio import HttpError, Reader, UpstreamError, iter_chunked, parse_request, parse_response
+from lb.http.framing import HttpError, Reader, UpstreamError, iter_chunked, parse_request, parse_response
 from tests.support import Backend, Edge, request
 
 CLEAN = [

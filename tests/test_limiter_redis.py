@@ -18,7 +18,7 @@ import pytest
 from redis.crc import key_slot
 
 from limiter import ALGORITHMS, build
-from limiter.redis_store import FailOpenDecision, LocalDecision, UnavailableDecision
+from limiter.redis.store import FailOpenDecision, LocalDecision, UnavailableDecision
 from tests.support import ROOT, wait_until
 
 ALL = sorted(ALGORITHMS)
@@ -220,7 +220,7 @@ def test_a_paused_redis_costs_at_most_the_timeout_then_the_policy_decides_then_i
     assert type(d).__name__ == "Decision" and d.allowed and d.remaining <= 7
     lines = edge_log()[seen:]
     assert len([m for m in lines if "unavailable" in m]) == 1, lines
-    # named as what it was: the socket's timeout (kept in the kernel, limiter/redis_link.py) expired
+    # named as what it was: the socket's timeout (kept in the kernel, limiter/redis/link.py) expired
     assert any("unavailable (TimeoutError: Timeout" in m for m in lines), lines
     assert len([m for m in lines if " back " in m]) == 1, lines
 
@@ -414,7 +414,7 @@ def test_a_missing_unix_socket_is_a_store_failure_not_a_crash(tmp_path):
     ("redis+unix://edge:sekrit@/tmp/r.sock?db=1", "/tmp/r.sock", 1, "edge"),
 ])
 def test_unix_socket_urls_parse(url, socket, db, user):
-    from limiter.redis_url import parse
+    from limiter.redis.url import parse
     t = parse(url, environ={})
     assert (t.kind, t.hosts, t.socket, t.db, t.username) == ("single", (), socket, db, user)
     assert "sekrit" not in t.display and t.display.startswith("redis+unix:///")
@@ -426,7 +426,7 @@ def test_unix_socket_urls_parse(url, socket, db, user):
     ("redis+unix://u:sekrit@/tmp/r.sock?db=x", ["?db=N"]),
 ])
 def test_bad_unix_socket_urls_fail_with_one_line(url, words):
-    from limiter.redis_url import parse
+    from limiter.redis.url import parse
     with pytest.raises(ValueError) as e:
         parse(url, environ={})
     assert "\n" not in str(e.value) and "sekrit" not in str(e.value)
@@ -525,8 +525,8 @@ def test_the_reply_reader_stays_in_step_across_reads_error_replies_and_every_rep
     reply (several recv()s), nested arrays with integers, nil and a status, a WRONGTYPE error reply, and
     scripts unknown to the server (NOSCRIPT: loaded, run again) -- every call gets its own answer, the
     error is its call's alone, and the same connection serves the next flight (it ended in step)."""
-    from limiter.redis_link import Call, _Script, link_for
-    from limiter.redis_url import parse
+    from limiter.redis.link import Call, _Script, link_for
+    from limiter.redis.url import parse
     from redis.exceptions import ResponseError
     link = link_for(parse(redis_server.url), timeout=2.0)
     key = fresh("str").encode()

@@ -232,7 +232,7 @@ def test_the_lua_threshold_search_is_pythons_float_for_float(redis_server):
     SlidingCounter._earliest for random states at clock values up to 1e11, odd windows, limits to 10^6;
     and Lua's up/down/delta are math.nextafter and _delta."""
     from limiter.algorithms import SlidingCounter, _delta
-    from limiter.redis_shaping import _FLOATS, _THRESHOLD
+    from limiter.redis.shaping import _FLOATS, _THRESHOLD
     r = redis_server.client()
     lua = _FLOATS + _THRESHOLD + """
 local out = {}

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lb.supervisor import exit_reason
+from lb.process.supervisor import exit_reason
 from tests.support import Edge, config_error, request
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lb import config
+from lb.config import load as config
 from tests.support import PY, ROOT, Edge, free_port, raw, request, wait_until
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (INFO|WARNING|ERROR) edge: ")
@@ -278,7 +278,7 @@ def _escape_byte_by_byte(raw: bytes, limit: int = 2048) -> str:
 def test_the_escape_fast_path_gives_what_the_rule_gives():
     import random
 
-    from lb.accesslog import escape
+    from lb.ops.accesslog import escape
     rnd = random.Random(7)
     cases = [bytes([b]) for b in range(256)] + [b"", b"/api/items?page=2", b"a" * 2048, b"a" * 2049, b"a" * 2047 + b" "]
     cases += [bytes(rnd.choice(b"ab/ \"\\\x7f\x80%") for _ in range(rnd.randint(0, 40))) for _ in range(2000)]
@@ -290,7 +290,7 @@ def test_the_escape_fast_path_gives_what_the_rule_gives():
 
 
 def test_the_access_log_time_is_right_across_seconds():
-    from lb.accesslog import _stamp
+    from lb.ops.accesslog import _stamp
     t = 1764600000.0
     for ts in (t, t + 0.999, t + 1.0, t - 0.001, t + 0.5, t + 86400.25, t + 0.5):
         assert _stamp(ts) == time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts * 1000) % 1000:03d}Z"
@@ -299,7 +299,7 @@ def test_the_access_log_time_is_right_across_seconds():
 def test_closing_the_access_log_writes_every_line_queued_before_it(tmp_path):
     """The writer batches lines; close() (shutdown, reload) returns only when all of them are written:
     nothing accepted is dropped on the way out."""
-    from lb.accesslog import AccessLog
+    from lb.ops.accesslog import AccessLog
     path = tmp_path / "a.log"
     log = AccessLog(str(path))
     for i in range(20000):
@@ -313,7 +313,7 @@ def test_closing_the_access_log_writes_every_line_queued_before_it(tmp_path):
 def test_the_writer_survives_a_reopen_whose_old_file_fails_to_close(tmp_path, caplog):
     """Disk full, then logrotate frees space and sends USR1: the line stuck in the old file's buffer
     makes its close() raise. The writer must log that and go on with the new file."""
-    from lb.accesslog import AccessLog
+    from lb.ops.accesslog import AccessLog
     caplog.set_level(logging.ERROR, logger="edge")
     path = tmp_path / "a.log"
     log = AccessLog(str(path))
@@ -338,7 +338,7 @@ def test_the_writer_survives_a_reopen_whose_old_file_fails_to_close(tmp_path, ca
 
 _STDERR_WRITER = r"""
 import sys
-from lb.accesslog import AccessLog
+from lb.ops.accesslog import AccessLog
 n, tag = int(sys.argv[1]), sys.argv[2]
 log = AccessLog("-")
 for i in range(n):
@@ -374,7 +374,7 @@ def test_a_full_batch_is_not_followed_by_a_pause(tmp_path, monkeypatch):
     """After a write of BATCH lines more are waiting: a pause there would cap the writer at BATCH / GATHER
     lines per second, and close() could give up (its 5 s) with lines still queued. GATHER scaled up to
     0.5 s: a backlog of twelve batches is still all written by close()."""
-    from lb import accesslog
+    from lb.ops import accesslog
     monkeypatch.setattr(accesslog, "GATHER", 0.5)
     path = tmp_path / "a.log"
     log = accesslog.AccessLog(str(path))
@@ -390,7 +390,7 @@ def test_a_line_queued_just_after_the_close_is_still_written(tmp_path):
     """A request that took the access log just before a reload swapped it out queues its line after the
     old log's stop sentinel: the writer gives such lines one more gathering period instead of dropping
     them. Shown by queueing the sentinel, then a line, as that race does."""
-    from lb.accesslog import AccessLog
+    from lb.ops.accesslog import AccessLog
     path = tmp_path / "a.log"
     log = AccessLog(str(path))
     log.refusal("127.0.0.1", 400, "before")
@@ -685,7 +685,7 @@ def test_the_unit_runs_check_before_reload_and_its_low_port_lines_work():
 def test_request_ids_differ_across_forked_workers():
     """Request ids come from a per-process generator (no system call per request): each forked worker
     reseeds it, or every worker would hand out the same sequence of ids."""
-    from lb.proxy import new_request_id
+    from lb.proxy.edge import new_request_id
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

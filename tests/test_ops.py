@@ -208,7 +208,7 @@ def test_summed_counters_stay_monotonic_when_a_worker_restarts(backends):
 def test_the_sum_keeps_a_worker_missing_from_a_scrape_and_each_dead_incarnation():
     """The Carry arithmetic on real Metrics snapshots: worker 1 left out of one scrape (restarting) stands
     in with its last numbers; its next incarnation (another id) adds to the dead one's; gauges are not kept."""
-    from lb.metrics import Metrics
+    from lb.ops.metrics import Metrics
     w0, w1 = Metrics(), Metrics()
     total = lambda text: int(re.search(r"^lb_requests_total\{[^}]*\} (\d+)$", text, re.M).group(1))
     w0.backend_done("http://b", 200, 0.001)

@@ -1,4 +1,4 @@
-"""The backend connection pool's slots (lb/backends.py LifoSlots) and the hard cap they enforce, through
+"""The backend connection pool's slots (lb/upstream/backends.py LifoSlots) and the hard cap they enforce, through
 a real edge: --pool-maxsize concurrent requests at most per backend; a backend at its cap is passed over
 for one with a free connection; when none has one, requests wait in line (first come, first served)
 --pool-timeout and then get a 503; a slot that comes back goes to the longest waiter."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from lb.backends import LifoSlots
+from lb.upstream.backends import LifoSlots
 from tests.support import Edge, request, wait_until
 
 

@@ -160,7 +160,7 @@ def test_moved_is_followed_and_never_taken_for_an_outage(cluster):
 
 
 def test_several_limits_of_one_request_are_one_call_per_slot(cluster):
-    """Rules (limiter.compose.allow_all over limiter.redis_multi) on a cluster: the limits on one identity
+    """Rules (limiter.compose.allow_all over limiter.redis.multi) on a cluster: the limits on one identity
     share its hash tag, so they are one atomic all-or-nothing call; a global limit lives in another slot
     and is its own call.  Across slots nothing is refunded: a request refused by one group still spent in
     the other (docs/redis.md, "Cluster").  Within a group it is all or nothing."""
@@ -381,8 +381,8 @@ def test_the_memory_policy_is_read_on_each_cluster_seed_and_on_the_master_sentin
     """lb.store.memory_policy beyond one Redis: a line per cluster seed node, and one for the master the
     sentinels name (these servers run the default noeviction, no maxmemory)."""
     import logging
-    from lb.config import load
-    from lb.store import memory_policy
+    from lb.config.load import load
+    from lb.limiting.store import memory_policy
     # (a longer timeout than the edge's 1 s: a CONFIG GET on a loaded 2-core machine is no test of policy)
     # Two seeds that are alive: the module's cluster may have lost a master to the failover test before
     # this one (a dead seed is a WARNING line, "cannot read", as it should be, but not this test's case).

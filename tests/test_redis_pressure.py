@@ -12,7 +12,7 @@ import redis
 
 from limiter import build
 from limiter.compose import allow_all
-from limiter.redis_store import FailOpenDecision
+from limiter.redis.store import FailOpenDecision
 from tests.redis_server import RedisServer
 
 
@@ -89,7 +89,7 @@ def test_when_lua_and_python_disagree_the_state_written_decides(redis_server):
     won and 20 of 20 were admitted at a limit of 3; the script's (whose state is what Redis holds) wins."""
     import uuid
     from limiter.algorithms import FixedWindow
-    from limiter.redis_store import RedisStore
+    from limiter.redis.store import RedisStore
     algo = FixedWindow(3, 1.0)
     algo.window = 1e-6
     lim = RedisStore(algo, redis_server.url, prefix=f"drift:{uuid.uuid4().hex}:", deny_cache=0)
@@ -101,7 +101,7 @@ def test_when_lua_and_python_disagree_the_state_written_decides(redis_server):
                                          ("3/0.001ms", "at least 1ms"), ("1/0.5ms", "at least 1ms")])
 def test_rates_whose_arithmetic_is_not_exact_in_a_double_are_refused_naming_the_key(rate, words):
     from limiter import parse_rate
-    from lb.config import ConfigError, check_rate
+    from lb.config.load import ConfigError, check_rate
     with pytest.raises(ValueError, match=re.escape(words)):
         parse_rate(rate)
     with pytest.raises(ConfigError, match=r"^limits\.keys\.acme: .*" + re.escape(words)):
@@ -251,8 +251,8 @@ def test_instants_out_of_order_never_admit_more_than_the_rule_by_the_instant_the
 @pytest.mark.parametrize("policy, warned", [("allkeys-lru", "evicts any key"), ("volatile-ttl", "keys with a TTL"),
                                             ("noeviction", None)])
 def test_the_edge_reads_maxmemory_policy_and_warns_when_it_can_evict_limiter_keys(policy, warned):
-    from lb.config import load
-    from lb.store import memory_policy
+    from lb.config.load import load
+    from lb.limiting.store import memory_policy
     server = RedisServer(extra=("--maxmemory", "64mb", "--maxmemory-policy", policy)).start()
     try:
         [(level, line)] = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))
@@ -266,8 +266,8 @@ def test_the_edge_reads_maxmemory_policy_and_warns_when_it_can_evict_limiter_key
 
 
 def test_config_renamed_away_is_said_once_not_fatal():
-    from lb.config import load
-    from lb.store import memory_policy
+    from lb.config.load import load
+    from lb.limiting.store import memory_policy
     server = RedisServer(extra=("--rename-command", "CONFIG", "")).start()
     try:
         [(level, line)] = memory_policy(load(["--backends", "http://127.0.0.1:9", "--store", server.url]))

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from limiter import build
-from limiter.redis_url import parse
+from limiter.redis.url import parse
 from tests.redis_server import RedisServer
 from tests.support import Backend, Edge, request, wait_until
 

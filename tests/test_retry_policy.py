@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lb.retrypolicy import RETRY_AFTER_MAX, RetryPolicy, parse_conditions, retry_after
+from lb.upstream.retrypolicy import RETRY_AFTER_MAX, RetryPolicy, parse_conditions, retry_after
 from tests.rawserver import ConnReader, RawServer, RecordingBackend, read_request
 from tests.support import Edge, request, wait_until
 import json
@@ -81,7 +81,7 @@ def test_retry_after_takes_seconds_or_a_date_and_is_bounded():
 
 
 def test_the_config_names_the_key_of_a_bad_condition(tmp_path):
-    from lb import config
+    from lb.config import load as config
     with pytest.raises(config.ConfigError, match=r"--retry-on: unknown retry condition '418'"):
         config.load(["--backends", "http://127.0.0.1:1", "--retry-on", "connect,418"])
     f = tmp_path / "edge.toml"

@@ -8,11 +8,11 @@ import uuid
 
 import pytest
 
-from lb.config import ConfigError, load
-from lb.httpio import parse_request
-from lb.keys import parse_keys
-from lb.ratelimit import LimitStage, release
-from lb.rules import normalize_path, parse_rules
+from lb.config.load import ConfigError, load
+from lb.http.framing import parse_request
+from lb.limiting.keys import parse_keys
+from lb.limiting.stage import LimitStage, release
+from lb.limiting.rules import normalize_path, parse_rules
 from limiter.compose import allow_all
 from limiter import build
 
@@ -228,7 +228,7 @@ def test_no_raw_key_in_the_label_without_a_registry():
 
 
 def test_unregistered_keys_are_identified_apart_and_the_label_cache_stays_bounded():
-    from lb import ratelimit
+    from lb.limiting import stage as ratelimit
     st = stage("2/m")
     a = [st.check(req(X_Api_Key="key-a"), "192.0.2.1", now=T0) for _ in range(3)]
     b = st.check(req(X_Api_Key="key-b"), "192.0.2.1", now=T0)
@@ -498,7 +498,7 @@ def test_one_script_with_the_denial_cache_decides_as_the_memory_store_does(own_r
 
 def test_costs_and_delays_in_one_script_decide_as_the_memory_store_does(own_redis):
     """Issue 29: a cost on every algorithm and delay mode together, three rules and the built-in limit
-    in one script call (limiter.redis_multi): every verdict, delay and header equals the memory store's."""
+    in one script call (limiter.redis.multi): every verdict, delay and header equals the memory store's."""
     import random
     rnd = random.Random(29)
     rules = [{"name": "log", "key": "ip", "limit": "7/2s", "algorithm": "sliding-log", "cost": 2},

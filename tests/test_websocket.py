@@ -126,8 +126,8 @@ def test_the_101_keeps_the_backends_fields_but_never_its_copies_of_ours(rid_resp
     client; its other fields and its Upgrade do (and its X-Request-Id, when the edge writes none)."""
     from types import SimpleNamespace
 
-    from lb.httpio import parse_response
-    from lb.tunnel import switching_head
+    from lb.http.framing import parse_response
+    from lb.proxy.tunnel import switching_head
 
     rh = parse_response(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade, X-Hop\r\n"
                         b"X-Hop: 1\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\nX-Request-Id: backend-id\r\n"

@@ -5,7 +5,7 @@
     python -m wrk.protocol --redis auto         # also the enforcement rows with the Redis store
 
 Steps (one function each, below):
-  1. baseline     straight at one backend (nginx from wrk/nginx_target.py; `python -m lb.demo` if no nginx)
+  1. baseline     straight at one backend (nginx from wrk/nginx_target.py; `python -m demo.backends` if no nginx)
   2. edge         the same rates through `edge.py` (limiter on, generous limit, the client keyed): p99 delta.
                   Baseline and edge rows are interleaved (b r1, e r1, b r2, e r2, ...) and the whole
                   sequence is run twice, so the report shows the noise next to the delta. Interleaved

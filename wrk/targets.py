@@ -1,5 +1,5 @@
 """The processes the load-test protocol drives, started on 127.0.0.1 free ports and stopped afterwards:
-the baseline backend (nginx, else lb.demo), edges, a throwaway redis-server. Each yields a Target that
+the baseline backend (nginx, else demo.backends), edges, a throwaway redis-server. Each yields a Target that
 also says how to start it by hand (the report's Invocations).
 """
 
@@ -88,15 +88,15 @@ def process(name: str, argv: list[str], ready: str, admin: bool = False, timeout
 
 @contextlib.contextmanager
 def backend():
-    """The baseline backend: nginx (fast, so the edge is what the edge rows measure), else lb.demo."""
+    """The baseline backend: nginx (fast, so the edge is what the edge rows measure), else demo.backends."""
     if find_nginx():
         with nginx_target() as port:
             yield Target("nginx", port, f"python -m wrk.nginx_target --port {port}")
     else:
-        with process("backend", [PY, "-m", "lb.demo", "--port", "0", "--name", "baseline"],
+        with process("backend", [PY, "-m", "demo.backends", "--port", "0", "--name", "baseline"],
                      r"listening 127\.0\.0\.1:(\d+)") as (m, _):
             port = int(m.group(1))
-            yield Target("lb.demo", port, f"python -m lb.demo --port {port} --name baseline")
+            yield Target("demo.backends", port, f"python -m demo.backends --port {port} --name baseline")
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from lb.httpio import HOP_BY_HOP
+from lb.http.framing import HOP_BY_HOP
 from tests.support import PY, Backend, Edge, Proc
 
 pytestmark = pytest.mark.acceptance

@@ -9,7 +9,7 @@ except the interval the line names: --health-interval 0.5, so threshold x interv
 continuous traffic the killed backend's turns fail, are retried on the other (clients see no 502 at all,
 better than the line asks) and eject it passively (5 consecutive failures: 30 s); its probes take it
 DOWN. Restarted on the same port, its probes pass: `healthy_threshold` passes bring it UP and end the
-ejection too (lb/outlier.py probe_passed), so it serves again within threshold x interval of its restart
+ejection too (lb/upstream/outlier.py probe_passed), so it serves again within threshold x interval of its restart
 -- not after the rest of the 30 s ejection.
 
 Timing bounds: threshold x interval plus SLACK, for the probe in flight when the backend died or came back

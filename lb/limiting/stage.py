@@ -1,0 +1,521 @@
+"""The rate-limit stage of the pipeline: who is asking, which limits apply, the verdict and the headers.
+
+Limits come from two places, decided together (limiter.compose: a request is admitted only when every
+applying enforcing limit admits it, and a rejected request spends nothing in any of them):
+
+* the built-in per-identity rule "default" (`--limit`, `[limits] default`): one limiter per rate, the
+  identity's override (`[limits.keys]`, `--key-limit`, kind-named: "key:NAME" / "ip:ADDR"), else its
+  known key's tier, else the default;
+* every `[[rules]]` table whose match fits the request (lb/limiting/rules.py), keyed by its own `key`.
+
+The X-RateLimit-* headers and Retry-After describe the most restrictive applying enforcing limit:
+when admitted, the one with the least remaining (ties: the longest reset); when rejected, the
+rejecting one with the latest retry time. So a client that sends while Remaining > 0 and otherwise
+waits Reset (or Retry-After) seconds is never refused. Dry-run rules never reject and never show in
+the headers; their would-be rejections are reported in `limited_by` (as "NAME:dry_run") and counted.
+
+The limiter package decides (it knows nothing of HTTP); this module only speaks HTTP around it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from time import sleep
+
+from limiter import MemoryStore, build, parse_rate
+from limiter.compose import allow_all
+from limiter.concurrency import InFlight
+from limiter.shaping import Delayed
+
+from lb import netaddr
+from lb.limiting.identity import MAX_KEY, ip_key, kind_name
+from lb.limiting.keys import KeyRegistry, key_label
+from lb.limiting.rules import BUILTIN, Matcher, normalize_path
+
+log = logging.getLogger("edge")
+
+
+class Verdict:
+    """What the stage decided for one request, for the pipeline, the access log and the metrics."""
+
+    __slots__ = ("status", "reason", "headers", "label", "key_name", "limited_by", "rejected", "dry", "degraded",
+                 "exempt", "delay", "slots", "admitted")
+
+    def __init__(self, label: str):
+        self.status = 0              # 0: go on; else answer it (400, 401, 429, 503)
+        self.reason = ""
+        self.headers = b""           # X-RateLimit-* (and Retry-After), RateLimit-* when enabled
+        self.label = label           # the identity as logs may show it: never a raw API key
+        self.key_name = None         # a known key's configured name
+        self.limited_by = ""         # "rule,rule:dry_run" -- the access log's limited_by
+        self.rejected = ()           # names of enforcing rules that rejected
+        self.dry = ()                # names of dry-run rules that would have rejected
+        self.degraded = False        # a store failure policy decided
+        self.exempt = False
+        self.delay = 0.0             # admitted, to be held this long first (delay mode)
+        self.slots = None            # in-flight slots taken: [(table, slot)], given back by release()
+        self.admitted = ()           # names of the rules that applied to an admitted request
+
+
+def release(slots) -> None:
+    """Give back a request's in-flight slots (the pipeline's one finally). Never raises."""
+    for table, slot in slots:
+        try:
+            table.release(slot)
+        except Exception:            # a slot lost here expires (Redis) or is a bug; the request is done
+            log.exception("in-flight slot not released")
+
+
+class Holds:
+    """Requests held by delay mode right now, at most `cap` (each holds its connection's thread).
+    Kept by the pipeline, not the stage, so a reload does not reset the count."""
+
+    __slots__ = ("n", "lock")
+
+    def __init__(self):
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def hold(self, delay: float, cap: int, metrics, wait=sleep) -> bool:
+        """wait(delay) (the request's slot is already reserved; the proxy's wait raises ClientGone when the
+        client leaves meanwhile); False at once when `cap` are held."""
+        with self.lock:
+            if self.n >= cap:
+                metrics.inc("lb_delayed_refused_total")
+                return False
+            self.n += 1
+        metrics.inc("lb_delayed_total")
+        metrics.add_gauge("lb_delayed_in_flight", +1)
+        try:
+            wait(delay)
+        finally:
+            with self.lock:
+                self.n -= 1
+            metrics.add_gauge("lb_delayed_in_flight", -1)
+        return True
+
+
+class Rule:
+    """A [[rules]] table made live: its matcher and its limiter."""
+
+    __slots__ = ("spec", "name", "kind", "header", "match", "limiter", "enforce", "rate", "algorithm", "inflight")
+
+    def __init__(self, spec, limiter, algorithm, inflight=None):
+        self.spec = spec
+        self.name = spec.name
+        self.kind = spec.key if not spec.key.startswith("header:") else "header"
+        self.header = spec.header
+        self.match = Matcher(spec)
+        self.limiter = limiter
+        self.enforce = not spec.dry_run
+        self.rate = spec.limit
+        self.algorithm = algorithm
+        self.inflight = inflight      # limiter.concurrency table (max_in_flight), or None
+
+
+class LimitStage:
+    def __init__(self, default: str | None, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
+                 reuse: dict | None = None, *, rules=(), keys=(), unknown_keys: str = "as-ip", exempt=(),
+                 ietf_headers: bool = False, ipv6_prefix: int = 64, max_delay: float = 0.0, max_delayed: int = 256,
+                 max_in_flight: int = 0, status: int = 429, inflight_ttl: float = 360.0, **store_options):
+        """reuse: the limiters of the stage this one replaces (reload): an unchanged limit keeps its state
+        (its in-flight tables too: a reload does not forget the requests in flight)."""
+        self.algorithm = algorithm
+        self.store = store
+        self.options = tuple(sorted(store_options.items()))
+        old = reuse or {}
+        cache: dict[str, object] = {}
+
+        def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN, cost: int = 1, delay: float = max_delay):
+            n, period = parse_rate(rate)
+            # The built-in rule keeps its old names (and Redis keys); each [[rules]] table has its own.
+            key = f"{n}/{period}" if rule == BUILTIN and algo == algorithm else f"{rule}:{algo}:{n}/{period}"
+            key += (f"+cost{cost}" if cost != 1 else "") + (f"+delay{delay!r}" if delay else "")
+            if key not in cache and key in old:
+                cache[key] = old[key]
+            if key not in cache:
+                cache[key] = build(algo, limit=n, window=period, store=store, cost=cost, max_delay=delay,
+                                   **({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
+                                      if store != "memory" else {}),
+                                   **store_options)
+            return cache[key]
+
+        def inflight_for(n: int, rule: str = BUILTIN):
+            key = f"inflight:{rule}:{n}"
+            if key not in cache and key in old:
+                cache[key] = old[key]
+            if key not in cache:
+                if store in ("memory", "shm"):
+                    from limiter import concurrency  # --workers: the table the supervisor shared
+                    cache[key] = (concurrency.ShmInFlight(n, name=key) if concurrency.SHARED is not None
+                                  else InFlight(n))
+                else:
+                    from limiter.concurrency import RedisInFlight
+                    cache[key] = RedisInFlight(n, store, prefix=f"edge:inflight:{rule}:", ttl=inflight_ttl,
+                                               **{k: v for k, v in store_options.items() if k != "max_keys"})
+            return cache[key]
+
+        self.default = limiter_for(default) if default else None
+        self.ipv6_prefix = ipv6_prefix       # IPv6 clients are keyed by this prefix (identity.ip_key)
+        self.overrides = {kind_name(k, ipv6_prefix): limiter_for(rate) for k, rate in overrides}
+        self.registry = KeyRegistry(keys) if keys else None
+        self.tiers = {k.name: limiter_for(k.limit) for k in keys if k.limit}
+        self.reject_unknown = unknown_keys == "reject"
+        nets, names = [], set()
+        for e in exempt:
+            if e.startswith("key:"):
+                names.add(e)
+            else:
+                nets.append(netaddr.network(e[3:] if e.startswith("ip:") else e))   # mapped: its IPv4 net
+        self.exempt_nets, self.exempt_names = tuple(nets), frozenset(names)
+        self.rules = tuple(Rule(s, limiter_for(s.limit, s.algorithm or algorithm, s.name, s.cost,
+                                               0.0 if s.dry_run else max_delay) if s.limit else None,
+                                s.algorithm or algorithm,
+                                inflight_for(s.max_in_flight, s.name) if s.max_in_flight else None)
+                           for s in rules)
+        self.inflight = inflight_for(max_in_flight) if max_in_flight else None
+        self.max_delay, self.max_delayed = max_delay, max_delayed
+        self.status_code = status
+        self.ietf = ietf_headers
+        self.limiters = cache
+
+    @property
+    def declared(self) -> list[tuple[str, bool]]:
+        """(rule name, dry_run) of every rule in force, the built-in one first."""
+        builtin = ([(BUILTIN, False)] if self.default is not None or self.overrides or self.tiers or self.inflight
+                   else [])
+        return builtin + [(r.name, not r.enforce) for r in self.rules]
+
+    def status(self) -> list[dict]:
+        """The [[rules]] in force, for /status: what each says and how many keys it holds in memory."""
+        out = []
+        for r in self.rules:
+            s = r.spec
+            match = {k: v for k, v in (("path_prefix", s.path_prefix), ("methods", list(s.methods)),
+                                       ("host", s.host), ("client_cert_subject", list(s.client_cert_subjects)))
+                     if v}
+            row = {"name": r.name, "key": s.key, "limit": s.limit, "algorithm": r.algorithm, "match": match,
+                   "dry_run": s.dry_run}
+            if s.cost != 1:
+                row["cost"] = s.cost
+            if s.max_in_flight:
+                row["max_in_flight"] = s.max_in_flight
+            if isinstance(r.limiter, MemoryStore):
+                row["keys"] = len(r.limiter)
+            elif hasattr(r.limiter, "held"):     # --workers: the shared table, the same in every worker
+                row["keys"] = r.limiter.held()
+            out.append(row)
+        return out
+
+    def table(self) -> dict:
+        """The key table's fill: keys holding state now and the cap (memory: summed over this process's
+        limiters; shm: the one table every worker shares, counted at most once a second -- a scan)."""
+        lims = list(self.limiters.values())
+        if not lims or not hasattr(lims[0], "__len__") or not hasattr(lims[0], "max_keys"):
+            return {"keys": None, "max_keys": None, "shared": False}       # Redis: the server holds them
+        if isinstance(lims[0], MemoryStore):
+            return {"keys": sum(len(x) for x in lims), "max_keys": lims[0].max_keys * len(lims), "shared": False}
+        if hasattr(lims[0], "held"):
+            lims[0].held()                              # takes (or reuses) the table's census
+            return {"keys": sum(lims[0].arena.census[1].values()), "max_keys": lims[0].max_keys, "shared": True}
+        return {"keys": len(lims[0]), "max_keys": lims[0].max_keys, "shared": True}
+
+    # -- a client's state, for the admin API (GET /limits/KEY) ---------------------------------------------
+
+    def peek(self, who: str = "", api_key: bytes | None = None, now: float | None = None) -> tuple[int, dict]:
+        """(HTTP status, body): each limit's answer for a client now, spending nothing (the stores' peek:
+        the algorithm's step on the stored state, not stored). who: "ip:ADDR" or "key:NAME" of a known key;
+        api_key: a raw X-Api-Key, taken from a header of the admin request so that it is in no URL (admin
+        access logs, shell history). A raw key is never accepted in `who`."""
+        known = None
+        if api_key is not None:
+            try:
+                ident, label, known = self.identify(api_key, "")
+            except ValueError as e:
+                return 400, {"error": str(e)}
+            if ident is None or ident == "ip:":
+                return 404, {"error": "unknown API key: its client is limited by IP address; ask for ip:ADDR"}
+        elif who.startswith("ip:"):
+            try:
+                ident = label = ip_key(str(netaddr.ip(who[3:])), self.ipv6_prefix)
+            except ValueError:
+                return 400, {"error": f"{who[:64]!r}: not an IP address (ip:1.2.3.4, ip:2001:db8::1)"}
+        elif who.startswith("key:"):
+            known = self.registry.names.get(who[4:]) if self.registry is not None else None
+            if known is None:
+                # not echoed: it may be a raw key someone put in the URL
+                return 404, {"error": "key:NAME names a known key (api_keys_file) and there is none of that name; "
+                                      "for any other key send it in the X-Api-Key header of GET /limits/key, "
+                                      "never in the URL"}
+            ident = label = who
+        else:
+            return 400, {"error": "ask for /limits/ip:ADDR, /limits/key:NAME (a known key) or /limits/key with "
+                                  "the key in an X-Api-Key header"}
+        out = {"key": label, "exempt": ident in self.exempt_names or (ident.startswith("ip:") and
+                                                                       self._ip_exempt(ident[3:].split("/")[0])),
+               "rules": []}
+        lim = self.overrides.get(ident)
+        source = "override"
+        if lim is None:
+            lim, source = (self.tiers.get(known.name), "tier") if known is not None else (None, "")
+            if lim is None:
+                lim, source = self.default, "default"
+        if lim is not None:
+            out["rules"].append(self._peek_one(BUILTIN, lim, ident, now, source=source))
+        for r in self.rules:
+            if r.kind == "ip":
+                key = ident if ident.startswith("ip:") else None
+            else:
+                key = {"api-key": ident, "global": "*"}.get(r.kind)
+            if key is None:
+                out["rules"].append({"rule": r.name, "applies": False,
+                                     "why": f"keyed by {r.spec.key}, not by this kind of client"})
+            else:
+                out["rules"].append(self._peek_one(r.name, r.limiter, key, now, dry_run=not r.enforce,
+                                                   algorithm=r.algorithm))
+        return 200, out
+
+    def _peek_one(self, name, lim, key, now, **extra) -> dict:
+        row = {"rule": name, "applies": True, "limit": lim.limit,
+               "window": lim.algorithm.window, **extra}
+        try:
+            held, d = lim.peek(key, now)
+        except Exception as e:          # a store that does not answer: say so, for this rule only
+            row["error"] = f"{type(e).__name__}: {e}"
+            return row
+        # remaining: requests admitted now before a rejection (the Decision's counts after one more)
+        row.update(tracked=held, would_admit=d.allowed, remaining=d.remaining + 1 if d.allowed else 0,
+                   reset=round(d.reset, 3), retry_after=round(d.retry_after, 3))
+        return row
+
+    # -- one request ----------------------------------------------------------------------------------
+
+    def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, object]:
+        """(identity or None when refused, label for logs, the known key's spec or None)."""
+        if api_key is None:
+            ident = ip_key(ip, self.ipv6_prefix)
+            return ident, ident, None
+        if len(api_key) > MAX_KEY:
+            raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
+        if self.registry is None:
+            seen = _unregistered.get(api_key)
+            if seen is None:
+                if len(_unregistered) >= _UNREGISTERED_MAX:
+                    _unregistered.clear()         # a key-rotating client costs a hash per key, as before
+                seen = _unregistered[api_key] = ("key:" + api_key.decode("latin-1"), key_label(api_key), None)
+            return seen
+        known = self.registry.lookup(api_key)
+        if known is not None:
+            ident = "key:" + known.name
+            return ident, ident, known
+        if self.reject_unknown:
+            return None, key_label(api_key), None
+        ident = ip_key(ip, self.ipv6_prefix)     # an unknown key is no key at all: limited by its IP
+        return ident, ident, None
+
+    def check(self, req, ip: str, now: float | None = None) -> Verdict:
+        try:
+            ident, label, known = self.identify(req.api_key, ip)
+        except ValueError as e:
+            v = Verdict("-")
+            v.status, v.reason = 400, str(e)
+            return v
+        v = Verdict(label)
+        if known is not None:
+            v.key_name = known.name
+        if ident is None:
+            v.status, v.reason = 401, "unknown API key"
+            return v
+        if (self.exempt_names and ident in self.exempt_names) or (self.exempt_nets and self._ip_exempt(ip)):
+            v.exempt = True
+            return v
+        checks, rules = [], []
+        conc = None
+        if self.inflight is not None:
+            conc = [(self.inflight, ident, True, BUILTIN)]
+        lim = self.overrides.get(ident) if self.overrides else None
+        if lim is None:
+            lim = self.tiers.get(known.name) if known is not None and self.tiers else None
+            if lim is None:
+                lim = self.default
+        if lim is not None:
+            checks.append((lim, ident, True))
+            rules.append(BUILTIN)
+        if self.rules:
+            path = _Lazy(req.target)
+            for r in self.rules:
+                if r.match(req, path):
+                    key = self._rule_key(r, req, ip, ident)
+                    if key is None:
+                        v.status, v.reason = 400, f"more than one {r.header.decode()} header"
+                        return v
+                    if r.limiter is not None:
+                        checks.append((r.limiter, key, r.enforce))
+                        rules.append(r.name)
+                    if r.inflight is not None:
+                        conc = (conc or []) + [(r.inflight, key, r.enforce, r.name)]
+        # In-flight slots first: a request refused for concurrency spends no rate (its slots are given back
+        # when the rate refuses it instead).
+        if conc is not None and not self._take_slots(v, conc):
+            return v
+        if checks:
+            self._decide(v, checks, rules, now)
+            if v.status and v.slots:
+                release(v.slots)
+                v.slots = None
+        return v
+
+    def _take_slots(self, v: Verdict, conc) -> bool:
+        """One in-flight slot per applying concurrency limit, all or none; False: refused (v says why)."""
+        taken, dry = [], []
+        for table, key, enforce, name in conc:
+            slot = table.acquire(key)
+            if slot is not None:
+                taken.append((table, slot))
+            elif enforce:
+                release(taken)
+                v.status, v.reason = self.status_code, "too many requests in flight"
+                # the binding limit is this one (the rates were not asked): its N, none left, again in 1 s
+                v.headers = b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: 0\r\nX-RateLimit-Reset: 1\r\n" \
+                            b"Retry-After: 1\r\n" % table.limit
+                v.rejected, v.limited_by = (name,), name + ":in_flight"
+                return False
+            else:
+                dry.append(name)
+        if dry:
+            v.dry, v.limited_by = tuple(dry), ",".join(n + ":in_flight:dry_run" for n in dry)
+        v.slots = taken or None
+        return True
+
+    def _decide(self, v: Verdict, checks, rules, now) -> None:
+        if len(checks) == 1 and checks[0][2] and not self.ietf:
+            # The common case, one enforcing limit: what _verdict decides for it, without its lists.
+            lim, key, _ = checks[0]
+            d = lim.allow(key) if now is None else lim.allow(key, now)
+            v.headers = headers(d)
+            if getattr(d, "degraded", False):    # a store's failure policy decided (fail-open admits)
+                v.degraded = True
+            if d.allowed:
+                v.admitted = rules
+                if type(d) is Delayed:
+                    v.delay = d.delay
+                return
+            v.rejected, v.limited_by = (rules[0],), rules[0]
+            v.status, v.reason = ((503, "rate limiter unavailable") if getattr(d, "unavailable", False)
+                                  else (self.status_code, "rate limit exceeded"))
+            return
+        admitted, decisions = allow_all(checks, now)   # now=None: the store reads its clock (under its lock)
+        self._verdict(v, admitted, checks, rules, decisions)
+        if admitted and self.max_delay:
+            # several limits holding: the request runs when the last of them has its turn (the others'
+            # slots, reserved earlier, are then a little early: see docs/limiter.md, delay mode)
+            v.delay = max((d.delay for d in decisions if type(d) is Delayed), default=0.0)
+
+    def _ip_exempt(self, ip: str) -> bool:
+        try:
+            a = netaddr.ip(ip)
+        except ValueError:
+            return False
+        return any(a in n for n in self.exempt_nets)
+
+    def _rule_key(self, r: Rule, req, ip: str, ident: str) -> str | None:
+        """The key a rule counts this request under; None when the header it keys on is repeated (a
+        client could otherwise present one value to the limiter and another to the backend)."""
+        kind = r.kind
+        if kind == "ip":
+            return ip_key(ip, self.ipv6_prefix)
+        if kind == "api-key":
+            return ident
+        if kind == "global":
+            return "*"
+        if kind == "client-cert":
+            # The verified subject (a partner keeps its bucket across a reissued certificate), hashed like a
+            # header; a request without a certificate is limited as its client, as a missing header is.
+            cert = req.client_cert
+            if cert is not None and cert.subject:
+                return "c:" + hashlib.blake2b(cert.subject.encode(), digest_size=16).hexdigest()
+            return ip_key(ip, self.ipv6_prefix)
+        found = None
+        for _, lname, value in req.headers:
+            if lname == r.header:
+                if found is not None:
+                    return None
+                found = value
+        if found:
+            # Hashed: any length in, a fixed-size key out, and no header value (a token?) in Redis.
+            return "h:" + hashlib.blake2b(found, digest_size=16).hexdigest()
+        return ip_key(ip, self.ipv6_prefix)       # a missing header is the client, never one shared bucket
+
+    def _verdict(self, v: Verdict, admitted: bool, checks, rules, decisions) -> None:
+        rejected, dry, shown, unavailable = [], [], None, False
+        for (lim, key, enforce), name, d in zip(checks, rules, decisions):
+            if getattr(d, "degraded", False):
+                v.degraded = True
+            if not enforce:
+                if not d.allowed:
+                    dry.append(name)
+                continue
+            if admitted:
+                if shown is None or (d.remaining, d.reset) < (shown.remaining, shown.reset):
+                    shown = d
+            elif not d.allowed:
+                rejected.append(name)
+                if getattr(d, "unavailable", False):
+                    unavailable = True
+                if shown is None or (d.retry_after, d.reset) > (shown.retry_after, shown.reset):
+                    shown = d
+        v.rejected, v.dry = tuple(rejected), v.dry + tuple(dry)
+        if admitted:
+            v.admitted = tuple(name for name, d in zip(rules, decisions) if d.allowed)
+        if rejected or dry:
+            v.limited_by = ",".join(rejected + [n + ":dry_run" for n in dry] + ([v.limited_by] if v.limited_by else []))
+        if shown is not None:
+            v.headers = headers(shown)
+            if self.ietf:
+                v.headers += self._ietf(checks, rules, decisions, shown)
+        if not admitted:
+            v.status, v.reason = ((503, "rate limiter unavailable") if unavailable
+                                  else (self.status_code, "rate limit exceeded"))
+
+    @staticmethod
+    def _ietf(checks, rules, decisions, shown) -> bytes:
+        """draft-ietf-httpapi-ratelimit-headers: every applying enforcing policy; the binding one first."""
+        items = sorted(((d is not shown, name, lim, d) for (lim, _, e), name, d in zip(checks, rules, decisions)
+                        if e), key=lambda t: t[0])
+        policy = ", ".join(f'"{name}";q={lim.limit};w={max(1, math.ceil(lim.algorithm.window))}'
+                           for _, name, lim, _ in items)
+        state = ", ".join(f'"{name}";r={d.remaining};t={max(0, math.ceil(d.reset))}' for _, name, _, d in items)
+        return b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (policy.encode(), state.encode())
+
+
+# An unregistered X-Api-Key's identity and log label, by key: the label is a keyed hash, computed once
+# per key rather than per request. Bounded: emptied when full.
+_unregistered: dict = {}
+_UNREGISTERED_MAX = 4096
+
+
+class _Lazy:
+    """The request's normalised path, computed at most once and only if a rule asks for it."""
+
+    __slots__ = ("target", "path")
+
+    def __init__(self, target: bytes):
+        self.target, self.path = target, None
+
+    def __call__(self) -> bytes:
+        if self.path is None:
+            self.path = normalize_path(self.target)
+        return self.path
+
+
+def headers(d) -> bytes:
+    """X-RateLimit-* for any response; Retry-After too when the request was rejected."""
+    reset = max(0, math.ceil(d.reset))
+    out = b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n" % (
+        d.limit, d.remaining, reset)
+    if not d.allowed:
+        out += b"Retry-After: %d\r\n" % max(1, math.ceil(d.retry_after))
+    return out
