@@ -131,6 +131,8 @@ class Config:
     tls_client_auth: str = "require"         # or optional: a client without one is served, unidentified
     tls_client_crl: str | None = None        # PEM CRL of the client CA (leaf checked), re-read on SIGHUP
     rules: tuple = ()                        # lb.rules.RuleSpec per [[rules]] table
+    pools: tuple = ()                        # lb.config.routes.PoolSpec per [[pools]] table (--backends: "default")
+    routes: tuple = ()                       # lb.config.routes.RouteSpec per [[routes]] table, first match wins
     keys: tuple = ()                         # lb.keys.KeySpec: [[keys]] tables, then api_keys_file's
     tiers: tuple[tuple[str, str], ...] = ()  # [limits.tiers] name = "N/PERIOD"
     api_keys_file: str | None = None
@@ -416,6 +418,14 @@ def _typed(value, kind: str, key: str):
     raise AssertionError(kind)
 
 
+def _section_field(section: str, sub: str, value, key: str) -> tuple[str, object]:
+    """(Config field, checked value) of one [section] key: a [[pools]] table's own health/upstream."""
+    if sub not in _SECTIONS[section]:
+        raise ConfigError(f"{key}: unknown key (known in [{section}]: {', '.join(_SECTIONS[section])})")
+    name, kind = _SECTIONS[section][sub]
+    return name, _typed(value, kind, key)
+
+
 def read_file(path: str, problems: list[str]) -> dict:
     """The TOML file as Config field values (not yet cross-validated); problems collects every bad key."""
     try:
@@ -456,6 +466,9 @@ def read_file(path: str, problems: list[str]) -> dict:
                     raise ConfigError(str(e)) from None
             elif key == "keys":
                 out["keys"] = value          # parsed in load(), once the tiers are known
+            elif key in ("pools", "routes"):     # lb/config/routes.py
+                from lb.config import routes
+                out[key] = routes.parse_pools(value, _section_field) if key == "pools" else routes.parse_routes(value)
             elif key in _TOP and not (key in _SECTIONS and isinstance(value, dict)):
                 out[key] = _typed(value, _TOP[key], key)
             elif key in _SECTIONS:
@@ -471,7 +484,7 @@ def read_file(path: str, problems: list[str]) -> dict:
                     except ConfigError as e:
                         problems.extend(e.problems)
             else:
-                known = ", ".join(dict.fromkeys([*_TOP, "backends", "rules", "keys", *_SECTIONS]))
+                known = ", ".join(dict.fromkeys([*_TOP, "backends", "pools", "routes", "rules", "keys", *_SECTIONS]))
                 raise ConfigError(f"{key}: unknown key (known at the top level: {known})")
         except ConfigError as e:
             problems.extend(e.problems)
@@ -807,6 +820,9 @@ def validate(c: Config) -> list[str]:
         bad.append(f"server.temp_dir: not a writable directory: {c.temp_dir!r}")
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
+    if c.pools or c.routes or any(getattr(r, "route", None) for r in c.rules):
+        from lb.config import routes
+        bad += routes.validate(c)
     return bad
 
 

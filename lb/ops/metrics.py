@@ -65,6 +65,11 @@ FAMILIES = {
                                                  "they met (connect, reset, timeout, 5xx, 502, 503, 504)."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
+    "lb_route_requests_total": ("counter", "Requests a [[routes]] table matched, by route and the pool it chose "
+                                           "(configured names only)."),
+    "lb_route_denied_total": ("counter", "Requests refused 403 by a route's allow/deny, by route."),
+    "lb_route_unavailable_total": ("counter", "Requests answered 503 because none of the route's pools had anyone "
+                                              "in rotation, by route."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
     "lb_admin_actions_total": ("counter", "Admin API actions on a backend (drain, enable)."),
     "lb_health_probes_total": ("counter", "Active health probes of each backend, by result (pass, fail)."),

@@ -40,6 +40,7 @@ from lb.upstream.outlier import Ejector
 from lb.limiting.stage import Holds
 from lb.limiting.stage import release as release_slots
 from lb.upstream.breaker import Breaker
+from lb.upstream.pools import Pool
 from lb.upstream.retrybudget import RetryBudget
 from lb.http.framing import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
                      own_response, parse_request, send, send_timeout)
@@ -173,6 +174,8 @@ class Edge:
         self.ejector = ejector or Ejector(0)          # passive health (lb/upstream/outlier.py)
         self.retry_budget = retry_budget or RetryBudget()
         self.breaker = breaker or Breaker()           # the pool's circuit breaker (lb/upstream/breaker.py)
+        self.pool = Pool("default", balancer, self.ejector, self.breaker)   # where no route sends elsewhere
+        self.router = None                  # lb/proxy/routes.py Router when [[routes]] are configured
         self.refused_connections = 0
         self.idle_closed = 0                # idle keep-alive connections closed to make room at the cap
         self.draining = False               # set after SIGTERM's grace: finish what is in flight, take nothing new
@@ -281,10 +284,7 @@ class Edge:
 
     def sweep_ejections(self) -> None:
         """Ejected backends whose time is up return to the rotation: one log line and a count each."""
-        for b in self.ejector.sweep(self.balancer.backends, monotonic()):
-            log.warning("backend %s returns from ejection (ejected %d times)%s", b.url, b.times_ejected,
-                        "" if b.in_rotation else f"; still out: {b.state}")
-            self.metrics.ejection(b.url, returned=True)
+        self.pool.sweep_ejections(self.metrics)
 
     def wake_idle(self) -> int:
         """Draining: end the connections waiting between requests (a busy one ends after its response)."""
@@ -385,9 +385,19 @@ class Edge:
         if req.content_length is not None and req.content_length > cfg.max_body_size:
             return self._answer(sock, x, 413, "request body too large", False)
 
+        # 1b. the route (lb/proxy/routes.py), and its allow/deny here: after identify (it is the client IP
+        #     as identified, trusted proxies honoured), before the limit (a refused request spends no token)
+        #     and the choice (it takes no turn of a split or a balancer, and reaches no backend).
+        router = self.router
+        if router is not None:
+            route = x.route = router.match(req)
+            if route is not None and route.acl and not route.admits(ip):
+                self.metrics.inc("lb_route_denied_total", route=route.name)
+                return self._answer(sock, x, 403, f"forbidden (route {route.name})", keep_if_early)
+
         # 2. rate limit (lb/limiting/stage.py: the rules, the verdict, the headers)
         if self.limiter is not None:
-            v = self.limiter.check(req, ip)
+            v = self.limiter.check(req, ip, route=x.route.name if x.route is not None else None)
             x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
             if v.degraded:                   # the store was unreachable: its failure policy decided
                 self.metrics.limiter_error()
@@ -411,30 +421,42 @@ class Edge:
         # 3. choose a backend (a sticky route takes no round-robin turn). The pool's circuit breaker
         #    first (Envoy checks it as the request is about to use the cluster): a shed request takes
         #    nobody's round-robin turn, but has spent its token, as a 503 for "nobody healthy" has.
-        breaker = self.breaker
+        #    The pool: the route's (its split's turn, lb/proxy/routes.py), else the default.
+        sticky = route_cookie(req.cookie) if cfg.sticky and req.cookie else None
+        pool = x.pool = self.pool if x.route is None else x.route.choose(sticky)
+        if pool is None:           # none of this route's pools has anyone in rotation: this route only
+            self.metrics.inc("lb_route_unavailable_total", route=x.route.name)
+            return self._answer(sock, x, 503, f"no healthy backend (route {x.route.name})", keep_if_early,
+                                unavailable=True)
+        if x.route is not None:
+            self.metrics.inc("lb_route_requests_total", route=x.route.name, pool=pool.name)
+        breaker = pool.breaker
         if breaker.max_requests:
             if not breaker.enter():
                 return self._answer(sock, x, 503, f"overflow: {breaker.max_requests} requests in flight to the "
                                     "pool (max_requests)", keep_if_early)
             x.admitted = breaker
-        if self.ejector.ejected:
-            self.sweep_ejections()
+        if pool.ejector.ejected:
+            pool.sweep_ejections(self.metrics)
+        balancer = pool.balancer
         backend = None
-        if cfg.sticky and req.cookie:
-            backend = self.balancer.by_route(route_cookie(req.cookie))
+        if sticky:
+            backend = balancer.by_route(sticky)
         if backend is None:
-            backend = self.balancer.pick()
+            backend = balancer.pick()
             if backend is not None and backend.pool_full():
                 # nginx's max_conns: a backend with every connection busy is passed over for one with a
                 # free connection; when all are full the request waits in its pick's line (pool_timeout).
                 # Every full one is excluded at once, so a pick that finds none takes nobody's turn (one
                 # "other" at a time took the turn of one as full, and the rotation stopped rotating).
-                other = self.balancer.pick(exclude=[b for b in self.balancer.backends if b.pool_full()])
+                other = balancer.pick(exclude=[b for b in balancer.backends if b.pool_full()])
                 if other is not None:
                     backend = other
             if backend is not None and cfg.sticky:
                 x.set_cookie = b"Set-Cookie: route=" + backend.route.encode() + b"; Path=/; HttpOnly\r\n"
         if backend is None:
+            if x.route is not None:
+                self.metrics.inc("lb_route_unavailable_total", route=x.route.name)
             return self._answer(sock, x, 503, "no healthy backend", keep_if_early, unavailable=True)
         x.backend = backend
         x.tries = 1
@@ -569,7 +591,8 @@ class Exchange:
 
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name", "rid_header", "counted", "slots", "admitted", "reader", "bytes_received", "upstream_status")
+                 "tunnel", "key_name", "rid_header", "counted", "slots", "admitted", "reader", "bytes_received", "upstream_status",
+                 "route", "pool")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
@@ -597,6 +620,8 @@ class Exchange:
         self.reader = None           # the connection's Reader: bytes_received
         self.bytes_received = None
         self.upstream_status = None  # the backend's status code, when one answered
+        self.route = None            # the lb/proxy/routes.py Route it matched, None: no route (the default pool)
+        self.pool = None             # the lb/upstream/pools.py Pool chosen for it
 
     def extra_headers(self) -> bytes:
         """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""

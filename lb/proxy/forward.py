@@ -70,7 +70,7 @@ class UpstreamFailed(Exception):
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
                   close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
                   request_id: bytes | None = None, length: int | None = None,
-                  underscores: bool = False) -> bytearray:
+                  underscores: bool = False, x=None) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
     exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
 
@@ -88,6 +88,9 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
+    edit = x.route.request_edit if x is not None and x.route is not None else None   # lb/proxy/routes.py
+    if edit is not None:
+        replaced = replaced | edit.drop
     for name, lname, value in req.headers:
         if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
             if lname == b"content-length" and length is not None:
@@ -106,6 +109,8 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
         out += b"X-Request-Id: " + request_id + b"\r\n"
     if req.client_cert is not None:
         out += b"X-Forwarded-Client-Cert: " + req.client_cert.xfcc + b"\r\n"
+    if edit is not None:
+        out += edit.render(x)
     if length is not None:
         out += b"Content-Length: %d\r\n" % length
     elif req.chunked:
@@ -212,7 +217,7 @@ class Forwarder:
         try:
             while True:
                 head = upstream_head(req, backend, peer, trusted, edge.cfg.no_pool, x.proto, x.upgrade, x.rid_sent,
-                                     length, edge.cfg.allow_underscores)
+                                     length, edge.cfg.allow_underscores, x)
                 x.counted = backend      # uncount() takes back this count, whichever backend a retry names next
                 with backend.lock:
                     backend.inflight += 1
@@ -224,7 +229,7 @@ class Forwarder:
                         if f.kind == "gone" and not regone:
                             # A reload removed this backend between the pick and now: another, once
                             # (not a failure of anyone's, so no retry or budget is spent on it).
-                            regone = edge.balancer.pick(exclude=tried)
+                            regone = self.balancer(backend).pick(exclude=tried)
                             if regone is not None:
                                 backend = x.backend = regone
                                 continue
@@ -296,8 +301,9 @@ class Forwarder:
         if ok and not backend.fail_run:
             return
         edge = self.edge
-        ej = edge.ejector
-        duration = ej.observe(backend, ok, monotonic(), edge.balancer.backends)
+        pool = backend.cluster or edge.pool
+        ej = pool.ejector
+        duration = ej.observe(backend, ok, monotonic(), pool.balancer.backends)
         if duration:
             if isinstance(why, bytes):
                 why = why[9:].decode("latin-1")
@@ -306,13 +312,17 @@ class Forwarder:
             edge.metrics.ejection(backend.url)
 
     def repick(self, x, backend: Backend) -> Backend:
-        nxt = self.edge.balancer.pick()
+        nxt = self.balancer(backend).pick()
         if nxt is None:
             return backend    # nobody else: try it anyway (it may be the one that answers)
         x.backend = nxt
         if x.set_cookie:
             x.set_cookie = b"Set-Cookie: route=" + nxt.route.encode() + b"; Path=/; HttpOnly\r\n"
         return nxt
+
+    def balancer(self, backend: Backend):
+        """The balancer of the pool the backend is in (lb/upstream/pools.py): a retry stays in its pool."""
+        return (backend.cluster or self.edge.pool).balancer
 
     def policy(self) -> RetryPolicy:
         """The retry policy of the current configuration (rebuilt after a reload changed it)."""
@@ -326,7 +336,7 @@ class Forwarder:
         edge = self.edge
         if len(tried) > edge.cfg.retries:
             return None, False, ""
-        nxt = edge.balancer.pick(exclude=tried)
+        nxt = self.balancer(backend).pick(exclude=tried)
         # A backend already out of rotation (ejected by this failure or by those of requests picked
         # with this one, DOWN, drained) takes no new requests: this one goes elsewhere as forward()'s
         # repick would have sent it, free of the budget. Only the requests in flight to it when it left
@@ -343,7 +353,7 @@ class Forwarder:
             if lname == b"retry-after":
                 secs = retry_after(value)
                 if secs:
-                    self.edge.balancer.rest(backend, secs)
+                    self.balancer(backend).rest(backend, secs)
                     retry_log("backend %s answered 503 with Retry-After: %s: not picked for %gs", backend.url,
                               value.decode("latin-1"), secs)
                 return
@@ -497,6 +507,9 @@ class Forwarder:
         tokens = rh.conn_tokens
         limiting = bool(x.rl)
         skip = not_relayed(x.rl, x.rid_header)
+        edit = x.route.response_edit if x.route is not None else None    # lb/proxy/routes.py
+        if edit is not None:
+            skip = skip | edit.drop
         # A 1xx or 204 has no body, whatever length it names: no Content-Length for it (RFC 9110 8.6)
         cl = rh.content_length if status >= 200 and status != 204 else None
         for name, lname, value in rh.headers:
@@ -506,6 +519,8 @@ class Forwarder:
                     cl = None
                 continue
             out += name + b": " + value + b"\r\n"
+        if edit is not None:
+            out += edit.render(x)
         if x.rid_header:         # --request-id-response: ours, in place of the backend's
             out += x.rid_header
         if limiting:

@@ -225,6 +225,8 @@ class Backend:
     is passive health (lb/upstream/outlier.py); `drained` is the operator's (admin API). Pickers read only
     `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
+    cluster = None    # the named pool it belongs to (lb/upstream/pools.py); None: the default pool
+
     def __init__(self, spec: BackendSpec, pool: BackendPool):
         self.spec = spec
         self.url = spec.url
