@@ -200,6 +200,7 @@ class Metrics:
         self.carry = Carry()          # with workers: the numbers of workers that restarted
         self.top = TopKeys()          # the most rejected clients (limit_outcome)
         self._admitted_keys: dict = {}  # rule name -> its admitted counter's key (made once)
+        self._route_keys: dict = {}     # (route, pool) -> its lb_route_requests_total key
 
     # -- recording (with self.lock held in the _ helpers) --------------------------------------------
 
@@ -300,6 +301,14 @@ class Metrics:
                 self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
             self._inc("lb_retries_total", b)
             self._inc("lb_retries_by_condition_total", (("condition", condition),))
+
+    def route_chosen(self, route: str, pool: str) -> None:
+        """lb_route_requests_total, once per routed request: its key made once per (route, pool)."""
+        k = self._route_keys.get((route, pool))
+        if k is None:
+            k = self._route_keys[(route, pool)] = ("lb_route_requests_total", _labels(route=route, pool=pool))
+        with self.lock:
+            self._inc(*k)
 
     def ejection(self, backend: str, returned: bool = False) -> None:
         self.inc("lb_ejection_returns_total" if returned else "lb_ejections_total", backend=backend)

@@ -429,7 +429,7 @@ class Edge:
             return self._answer(sock, x, 503, f"no healthy backend (route {x.route.name})", keep_if_early,
                                 unavailable=True)
         if x.route is not None:
-            self.metrics.inc("lb_route_requests_total", route=x.route.name, pool=pool.name)
+            self.metrics.route_chosen(x.route.name, pool.name)
         breaker = pool.breaker
         if breaker.max_requests:
             if not breaker.enter():

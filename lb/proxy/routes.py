@@ -89,22 +89,6 @@ class Route:
         self.deny = tuple(netaddr.network(c) for c in spec.deny)
         self.acl = bool(self.allow or self.deny)
 
-    def matches(self, req, path, host, headers) -> bool:
-        if self.methods and req.method not in self.methods:
-            return False
-        if self.host is not None:
-            h = host()
-            if not (h.endswith(self.host) and len(h) > len(self.host) if self.wildcard else h == self.host):
-                return False
-        if self.prefix is not None and not path().startswith(self.prefix):
-            return False
-        if self.headers:
-            hs = headers()
-            for n, v in self.headers:
-                if hs.get(n) != v:
-                    return False
-        return True
-
     def admits(self, ip: str) -> bool:
         """nginx's order of allow/deny, simplified to two lists: a denied address is refused; then, when
         there is an allow list, only an address in it passes."""
@@ -157,22 +141,36 @@ class Router:
     def __init__(self, specs, pools: dict, old: "Router | None" = None):
         self.routes = [Route(s, pools) for s in specs]
         self.names = frozenset(r.name for r in self.routes)
-        self.needs_headers = any(r.headers for r in self.routes)
+        self.by_path = any(r.prefix is not None for r in self.routes)
+        self.by_host = any(r.host is not None for r in self.routes)
         if old is not None:
             before = {r.name: r for r in old.routes}
             for r in self.routes:
                 o = before.get(r.name)
                 if o is not None and o.spec.split == r.spec.split:
-                    r.current = o.current
+                    r.current, r.lock = o.current, o.lock    # one turn state, under one lock
 
     def match(self, req) -> Route | None:
-        """The first route whose conditions all hold, or None (the pool `default`)."""
-        path = _Once(lambda: normalize_path(req.target))
-        host = _Once(lambda: _host(req))
-        headers = _Once(lambda: _first_values(req.headers))
+        """The first route whose conditions all hold, or None (the pool `default`). One loop, inline (a
+        method call per route was a third of the cost at 100 routes); the path and host made once."""
+        path = normalize_path(req.target) if self.by_path else None
+        host = _host(req) if self.by_host else None
+        method = req.method
+        headers = None
         for r in self.routes:
-            if r.matches(req, path, host, headers):
-                return r
+            if r.methods and method not in r.methods:
+                continue
+            h = r.host
+            if h is not None and not (host.endswith(h) and len(host) > len(h) if r.wildcard else host == h):
+                continue
+            if r.prefix is not None and not path.startswith(r.prefix):
+                continue
+            if r.headers:
+                if headers is None:
+                    headers = _first_values(req.headers)
+                if any(headers.get(n) != v for n, v in r.headers):
+                    continue
+            return r
         return None
 
     def status(self) -> list:
@@ -184,17 +182,3 @@ def _first_values(headers) -> dict:
     for _, lname, value in headers:
         out.setdefault(lname, value)
     return out
-
-
-class _Once:
-    """A value computed on first use, then kept (the path is normalised at most once per request)."""
-
-    __slots__ = ("fn", "value")
-
-    def __init__(self, fn):
-        self.fn, self.value = fn, None
-
-    def __call__(self):
-        if self.value is None:
-            self.value = self.fn()
-        return self.value
