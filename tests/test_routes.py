@@ -236,3 +236,23 @@ def test_rule_matching_a_route_and_deny_spends_no_token(tmp_path, backends):
         assert int(request(e.port, path="/other").header("X-RateLimit-Remaining")) == left - 1
     finally:
         e.stop()
+
+
+def test_one_url_in_two_pools_is_two_backends_drained_apart(tmp_path, backends):
+    from tests.support import ADMIN_AUTH, ADMIN_ENV
+    url = backends["v1"].url
+    f = tmp_path / "edge.toml"
+    f.write_text(f'[[backends]]\nurl = "{url}"\n[[pools]]\nname = "p"\nbackends = [{{ url = "{url}" }}]\n'
+                 f'[[routes]]\nname = "r"\nmatch = {{ path_prefix = "/p/" }}\npool = "p"\n')
+    e = Edge("--config", str(f), "--admin", "127.0.0.1:0", env=ADMIN_ENV)
+    try:
+        st = json.loads(request(e.admin_port, path="/status").body)
+        ident = st["pools"]["p"]["backends"][0]["route"]
+        r = request(e.admin_port, "POST", f"/backends/p:{ident}/drain", headers=ADMIN_AUTH)
+        assert r.status == 200 and json.loads(r.body)["pool"] == "p"
+        assert request(e.port, path="/p/x").status == 503            # the pool's only backend is drained
+        assert request(e.port, path="/x").status == 200              # the same URL in the default pool is not
+        st = json.loads(request(e.admin_port, path="/status").body)
+        assert st["pools"]["p"]["backends"][0]["drained"] and not st["backends"][0]["drained"]
+    finally:
+        e.stop()
