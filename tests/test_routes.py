@@ -256,3 +256,37 @@ def test_one_url_in_two_pools_is_two_backends_drained_apart(tmp_path, backends):
         assert st["pools"]["p"]["backends"][0]["drained"] and not st["backends"][0]["drained"]
     finally:
         e.stop()
+
+
+def test_a_pool_has_its_own_health_checks_and_circuit_breaker(tmp_path, backends):
+    url = backends["v2"].url
+    f = tmp_path / "edge.toml"
+    # the same backend in both pools: pool "strict" probes a path that resets (DOWN there only), and pool
+    # "capped" sheds past one request in flight (its breaker only)
+    f.write_text(f'[[backends]]\nurl = "{url}"\n'
+                 f'[[pools]]\nname = "strict"\nbackends = [{{ url = "{url}" }}]\nhealth = {{ path = "/garbage" }}\n'
+                 f'[[pools]]\nname = "capped"\nbackends = [{{ url = "{url}" }}]\nupstream = {{ max_requests = 1 }}\n'
+                 f'[[routes]]\nname = "strict"\nmatch = {{ path_prefix = "/strict/" }}\npool = "strict"\n'
+                 f'[[routes]]\nname = "capped"\nmatch = {{ path_prefix = "/slow" }}\npool = "capped"\n')
+    e = Edge("--config", str(f), "--health-interval", "0.2", "--unhealthy-threshold", "1", "--max-requests", "0")
+    try:
+        wait_until(lambda: request(e.port, path="/strict/x").status == 503, 15, what="the strict pool's DOWN")
+        assert request(e.port, path="/x").status == 200                   # the default pool's twin is UP
+        done = threading.Event()
+
+        def hold():       # again and again: a poll that holds the one slot makes this one the 503
+            while not done.is_set():
+                request(e.port, path="/slow?ms=500")
+
+        slow = threading.Thread(target=hold)
+        slow.start()
+        try:
+            r = wait_until(lambda: (lambda r: r if r.status == 503 else None)(request(e.port, path="/slow?ms=0")),
+                           15, what="the capped pool's 503")
+            assert b"max_requests" in r.body
+            assert request(e.port, path="/x").status == 200               # the default pool has no cap
+        finally:
+            done.set()
+            slow.join(10)
+    finally:
+        e.stop()
