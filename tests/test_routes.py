@@ -290,3 +290,24 @@ def test_a_pool_has_its_own_health_checks_and_circuit_breaker(tmp_path, backends
             slow.join(10)
     finally:
         e.stop()
+
+
+@pytest.mark.skipif(__import__("tests.browser", fromlist=["chromium"]).chromium() is None,
+                    reason="needs Debian's chromium (./run-tests installs it)")
+def test_the_dashboard_shows_the_routes_and_every_pool(tmp_path, backends):
+    from tests.browser import Browser
+    e, _ = _edge(tmp_path, backends, "--admin", "127.0.0.1:0")
+    browser = None
+    try:
+        for _ in range(5):
+            request(e.port, path="/app/x")
+        browser = Browser(f"http://127.0.0.1:{e.admin_port}/")
+        rows = "[...document.querySelectorAll('#routes tr[data-route]')].map(r => r.textContent)"
+        shown = wait_until(lambda: browser.evaluate(rows), timeout=20, what="the routes on the page")
+        assert len(shown) == 3 and "stable 90 / canary 10" in shown[2], shown
+        urls = browser.evaluate("[...document.querySelectorAll('#backends tr[data-backend]')].map(r => r.textContent)")
+        assert any(u.startswith("canary: ") for u in urls) and len(urls) == 5, urls
+    finally:
+        if browser is not None:
+            browser.close()
+        e.stop()
