@@ -313,3 +313,50 @@ def test_the_dashboard_shows_the_routes_and_every_pool(tmp_path, backends):
         if browser is not None:
             browser.close()
         e.stop()
+
+
+# -- the matcher and the header edits, without sockets ---------------------------------------------------
+
+def _routes(text: str):
+    import tomllib
+
+    from lb.config.routes import parse_routes
+    from lb.proxy.routes import Router
+    specs = parse_routes(tomllib.loads(text)["routes"])
+
+    class P:
+        def __init__(self, name):
+            self.name = name
+    return Router(specs, {n: P(n) for s in specs for n in s.pools})
+
+
+def _req(target=b"/", host=b"api.example.com", method=b"GET", headers=()):
+    from lb.http.framing import parse_request
+    head = b"%s %s HTTP/1.1\r\nHost: %s" % (method, target, host) + b"".join(b"\r\n%s: %s" % h for h in headers)
+    return parse_request(head)
+
+
+def test_matching_rules():
+    r = _routes('[[routes]]\nname = "w"\nmatch = { host = "*.example.com", methods = ["POST"] }\npool = "a"\n'
+                '[[routes]]\nname = "admin"\nmatch = { path_prefix = "/admin/" }\npool = "a"\n'
+                '[[routes]]\nname = "beta"\nmatch = { headers = { "X-Beta" = "1" } }\npool = "a"\n')
+    name = lambda req: (lambda m: m and m.name)(r.match(req))   # noqa: E731
+    assert name(_req(method=b"POST", host=b"API.Example.COM:8443")) == "w"
+    assert name(_req(method=b"POST", host=b"example.com")) is None            # a subdomain only
+    assert name(_req(b"/v2/../admin/x")) == "admin"                             # normalised: no escape
+    assert name(_req(b"//admin//x")) == "admin" and name(_req(b"/%61dmin/x")) == "admin"
+    assert name(_req(b"/v2/admin/x")) is None
+    assert name(_req(headers=[(b"x-beta", b"1")])) == "beta"
+    assert name(_req(headers=[(b"X-Beta", b"10")])) is None                   # exact values
+
+
+def test_header_edit_variables():
+    from lb.config.routes import HeaderRules
+    from lb.proxy.routes import HeaderEdit
+
+    class X:
+        client_ip, request_id, req = "10.1.2.3", b"abc123", _req(host=b"API.example.com:80")
+    e = HeaderEdit(HeaderRules(set=(("X-A", "$remote_addr $request_id $host $$host"),), remove=("server",)))
+    assert e.render(X()) == b"X-A: 10.1.2.3 abc123 api.example.com $host\r\n"
+    assert e.drop == {b"x-a", b"server"}
+    assert HeaderEdit(HeaderRules(set=(("X-B", "a$$b"),))).render(X()) == b"X-B: a$b\r\n"

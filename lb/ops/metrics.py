@@ -302,6 +302,15 @@ class Metrics:
             self._inc("lb_retries_total", b)
             self._inc("lb_retries_by_condition_total", (("condition", condition),))
 
+    def declare_routes(self, routes) -> None:
+        """The routes in force ((name, pool names)): their counters are shown from 0."""
+        with self.lock:
+            for name, pools in routes:
+                for p in pools:
+                    self.counters.setdefault(("lb_route_requests_total", _labels(route=name, pool=p)), 0)
+                for fam in ("lb_route_denied_total", "lb_route_unavailable_total"):
+                    self.counters.setdefault((fam, _labels(route=name)), 0)
+
     def route_chosen(self, route: str, pool: str) -> None:
         """lb_route_requests_total, once per routed request: its key made once per (route, pool)."""
         k = self._route_keys.get((route, pool))

@@ -271,6 +271,7 @@ class App:
                 self.pools[name] = pools_mod.build(spec, cfg, self.metrics, self._state_changed)
         every = {"default": self.edge.pool, **{n: self.pools[n] for n in want}}
         self.edge.router = Router(cfg.routes, every, self.edge.router) if cfg.routes else None
+        self.metrics.declare_routes((r.name, r.pools) for r in cfg.routes)
         for name in [n for n in self.pools if n not in want]:
             gone = self.pools.pop(name)
             for b in gone.backends:
