@@ -8,25 +8,33 @@ fails when README.md's table and this one disagree, `--write README.md` rewrites
 Checks that span several keys (cert goes with key, health.timeout < interval, ...) are in
 lb/config/validate.py.
 
-Adding a setting is one entry in Config below, in the section of its TOML table:
+Adding a setting is one entry, in the class of its TOML table (UpstreamTable for [upstream], ...):
 
     hedge_after: float = setting(0.0, SECONDS0, toml="upstream.hedge_after", flag="--hedge-after", metavar="S",
-                                 help="seconds before a second try is sent to another backend",
-                                 shown="`0`: off")
+                                 shown="`0`: off", help="seconds before a second try goes to another backend")
 
-  - the attribute name is what the rest of the code reads (cfg.hedge_after);
-  - the kind reads the value (lb/config/kinds.py: Num ranges such as SECONDS / SECONDS0 / Num(True, 1, 64),
-    STR, BOOL (a switch), ONOFF, HOSTPORT, LIST, ...) and names the key in its error;
-  - toml: the dotted path, "section.key" (a new [section] needs nothing else: it is known once an entry
-    uses it); or a top-level "key"; a tuple for aliases; omit it for a flag-only setting;
-  - flag: omit it for a file-only setting; help: the --help text (plain, no default: it is appended);
-    doc: the README's meaning when it says more (markdown); shown: the default as the README writes it
-    (markdown) when the value alone does not say it well ("" shows none); choices: the words it takes;
-  - then `python3 -m lb.config.schema --write README.md`, and add the key to conf/edge.toml.
+  - the attribute name is what the rest of the code reads (cfg.hedge_after), its annotation the value's type;
+  - the kind reads the value and names the key in its errors (lb/config/kinds.py: Num ranges such as SECONDS,
+    SECONDS0 or Num(True, 1, 64); STR; BOOL, a switch as a flag; ONOFF, on|off (or on_off(default, ...)
+    here, which sets its metavar); HOSTPORT; LIST, comma separated as a flag; ...);
+  - toml: the dotted path "section.key", or a top-level "key", or a tuple of aliases; none: flag only.
+    A new [section] needs nothing else (it is known once an entry names it; give it a class of its own
+    in the chain below to keep its keys together);
+  - flag: none for a file-only key; help: the --help text, plain, without the default (appended);
+    doc: the README's meaning when it says more (markdown; else the help); shown: the default as the
+    README writes it (markdown), when the value alone does not say it ("" shows none); env: a variable
+    that sets it instead; choices: the words it takes (checked after flags and file are merged);
+  - then `python3 -m lb.config.schema --write README.md` (tests/test_settings_table.py insists), and the
+    key in conf/edge.toml (the test insists on that too).
 
-The order here is the order of --help, the README's table and the "known:" lists of unknown-key
-errors: the top-level keys first (their order is the top-level list's), then each section's keys.
-A table of tables is a Kind of its own (kinds.py), one entry like any other.
+  E.g. `[server] http2`: `http2: bool = on_off(False, toml="server.http2", flag="--http2", help="...")` in
+  ServerTable. A table of tables ([[pools]], [[routes]]) is a Kind of its own in kinds.py (file() parses the
+  list, with unknown keys refused like Backends.file; toml_shown() names it in the README) and then one
+  entry like any other: `pools: tuple = setting((), POOLS, toml="pools", doc="...")` in TopLevel.
+
+The order here is the order of --help, the README's table and the "known:" lists of unknown-key errors
+(the top-level list's order is the top-level keys' order, then each [section] by its first key).
+Checks that span several keys are validate.py's.
 
 A leaf: the standard library and lb/config/kinds.py only.
 """
@@ -50,6 +58,7 @@ ALGORITHMS = ("token-bucket", "fixed-window", "sliding-log", "sliding-counter")
 # 413, 414, 431) -- nginx's limit_req_status takes any 400-599, which lets a typo send a 401.
 REJECT_STATUSES = frozenset({400, 403, 404, 410, 429, 500, 502, 503, 504})
 REDACTED_PARAMS = ("token", "access_token", "api_key", "key", "password", "secret", "signature")
+
 
 
 @dataclass(frozen=True)
@@ -79,9 +88,11 @@ def on_off(default: bool, **facts) -> Any:
     return setting(default, ONOFF, metavar="on|off", **facts)
 
 
+# The table, one class per TOML table: each adds its settings to the one before (a chain, so the fields'
+# order -- --help's, the README's, the known-key lists' -- is the file's), and Config is the last.
 @dataclass(frozen=True)
-class Config:
-    # -------------------------------------------------------------------------------- the top level
+class TopLevel:
+    """The top of the file: where to listen, the pool, the strategy, the access log; and the flags of no table."""
     config_path: str | None = setting(None, STR, flag="--config", metavar="FILE", compare=False, shown="",
                                       help="TOML file; flags override it")
     check: bool = setting(False, BOOL, flag="--check", compare=False, shown="",
@@ -121,7 +132,10 @@ class Config:
                                "[Limit rules](#limit-rules)")
     keys: tuple = setting((), KEYS, toml="keys",            # lb.limiting.keys.KeySpec: [[keys]], then api_keys_file's
                           doc="known API keys (name, key, tier) and their tiers (`[limits.tiers]`)")
-    # ------------------------------------------------------------------------------------- [admin]
+
+@dataclass(frozen=True)
+class AdminTable(TopLevel):
+    """[admin]: the admin listener's token and host names (its address is `admin` above)."""
     admin_token_file: str | None = setting(
         None, STR, toml="admin.token_file", env="EDGE_ADMIN_TOKEN", shown="none: writes off",
         doc="the token admin writes (drain, enable) need, as `Authorization: Bearer TOKEN`; one of the two (the "
@@ -130,7 +144,10 @@ class Config:
         (), LIST, toml="admin.allowed_hosts",
         doc="`Host` names the admin listener answers to beyond IP addresses, `localhost` and the machine's name "
             "(e.g. the DNS name Prometheus scrapes)")
-    # ------------------------------------------------------------------------------------ [health]
+
+@dataclass(frozen=True)
+class HealthTable(AdminTable):
+    """[health]: active probes, passive ejection, slow start."""
     health_path: str = setting("/health", STR, toml="health.path", flag="--health-path",
                                help="GET, 2xx = pass")
     health_interval: float = setting(10.0, SECONDS, toml="health.interval", flag="--health-interval",
@@ -154,7 +171,10 @@ class Config:
     slow_start: float = setting(
         0.0, SECONDS0, toml="health.slow_start", flag="--slow-start", metavar="S", shown="`0`: off",
         help="seconds over which a (re)joining backend ramps from 10% to its weight")
-    # ---------------------------------------------------------------------------------- [upstream]
+
+@dataclass(frozen=True)
+class UpstreamTable(HealthTable):
+    """[upstream]: the backend side: timeouts, the pool, retries, the circuit breaker, DNS."""
     connect_timeout: float = setting(2.0, SECONDS, toml="upstream.connect_timeout", flag="--connect-timeout",
                                      help="seconds to connect to a backend -> 502")
     read_timeout: float = setting(30.0, SECONDS, toml="upstream.read_timeout", flag="--read-timeout",
@@ -232,7 +252,10 @@ class Config:
     max_temp_file_size: int = setting(
         1 << 30, Num(True, 0, 2 ** 50), toml="upstream.max_temp_file_size", flag="--max-temp-file-size",
         metavar="BYTES", help="bytes of one buffered response on disk (0: memory only); past it the rest streams")
-    # ------------------------------------------------------------------------------------ [server]
+
+@dataclass(frozen=True)
+class ServerTable(UpstreamTable):
+    """[server]: the client side: processes, timeouts, sizes, buffering, upgrades."""
     workers: int = setting(
         1, Num(True, 1, 256), toml="server.workers", flag="--workers", metavar="N",
         help="processes sharing the listening port (SO_REUSEPORT); with the memory store they share their limits "
@@ -301,7 +324,10 @@ class Config:
     log_redact_params: tuple = setting(
         REDACTED_PARAMS, LIST, toml="server.log_redact_params",
         doc="query parameters the access log writes as `***` (names compared case-insensitively)")
-    # --------------------------------------------------------------------------------------- [tls]
+
+@dataclass(frozen=True)
+class TlsTable(ServerTable):
+    """[tls]: TLS termination, SNI and mutual TLS."""
     tls_cert: str | None = setting(None, STR, toml="tls.cert", flag="--tls-cert", metavar="FILE",
                                    help="PEM certificate (chain) file: the listener speaks HTTPS (with --tls-key)")
     tls_key: str | None = setting(None, STR, toml="tls.key", flag="--tls-key", metavar="FILE",
@@ -331,7 +357,10 @@ class Config:
     tls_client_crl: str | None = setting(
         None, STR, toml="tls.client_crl",
         doc="PEM CRL(s) of the client CA; the client's certificate is checked against it, re-read on `SIGHUP`")
-    # ------------------------------------------------------------------------------------ [limits]
+
+@dataclass(frozen=True)
+class LimitsTable(TlsTable):
+    """[limits]: rate limiting, its store, known keys and shaping."""
     limit: str | None = setting(
         None, STR, toml="limits.default", flag="--limit", metavar="N/PERIOD",
         help="N/PERIOD for every key, e.g. 100/s, 600/m, 50/10s", shown="off: no limiting",
@@ -414,6 +443,11 @@ class Config:
         429, Num(True, 400, 599), toml="limits.status", flag="--limit-status", metavar="CODE",
         help="status of a rate-limit or in-flight rejection (nginx's limit_req_status): one of "
              + ", ".join(map(str, sorted(REJECT_STATUSES))))
+
+
+@dataclass(frozen=True)
+class Config(LimitsTable):
+    """The configuration the rest of the code reads: every setting above, one frozen object."""
 
     @property
     def health_probe_timeout(self) -> float:
