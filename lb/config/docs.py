@@ -54,7 +54,7 @@ def markdown() -> str:
     rows = ["| flag | TOML | default | meaning |", "|---|---|---|---|"]
     for s in SETTINGS:
         if s.flag:
-            flag = f"`{s.flag} {s.metavar}`" if s.metavar else f"`{s.flag}`"
+            flag = f"`{s.flag} {s.value_name}`" if s.value_name else f"`{s.flag}`"
         else:
             flag = f"env `{s.env}`" if s.env else "—"
         if s.flag and s.env:

@@ -46,8 +46,10 @@ class CertSpec:
 
 class Kind:
     """The shape of one setting's value. Subclasses override file() and, where a flag spells it
-    differently, flag(); `action` is the flag's argparse action (None: it takes one value)."""
+    differently, flag(); `action` is the flag's argparse action (None: it takes one value), `metavar`
+    how --help and the README write its value (None: the setting's own, or argparse's NAME)."""
     action: str | None = None
+    metavar: str | None = None
 
     def file(self, value, key: str):
         raise NotImplementedError
@@ -86,6 +88,7 @@ class Bool(Kind):
 
 class OnOff(Kind):
     """true/false in the file, on|off too (nginx's spelling); a flag takes on|off."""
+    metavar = "on|off"
 
     def file(self, value, key):
         if isinstance(value, str) and value.lower() in ("on", "off"):
@@ -102,6 +105,10 @@ class Num(Kind):
     lo: float
     hi: float
     zero: bool = False                            # 0 allowed too ("none", "off") below lo
+
+    @property
+    def metavar(self) -> str:                     # type: ignore[override]
+        return "S" if not self.integer and self.lo == MS else "N"     # seconds, or a count
 
     def file(self, value, key):
         if isinstance(value, bool):
@@ -135,6 +142,8 @@ def parse_hostport(value: str, key: str) -> tuple[str, int]:
 
 
 class HostPort(Kind):
+    metavar = "HOST:PORT"
+
     def file(self, value, key):
         return parse_hostport(value, key)
 

@@ -81,7 +81,7 @@ def build_argparser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"edge {__version__}")
     for s in SETTINGS:
         if s.flag:
-            extra = {"metavar": s.metavar} if s.metavar and s.kind.action != "store_true" else {}
+            extra = {"metavar": s.value_name} if s.value_name else {}
             p.add_argument(s.flag, dest=s.name, action=s.kind.action, help=_escaped(help_text(s)), **extra)
     return p
 

@@ -10,13 +10,13 @@ lb/config/validate.py.
 
 Adding a setting is one entry, in the class of its TOML table (UpstreamTable for [upstream], ...):
 
-    hedge_after: float = setting(0.0, SECONDS0, toml="upstream.hedge_after", flag="--hedge-after", metavar="S",
+    hedge_after: float = setting(0.0, SECONDS0, toml="upstream.hedge_after", flag="--hedge-after",
                                  shown="`0`: off", help="seconds before a second try goes to another backend")
 
   - the attribute name is what the rest of the code reads (cfg.hedge_after), its annotation the value's type;
   - the kind reads the value and names the key in its errors (lb/config/kinds.py: Num ranges such as SECONDS,
-    SECONDS0 or Num(True, 1, 64); STR; BOOL, a switch as a flag; ONOFF, on|off (or on_off(default, ...)
-    here, which sets its metavar); HOSTPORT; LIST, comma separated as a flag; ...);
+    SECONDS0 or Num(True, 1, 64); STR; BOOL, a switch as a flag; ONOFF, on|off; HOSTPORT; LIST, comma
+    separated as a flag; ...) and says how --help writes the value (S, N, on|off, HOST:PORT; else metavar=);
   - toml: the dotted path "section.key", or a top-level "key", or a tuple of aliases; none: flag only.
     A new [section] needs nothing else (it is known once an entry names it; give it a class of its own
     in the chain below to keep its keys together);
@@ -27,7 +27,7 @@ Adding a setting is one entry, in the class of its TOML table (UpstreamTable for
   - then `python3 -m lb.config.schema --write README.md` (tests/test_settings_table.py insists), and the
     key in conf/edge.toml (the test insists on that too).
 
-  E.g. `[server] http2`: `http2: bool = on_off(False, toml="server.http2", flag="--http2", help="...")` in
+  E.g. `[server] http2`: `http2: bool = setting(False, ONOFF, toml="server.http2", flag="--http2", help="...")` in
   ServerTable. A table of tables ([[pools]], [[routes]]) is a Kind of its own in kinds.py (file() parses the
   list, with unknown keys refused like Backends.file; toml_shown() names it in the README) and then one
   entry like any other: `pools: tuple = setting((), POOLS, toml="pools", doc="...")` in TopLevel.
@@ -77,15 +77,16 @@ class Setting:
     label: str | None = None        # the key a choices error names (default: the first TOML path)
     name: str = ""
 
+    @property
+    def value_name(self) -> str | None:
+        """The flag's value as --help and the README write it: the entry's metavar, else its kind's."""
+        return self.metavar or self.kind.metavar
+
 
 def setting(default, kind: Kind, *, toml: str | tuple[str, ...] = (), compare: bool = True, **facts) -> Any:
     """A Config field carrying its Setting (Any: so each field keeps its own annotation for type checkers)."""
     paths = (toml,) if isinstance(toml, str) else tuple(toml)
     return field(default=default, compare=compare, metadata={"setting": Setting(kind, default, paths, **facts)})
-
-
-def on_off(default: bool, **facts) -> Any:
-    return setting(default, ONOFF, metavar="on|off", **facts)
 
 
 # The table, one class per TOML table: each adds its settings to the one before (a chain, so the fields'
@@ -98,11 +99,11 @@ class TopLevel:
     check: bool = setting(False, BOOL, flag="--check", compare=False, shown="",
                           help="validate the configuration, print one line per problem, exit 0 or 2; starts nothing")
     listen: tuple[str, int] = setting(
-        ("127.0.0.1", 8080), HOSTPORT, toml="listen", flag="--listen", metavar="HOST:PORT",
+        ("127.0.0.1", 8080), HOSTPORT, toml="listen", flag="--listen",
         help="HOST:PORT to serve on (port 0 picks a free one)",
         doc="where to serve (port 0: any free port, logged); IPv6 in brackets: `[::1]:8080`, `[::]:8080` (dual-stack)")
     admin: tuple[str, int] | None = setting(
-        None, HOSTPORT, toml=("admin", "admin.listen"), flag="--admin", metavar="HOST:PORT",
+        None, HOSTPORT, toml=("admin", "admin.listen"), flag="--admin",
         help="HOST:PORT for /metrics and /status",
         doc="`/` (the dashboard), `/metrics` (Prometheus), `/status` (JSON), `/limits/KEY`, `/healthz`, `/readyz`; "
             "`[admin] listen` is the same address when the `[admin]` table is used (TOML cannot have both)")
@@ -160,16 +161,16 @@ class HealthTable(AdminTable):
     healthy_threshold: int = setting(2, STREAK, toml="health.healthy_threshold", flag="--healthy-threshold",
                                      help="consecutive passes -> back in rotation (UP)")
     eject_after: int = setting(
-        5, Num(True, 0, 1000), toml="health.eject_after", flag="--eject-after", metavar="N",
+        5, Num(True, 0, 1000), toml="health.eject_after", flag="--eject-after",
         help="consecutive failed requests (connect failure, timeout, 5xx) that eject a backend; 0 off")
     eject_for: float = setting(
-        30.0, SECONDS, toml="health.eject_for", flag="--eject-for", metavar="S",
+        30.0, SECONDS, toml="health.eject_for", flag="--eject-for",
         help="seconds a backend stays ejected, times the number of its ejections (at most 300); then it returns")
     max_ejected_percent: float = setting(
         50.0, PERCENT, toml="health.max_ejected_percent", flag="--max-ejected-percent",
         help="never more of the pool ejected at once, percent (rounded down)")
     slow_start: float = setting(
-        0.0, SECONDS0, toml="health.slow_start", flag="--slow-start", metavar="S", shown="`0`: off",
+        0.0, SECONDS0, toml="health.slow_start", flag="--slow-start", shown="`0`: off",
         help="seconds over which a (re)joining backend ramps from 10% to its weight")
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class UpstreamTable(HealthTable):
     ca_file: str | None = setting(
         None, STR, toml="upstream.ca_file", flag="--ca-file", metavar="FILE", shown="system CAs",
         help="PEM CA bundle that https:// backends are verified against")
-    retries: int = setting(2, Num(True, 0, 100), toml="upstream.retries", flag="--retries", metavar="N",
+    retries: int = setting(2, Num(True, 0, 100), toml="upstream.retries", flag="--retries",
                            help="retries of a connect failure on other backends not yet tried, any method; 0 off")
     retry_budget_percent: float = setting(
         20.0, PERCENT, toml="upstream.retry_budget_percent", flag="--retry-budget-percent",
@@ -210,12 +211,12 @@ class UpstreamTable(HealthTable):
     retry_budget_min: int = setting(10, Num(True, 0, 100_000), toml="upstream.retry_budget_min",
                                     flag="--retry-budget-min", help="...but this many always allowed")
     max_requests: int = setting(
-        0, Num(True, 0, 10_000_000), toml="upstream.max_requests", flag="--max-requests", metavar="N",
+        0, Num(True, 0, 10_000_000), toml="upstream.max_requests", flag="--max-requests",
         shown="`0`: off", help="circuit breaker: requests in flight to the pool, past it a 503 at once",
         doc="circuit breaker: requests in flight to the pool (every backend); past it a `503` at once, "
             "`lb_overflow_total{limit=\"max_requests\"}` (Envoy's `max_requests`)")
     max_pending: int = setting(
-        0, Num(True, 0, 10_000_000), toml="upstream.max_pending", flag="--max-pending", metavar="N",
+        0, Num(True, 0, 10_000_000), toml="upstream.max_pending", flag="--max-pending",
         shown="`0`: unlimited", help="requests waiting for a pooled connection, past it a 503 at once",
         doc="requests waiting (`pool_timeout`) for a pooled connection, pool-wide; past it a `503` at once instead "
             "of waiting, `lb_overflow_total{limit=\"max_pending\"}` (Envoy's `max_pending_requests`)")
@@ -226,7 +227,7 @@ class UpstreamTable(HealthTable):
         doc="DNS-named backends (below, *Failover*): every A/AAAA record of a backend's name is a backend; a DNS "
             "server to ask (nginx's `resolver`), or `system` (getaddrinfo). Off: a name is one backend, as before")
     resolve_interval: float = setting(
-        30.0, SECONDS, toml="upstream.resolve_interval", flag="--resolve-interval", metavar="S",
+        30.0, SECONDS, toml="upstream.resolve_interval", flag="--resolve-interval",
         help="seconds between re-resolutions of DNS-named backends (sooner when a record's TTL is shorter, at "
              "most once a second)")
     retry_on: tuple = setting(
@@ -237,12 +238,12 @@ class UpstreamTable(HealthTable):
             "replaces the default: keep `connect` in it). All but `connect`: idempotent methods with a buffered "
             "body only, after a jittered backoff (see Failover)")
     per_try_timeout: float = setting(
-        0.0, SECONDS0, toml="upstream.per_try_timeout", flag="--per-try-timeout", metavar="S", shown="`0`: off",
+        0.0, SECONDS0, toml="upstream.per_try_timeout", flag="--per-try-timeout", shown="`0`: off",
         help="seconds one try waits for its response head (below --read-timeout)",
         doc="the most one try waits for its response head (below `--read-timeout`); a try past it is a `timeout` "
             "(retried with `--retry-on timeout`, else a 504)")
-    proxy_buffering: bool = on_off(
-        True, toml="upstream.proxy_buffering", flag="--proxy-buffering",
+    proxy_buffering: bool = setting(
+        True, ONOFF, toml="upstream.proxy_buffering", flag="--proxy-buffering",
         help="on: read a response ahead of a slow client (memory, then a temp file) so the backend connection is "
              "freed when the backend is done | off: the backend waits on the client",
         doc="read a response ahead of a slow client (memory, then a temp file), so its backend connection is free "
@@ -257,7 +258,7 @@ class UpstreamTable(HealthTable):
 class ServerTable(UpstreamTable):
     """[server]: the client side: processes, timeouts, sizes, buffering, upgrades."""
     workers: int = setting(
-        1, Num(True, 1, 256), toml="server.workers", flag="--workers", metavar="N",
+        1, Num(True, 1, 256), toml="server.workers", flag="--workers",
         help="processes sharing the listening port (SO_REUSEPORT); with the memory store they share their limits "
              "in shared memory")
     takeover: bool = setting(
@@ -307,8 +308,8 @@ class ServerTable(UpstreamTable):
         help="forward request header names containing '_' (off: dropped, as nginx's underscores_in_headers off)",
         doc="forward request header names with `_` (dropped by default, as nginx's `underscores_in_headers off`: "
             "CGI-style backends read `X_Forwarded_For` as `X-Forwarded-For`)")
-    request_buffering: bool = on_off(
-        True, toml="server.request_buffering", flag="--request-buffering",
+    request_buffering: bool = setting(
+        True, ONOFF, toml="server.request_buffering", flag="--request-buffering",
         help="on: a request body is read whole (memory, then a temp file) before a backend connection is taken "
              "| off: bodies over 64 KiB stream",
         doc="a body over 64 KiB is read whole (memory, then a temp file) before a backend connection is taken "
@@ -419,10 +420,10 @@ class LimitsTable(TlsTable):
             "a fresh key would (full bucket, empty windows) is dropped, the one that expired first; when there is "
             "none, the **new** key is refused with 503 and no client's state is ever dropped (one log line; "
             "`lb_limiter_keys{rule}`, `lb_limiter_table_full_total{rule}`)")
-    ipv6_prefix: int = setting(64, Num(True, 0, 128), toml="limits.ipv6_prefix", flag="--ipv6-prefix", metavar="N",
+    ipv6_prefix: int = setting(64, Num(True, 0, 128), toml="limits.ipv6_prefix", flag="--ipv6-prefix",
                                help="IPv6 clients are limited per /N prefix (0 or 128: per address)")
     max_delay: float = setting(
-        0.0, Num(False, MS, 60.0, zero=True), toml="limits.max_delay", flag="--max-delay", metavar="S",
+        0.0, Num(False, MS, 60.0, zero=True), toml="limits.max_delay", flag="--max-delay",
         shown="`0`: off",
         help="seconds an over-limit request may be held (its slot reserved) instead of refused (nginx's limit_req "
              "delay); at most 60; every store and algorithm",
@@ -434,7 +435,7 @@ class LimitsTable(TlsTable):
         doc="requests held at once (each holds its connection's thread); past it, the rejection status at once "
             "(`lb_delayed_refused_total`)")
     max_in_flight: int = setting(
-        0, Num(True, 0, 1_000_000), toml="limits.max_in_flight", flag="--max-in-flight", metavar="N",
+        0, Num(True, 0, 1_000_000), toml="limits.max_in_flight", flag="--max-in-flight",
         shown="`0`: off",
         help="concurrent requests per client identity (nginx's limit_conn) -> 429 with Retry-After: 1",
         doc="concurrent requests per client identity (nginx's `limit_conn`); the (N+1)-th gets the rejection status "
