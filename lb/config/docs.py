@@ -9,6 +9,7 @@ tests/test_settings_table.py fails when README.md's table and the schema disagre
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from lb.config.kinds import Bool, HostPort
@@ -45,6 +46,11 @@ def help_text(s: Setting) -> str:
 
 # -------------------------------------------------------------------------- the README's table
 
+def _marked(help: str) -> str:
+    """--help's plain text as the README writes it: flags in backticks, arrows."""
+    return re.sub(r"(?<![`\w-])(--[a-z][a-z0-9-]*)", r"`\1`", help).replace(" -> ", " → ")
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -60,7 +66,7 @@ def markdown() -> str:
         if s.flag and s.env:
             flag += f", env `{s.env}`"
         toml = " or ".join(s.kind.toml_shown(p) for p in s.toml) or "—"
-        rows.append(f"| {_cell(flag)} | {_cell(toml)} | {_cell(default_text(s) or '—')} | {_cell(s.doc or s.help)} |")
+        rows.append(f"| {_cell(flag)} | {_cell(toml)} | {_cell(default_text(s) or '—')} | {_cell(s.doc or _marked(s.help))} |")
     return "\n".join(rows) + "\n"
 
 

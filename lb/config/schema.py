@@ -290,7 +290,7 @@ class ServerTable(UpstreamTable):
         60.0, SECONDS, toml="server.send_timeout", flag="--send-timeout",
         help="seconds a client may take to accept each write of a response; one that stops reading is dropped (499)")
     max_body_size: int = setting(
-        10 * 1024 * 1024, Num(True, 1, 2 ** 40), toml="server.max_body_size", flag="--max-body-size",
+        10 * 1024 * 1024, Num(True, 1, 2 ** 40), toml="server.max_body_size", flag="--max-body-size", metavar="BYTES",
         help="bytes -> 413 (checked before 100 Continue; a chunked body's framing counts)")
     tunnel_idle_timeout: float = setting(
         300.0, SECONDS, toml="server.tunnel_idle_timeout", flag="--tunnel-idle-timeout",
