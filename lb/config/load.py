@@ -13,13 +13,14 @@ import argparse
 import sys
 import tomllib
 from dataclasses import replace
+from typing import Any
 
 from lb import __version__
 from lb.config.docs import help_text
-from lb.config.schema import SETTINGS, Config, Setting, file_keys
 # The names the rest of the code imports from lb.config.load, its one door: the value kinds and specs
 # (kinds.py), the checks (validate.py).
 from lb.config.kinds import BackendSpec, CertSpec, ConfigError, parse_backend_url, parse_hostport  # noqa: F401
+from lb.config.schema import SETTINGS, Config, file_keys
 from lb.config.validate import (admin_token, check_rate, check_upgrades, redis_files, tls_listener,  # noqa: F401
                                 validate)
 
@@ -81,8 +82,12 @@ def build_argparser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"edge {__version__}")
     for s in SETTINGS:
         if s.flag:
-            extra = {"metavar": s.value_name} if s.value_name else {}
-            p.add_argument(s.flag, dest=s.name, action=s.kind.action, help=_escaped(help_text(s)), **extra)
+            how: dict[str, Any] = {"dest": s.name, "help": _escaped(help_text(s))}
+            if s.kind.action:
+                how["action"] = s.kind.action
+            if s.value_name:
+                how["metavar"] = s.value_name
+            p.add_argument(s.flag, **how)
     return p
 
 
@@ -93,9 +98,9 @@ def _escaped(text: str) -> str:
 def _from_flags(ns: argparse.Namespace, problems: list[str]) -> dict:
     out: dict = {}
     for name, value in vars(ns).items():
-        s: Setting = _BY_NAME[name]
+        s = _BY_NAME[name]
         try:
-            out[name] = s.kind.flag(value, s.flag)
+            out[name] = s.kind.flag(value, s.flag or name)
         except ConfigError as e:
             problems.extend(e.problems)
     return out
