@@ -60,7 +60,6 @@ REJECT_STATUSES = frozenset({400, 403, 404, 410, 429, 500, 502, 503, 504})
 REDACTED_PARAMS = ("token", "access_token", "api_key", "key", "password", "secret", "signature")
 
 
-
 @dataclass(frozen=True)
 class Setting:
     """One setting's facts; `name` is its Config attribute (filled in from the field)."""
@@ -470,10 +469,6 @@ def file_keys() -> dict[str, dict[str, Setting]]:
             section, _, key = path.rpartition(".")
             out.setdefault(section, {})[key] = s
     return out
-
-
-def by_flag() -> dict[str, Setting]:
-    return {s.flag: s for s in SETTINGS if s.flag}
 
 
 if __name__ == "__main__":          # python3 -m lb.config.schema --markdown | --write README.md
