@@ -18,16 +18,9 @@ from urllib.parse import urlsplit
 from limiter.redis import url as redis_url
 
 from lb import __version__, logs
+from lb.errors import ConfigError
 from lb.netaddr import hostport, network, split_hostport
 from lb.upstream.retrypolicy import parse_conditions
-
-
-class ConfigError(ValueError):
-    """One or more configuration values are wrong; each problem is one line naming the key and the value."""
-
-    def __init__(self, *problems: str):
-        self.problems = list(problems)
-        super().__init__("; ".join(problems))
 
 
 @dataclass(frozen=True)

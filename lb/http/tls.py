@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from time import monotonic
 
-from lb.config.load import CertSpec, ConfigError
+from lb.config.load import CertSpec
+from lb.errors import ConfigError
 
 MIN_VERSIONS = {"TLSv1.2": ssl.TLSVersion.TLSv1_2, "TLSv1.3": ssl.TLSVersion.TLSv1_3}
 HANDSHAKE = 0x16        # the first byte of every TLS record carrying a ClientHello

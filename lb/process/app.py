@@ -32,7 +32,8 @@ from lb.ops.accesslog import AccessLog
 from lb.ops.admin import start_admin
 from lb.upstream.backends import make_backend
 from lb.upstream.balancer import Balancer
-from lb.config.load import BackendSpec, Config, ConfigError, admin_token, load, redis_files
+from lb.config.load import BackendSpec, Config, admin_token, load, redis_files
+from lb.errors import ConfigError, ResolveError, StartError
 from lb.upstream.health import HealthChecker
 from lb.limiting.identity import Identifier
 from lb.ops.metrics import Metrics
@@ -41,9 +42,8 @@ from lb.upstream.outlier import Ejector
 from lb.proxy.tunnel import close_all as close_tunnels
 from lb.proxy.edge import Edge, EdgeServer
 from lb.upstream.breaker import Breaker
-from lb.upstream.resolve import ResolveError, is_address, lookup
+from lb.upstream.resolve import is_address, lookup
 from lb.upstream.retrybudget import RetryBudget
-from lb.process.serve import StartError
 
 log = logging.getLogger("edge")
 

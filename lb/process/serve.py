@@ -18,15 +18,12 @@ import threading
 import time
 
 from lb import logs
+from lb.errors import StartError
 from lb.process import sdnotify
 from lb.process import signals
 from lb.process.signals import HANDLED
 
 log = logging.getLogger("edge")
-
-
-class StartError(Exception):
-    """The process could not start; the message names what failed (`--listen 1.2.3.4:80: ...`)."""
 
 
 def pin_to_one_cpu(setting: str, worker: int | None) -> int | None:

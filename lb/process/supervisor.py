@@ -32,7 +32,8 @@ from dataclasses import replace
 from lb import logs
 from lb.process import sdnotify
 from lb.netaddr import bind_options, family, hostport
-from lb.process.serve import StartError, watchdog_interval
+from lb.process.serve import watchdog_interval
+from lb.errors import StartError
 
 
 def exit_reason(status: int) -> str:
@@ -94,7 +95,8 @@ def run(cfg, argv) -> int:
         # before any fork: every worker inherits one context, so one set of session-ticket keys (lb/http/tls.py)
         from lb.http import tls
         from lb.config.check import certificate_warnings
-        from lb.config.load import ConfigError, tls_listener
+        from lb.config.load import tls_listener
+        from lb.errors import ConfigError
         try:
             tls.inherited = tls_listener(cfg)
         except ConfigError as e:

@@ -24,12 +24,9 @@ import urllib3
 from urllib3.exceptions import ClosedPoolError, EmptyPoolError
 
 from lb.config.load import BackendSpec
+from lb.errors import PoolExhausted
 
 log = logging.getLogger("edge")
-
-
-class PoolExhausted(Exception):
-    """Every connection to this backend is busy and none came free within pool_timeout."""
 
 
 def readable(conn, sock) -> bool:
