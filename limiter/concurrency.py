@@ -116,7 +116,7 @@ class RedisInFlight:
                  password_file=None, ca_file=None, cert_file=None, key_file=None, clock=time, **_ignored):
         from redis.exceptions import RedisError   # limiter imports redis only when a Redis store is used
 
-        from limiter.redis.link import link_for
+        from limiter.redis.connect import link_for
         from limiter.redis.url import parse
         self._error = RedisError
         self.limit = _check_limit(limit)

@@ -20,24 +20,10 @@ from limiter.redis import url as redis_url
 from lb import __version__, logs
 from lb.errors import ConfigError
 from lb.netaddr import hostport, network, split_hostport
+from lb.http.tls import CertSpec
+from lb.limiting.store import redis_files
+from lb.upstream.backends import BackendSpec
 from lb.upstream.retrypolicy import parse_conditions
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    url: str          # http://host:port or http://[v6]:port, normalised (no path, no trailing slash)
-    weight: int = 1
-    host: str = ""    # without brackets
-    port: int = 80
-    scheme: str = "http"   # or https: TLS to the backend, verified
-    address: str = ""      # one address a DNS name resolved to (lb/upstream/resolve.py): connect there, host stays the name
-
-
-@dataclass(frozen=True)
-class CertSpec:
-    """A certificate (chain) and its key: [tls] cert/key, or one [[tls.certificates]] table."""
-    cert: str
-    key: str
 
 
 @dataclass(frozen=True)
@@ -246,13 +232,6 @@ def check_rate(value: str, key: str) -> str:
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
     return value
-
-
-def redis_files(c: "Config") -> dict:
-    """The [limits] redis_*_file settings, as limiter.redis_url.parse / RedisStore keyword arguments."""
-    pw_file = os.path.expandvars(c.redis_password_file) if c.redis_password_file else None   # ${CREDENTIALS_DIRECTORY}
-    return {"password_file": pw_file, "ca_file": c.redis_ca_file,
-            "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
 
 
 ENV_ADMIN_TOKEN = "EDGE_ADMIN_TOKEN"

@@ -23,16 +23,17 @@ from dataclasses import replace
 from limiter.redis import url as redis_url
 from limiter.memory import MemoryStore
 
-from lb import __version__
+from lb import __version__, logs
 from lb.ops import fanout
 from lb.ops import metrics as metrics_mod
 from lb.process import sdnotify
 from lb.limiting import store
+from lb.limiting.store import redis_files
 from lb.ops.accesslog import AccessLog
 from lb.ops.admin import start_admin
-from lb.upstream.backends import make_backend
+from lb.upstream.backends import BackendSpec, make_backend
 from lb.upstream.balancer import Balancer
-from lb.config.load import BackendSpec, Config, admin_token, load, redis_files
+from lb.config.load import Config, admin_token, load
 from lb.errors import ConfigError, ResolveError, StartError
 from lb.upstream.health import HealthChecker
 from lb.limiting.identity import Identifier
@@ -537,8 +538,10 @@ class App:
             log.log(level, "%s", line)
 
     def reopen_logs(self) -> None:
-        from lb.process.serve import reopen_logs
-        reopen_logs(self.access_log)
+        """SIGUSR1/SIGHUP: a fresh access-log file and stderr (when it is a file) after logrotate moved them."""
+        if self.access_log is not None:
+            self.access_log.reopen()
+        logs.reopen_stderr()
         log.info("logs reopened")
 
     # -- reload -------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 
-from lb import logs
 from lb.errors import StartError
 from lb.process import sdnotify
 from lb.process import signals
@@ -128,10 +127,3 @@ def _watchdog(app, period: float, ping) -> None:
         if app.edge.draining or time.monotonic() - app.loop_seen < stale:
             ping()
         time.sleep(period)
-
-
-def reopen_logs(access_log) -> None:
-    """SIGUSR1/SIGHUP: a fresh access-log file and stderr (when it is a file) after logrotate moved them."""
-    if access_log is not None:
-        access_log.reopen()
-    logs.reopen_stderr()

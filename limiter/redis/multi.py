@@ -161,8 +161,7 @@ def _one_call(link, checks, keys, now):
 def _fallback(checks, now, node):
     """Redis unavailable: the stores' failure policy (every store of one edge has the same)."""
     if checks[0][0].on_error == "local":   # all or nothing on the in-process fallback limiters too
-        from limiter.compose import allow_all_memory
-        from limiter.memory import MemoryStore
+        from limiter.memory import MemoryStore, allow_all_memory
         from limiter.redis.store import LocalDecision
         local = []
         for lim, key, enforce in checks:

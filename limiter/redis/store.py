@@ -44,7 +44,8 @@ from redis.exceptions import RedisError
 
 from limiter.algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from limiter.memory import MemoryStore
-from limiter.redis.link import RedisLink, _Script, call_error, link_for
+from limiter.redis.connect import link_for
+from limiter.redis.link import RedisLink, _Script, call_error
 from limiter.redis.url import parse
 
 log = logging.getLogger("edge")
