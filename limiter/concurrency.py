@@ -200,15 +200,6 @@ class SharedTable:
         os.close(self.lock_fd)
 
 
-SHARED: SharedTable | None = None   # set by the supervisor before it forks the workers
-
-
-def share(rows: int) -> SharedTable:
-    global SHARED
-    SHARED = SharedTable(rows)
-    return SHARED
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -222,11 +213,9 @@ def _alive(pid: int) -> bool:
 class ShmInFlight:
     """Requests in flight per key, summed over the worker processes sharing a SharedTable."""
 
-    def __init__(self, limit: int, table: SharedTable | None = None, name: str = ""):
+    def __init__(self, limit: int, table: SharedTable, name: str = ""):
         self.limit = _check_limit(limit)
-        self.table = table or SHARED
-        if self.table is None:
-            raise ValueError("the shared in-flight table must be created before fork (limiter.concurrency.share)")
+        self.table = table
         self._id = name.encode() + b"\0"
         self.full = 0
 

@@ -37,6 +37,8 @@ from lb.config.load import Config, admin_token, load
 from lb.errors import ConfigError, ResolveError, StartError
 from lb.upstream.health import HealthChecker
 from lb.limiting.identity import Identifier
+from lb.limiting.keys import draw_label_secret
+from lb.limiting.stage import SharedTables
 from lb.ops.metrics import Metrics
 from lb.netaddr import held, hostport
 from lb.upstream.outlier import Ejector
@@ -94,9 +96,11 @@ def make_server(addr, edge, takeover: bool = False) -> Server:
 
 class App:
     def __init__(self, cfg: Config, argv: list[str] | None = None, worker: int | None = None,
-                 rundir: str | None = None):
-        """Raises StartError naming what could not be opened or bound."""
+                 rundir: str | None = None, shared: SharedTables | None = None):
+        """Raises StartError naming what could not be opened or bound. shared: see serve()."""
         self.argv = argv
+        self.shared = shared or SharedTables()
+        draw_label_secret()              # before any serving thread (a worker: inherited, drawn before fork)
         self.worker = worker
         self.rundir = rundir
         self.ready = False               # serving, and the store answered when fail-closed asks for it
@@ -305,14 +309,14 @@ class App:
     def _limit_stage(self, cfg: Config, old):
         if not (cfg.limit or cfg.rules or cfg.keys or cfg.max_in_flight):
             return None
-        from limiter import shm
-
         from lb.limiting.stage import LimitStage
         opts = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error,
                 **{k: v for k, v in redis_files(cfg).items() if v is not None}} if cfg.store != "memory" else {}
         opts["max_keys"] = cfg.max_keys
         # A worker of --workers N with the memory store: the table the supervisor shared before forking
-        store = "shm" if cfg.store == "memory" and shm.ARENA is not None else cfg.store
+        store = "shm" if cfg.store == "memory" and self.shared.limits is not None else cfg.store
+        if store == "shm":
+            opts["shm_arena"] = self.shared.limits
         reuse = None
         if old is not None and (old.algorithm, old.store, old.options) == (
                 cfg.algorithm, store, tuple(sorted(opts.items()))):
@@ -322,7 +326,8 @@ class App:
                            ietf_headers=cfg.ietf_headers, ipv6_prefix=cfg.ipv6_prefix, max_delay=cfg.max_delay,
                            max_delayed=cfg.max_delayed, max_in_flight=cfg.max_in_flight, status=cfg.limit_status,
                            # a request in flight longer than this stops counting in Redis (its safety net)
-                           inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0, **opts)
+                           inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0,
+                           inflight_table=self.shared.inflight if cfg.store == "memory" else None, **opts)
         self.metrics.declare_rules(stage.declared)
         return stage
 

@@ -55,10 +55,11 @@ def watchdog_interval() -> float | None:
 
 
 def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
-          rundir: str | None = None) -> int:
+          rundir: str | None = None, shared=None) -> int:
     """Serve until told to stop, then drain; 0 on a clean stop. Raises StartError before serving.
 
-    channel: (workers) the pipe to the supervisor; rundir: where workers publish their metrics."""
+    channel: (workers) the pipe to the supervisor; rundir: where workers publish their metrics;
+    shared: (workers) the tables the supervisor created for them before forking (SharedTables)."""
     from lb.process.app import App
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
     early: list[int] = []     # a signal that came while the App was being built: acted on once it is
@@ -82,7 +83,7 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
     for s in HANDLED:
         signal.signal(s, on_signal)
     signals.route(lambda signum: on_signal(signum, None))   # before any thread: none of them reads with EINTR
-    built = App(cfg, argv, worker=worker, rundir=rundir)
+    built = App(cfg, argv, worker=worker, rundir=rundir, shared=shared)
     with lock:
         app = built
         pending = early[:]
