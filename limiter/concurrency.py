@@ -40,6 +40,8 @@ import tempfile
 import threading
 from time import time
 
+from limiter.redis.scripts import lua
+
 log = logging.getLogger("edge")
 
 
@@ -82,15 +84,8 @@ class InFlight:
         return len(self._counts)
 
 
-_ACQUIRE = """
-local now = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= LIMIT then return 0 end
-redis.call('ZADD', KEYS[1], now + TTL, ARGV[2])
-redis.call('PEXPIRE', KEYS[1], math.ceil(TTL * 1000) + 1000)
-return 1
-"""
-_RELEASE = "redis.call('ZREM', KEYS[1], ARGV[2])\nreturn 1\n"
+_ACQUIRE = lua("inflight_acquire.lua")
+_RELEASE = lua("inflight_release.lua")
 
 
 class _Script3:

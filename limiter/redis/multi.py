@@ -28,21 +28,9 @@ from redis.exceptions import RedisError
 
 from limiter.algorithms import Decision
 from limiter.redis.link import _Script, call_error
+from limiter.redis.scripts import lua
 
-_PROXY = """
-local rcall = redis.call
-local writes = {}
-local WRITES = {SET = true, ZADD = true, PEXPIRE = true, ZREMRANGEBYSCORE = true}
-local proxy = {call = function(cmd, ...)
-  if WRITES[cmd] then
-    writes[#writes + 1] = {cmd, ...}
-    return false
-  end
-  return rcall(cmd, ...)
-end}
-local admitted = true
-local out = {}
-"""
+_PROXY = lua("multi_proxy.lua")
 
 _scripts: dict[tuple, _Script] = {}
 _scripts_lock = threading.Lock()
