@@ -12,6 +12,7 @@ from lb.config import docs
 from lb.config import load as config
 from lb.config.kinds import Bool
 from lb.config.schema import SETTINGS, Config, file_keys
+from lb.errors import ConfigError
 from tests.support import PY, ROOT
 
 README = Path(ROOT) / "README.md"
@@ -50,7 +51,7 @@ def test_the_readme_table_is_the_one_the_schema_generates():
     table = docs.readme_table(README.read_text(encoding="utf-8"))
     assert table is not None, f"README.md lost its markers {docs.BEGIN!r} ... {docs.END!r}"
     assert table == docs.markdown(), ("README.md's configuration table and lb/config/schema.py disagree: "
-                                      "run `python3 -m lb.config.schema --write README.md`")
+                                      "run `python3 -m lb.config.docs --write README.md`")
 
 
 def test_a_changed_readme_row_is_caught():
@@ -60,7 +61,7 @@ def test_a_changed_readme_row_is_caught():
 
 
 def test_the_markdown_command_prints_the_table():
-    p = subprocess.run([PY, "-m", "lb.config.schema", "--markdown"], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([PY, "-m", "lb.config.docs", "--markdown"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and p.stdout == docs.markdown(), p.stderr
 
@@ -123,7 +124,7 @@ def test_conf_edge_toml_shows_every_key(path):
 def test_unknown_keys_are_named_with_the_known_ones(tmp_path):
     f = tmp_path / "edge.toml"
     f.write_text('listn = "x"\n[[backends]]\nurl = "http://127.0.0.1:9"\n[health]\nintervall = 1\n')
-    with pytest.raises(config.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         config.load(["--config", str(f)])
     assert e.value.problems == [
         ("listn: unknown key (known at the top level: listen, admin, strategy, demo, access_log, access_log_format, "

@@ -1,7 +1,7 @@
 """The settings table (lb/config/schema.py) written out for people: --help's lines and the README's table.
 
-    python3 -m lb.config.schema --markdown          print the README's configuration table
-    python3 -m lb.config.schema --write README.md   rewrite it between the README's markers
+    python3 -m lb.config.docs --markdown          print the README's configuration table
+    python3 -m lb.config.docs --write README.md   rewrite it between the README's markers
 
 tests/test_settings_table.py fails when README.md's table and the schema disagree.
 """
@@ -70,7 +70,7 @@ def markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-BEGIN = "<!-- the settings table: generated from lb/config/schema.py by `python3 -m lb.config.schema --write README.md` -->"
+BEGIN = "<!-- the settings table: generated from lb/config/schema.py by `python3 -m lb.config.docs --write README.md` -->"
 END = "<!-- end of the settings table -->"
 
 
@@ -99,7 +99,11 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--write"] and len(argv) == 2:
         write_readme(argv[1])
         return 0
-    print("usage: python3 -m lb.config.schema --markdown | --write README.md", file=sys.stderr)
+    print("usage: python3 -m lb.config.docs --markdown | --write README.md", file=sys.stderr)
     return 2
 
 
+
+
+if __name__ == "__main__":          # python3 -m lb.config.docs --markdown | --write README.md
+    sys.exit(main(sys.argv[1:]))

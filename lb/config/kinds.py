@@ -15,33 +15,11 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from lb.errors import ConfigError
+from lb.http.tls import CertSpec
 from lb.netaddr import hostport, split_hostport
+from lb.upstream.backends import BackendSpec
 from lb.upstream.retrypolicy import parse_conditions
-
-
-class ConfigError(ValueError):
-    """One or more configuration values are wrong; each problem is one line naming the key and the value."""
-
-    def __init__(self, *problems: str):
-        self.problems = list(problems)
-        super().__init__("; ".join(problems))
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    url: str          # http://host:port or http://[v6]:port, normalised (no path, no trailing slash)
-    weight: int = 1
-    host: str = ""    # without brackets
-    port: int = 80
-    scheme: str = "http"   # or https: TLS to the backend, verified
-    address: str = ""      # one address a DNS name resolved to (lb/upstream/resolve.py): connect there, host stays the name
-
-
-@dataclass(frozen=True)
-class CertSpec:
-    """A certificate (chain) and its key: [tls] cert/key, or one [[tls.certificates]] table."""
-    cert: str
-    key: str
 
 
 class Kind:

@@ -3,7 +3,7 @@
 Everything else is generated from it: the flags and their --help (lb/config/load.py build_argparser,
 the default appended to each help), the TOML keys the file may have and the unknown-key errors that
 list them (load.read_file), the per-value checks (the kind: type and range; `choices`), and the
-README's configuration table (`python3 -m lb.config.schema --markdown`; tests/test_settings_table.py
+README's configuration table (`python3 -m lb.config.docs --markdown`; tests/test_settings_table.py
 fails when README.md's table and this one disagree, `--write README.md` rewrites it in place).
 Checks that span several keys (cert goes with key, health.timeout < interval, ...) are in
 lb/config/validate.py.
@@ -24,7 +24,7 @@ Adding a setting is one entry, in the class of its TOML table (UpstreamTable for
     doc: the README's meaning when it says more (markdown; else the help); shown: the default as the
     README writes it (markdown), when the value alone does not say it ("" shows none); env: a variable
     that sets it instead; choices: the words it takes (checked after flags and file are merged);
-  - then `python3 -m lb.config.schema --write README.md` (tests/test_settings_table.py insists), and the
+  - then `python3 -m lb.config.docs --write README.md` (tests/test_settings_table.py insists), and the
     key in conf/edge.toml (the test insists on that too).
 
   E.g. `[server] http2`: `http2: bool = setting(False, ONOFF, toml="server.http2", flag="--http2", help="...")` in
@@ -41,7 +41,6 @@ A leaf: the standard library and lb/config/kinds.py only.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -470,7 +469,3 @@ def file_keys() -> dict[str, dict[str, Setting]]:
             out.setdefault(section, {})[key] = s
     return out
 
-
-if __name__ == "__main__":          # python3 -m lb.config.schema --markdown | --write README.md
-    from lb.config.docs import main
-    sys.exit(main(sys.argv[1:]))

@@ -10,7 +10,9 @@ import os
 from limiter.redis import url as redis_url
 
 from lb import logs
-from lb.config.kinds import CertSpec, ConfigError
+from lb.errors import ConfigError
+from lb.http.tls import CertSpec
+from lb.limiting.store import redis_files  # noqa: F401  (load.py's door)
 from lb.config.schema import REJECT_STATUSES, SETTINGS, Config
 from lb.netaddr import network, split_hostport
 
@@ -23,13 +25,6 @@ def check_rate(value: str, key: str) -> str:
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
     return value
-
-
-def redis_files(c: "Config") -> dict:
-    """The [limits] redis_*_file settings, as limiter.redis_url.parse / RedisStore keyword arguments."""
-    pw_file = os.path.expandvars(c.redis_password_file) if c.redis_password_file else None   # ${CREDENTIALS_DIRECTORY}
-    return {"password_file": pw_file, "ca_file": c.redis_ca_file,
-            "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
 
 
 ENV_ADMIN_TOKEN = "EDGE_ADMIN_TOKEN"
