@@ -17,6 +17,10 @@
 
 `--backends` / [[backends]] are the pool named `default`, where a request no route matches goes; so a
 [[pools]] table may not take that name.
+
+POOLS and ROUTES are the settings table's kinds for the two tables of tables (lb/config/schema.py); a
+pool's own health/upstream keys are read afterwards with the table's kinds (typed_overrides, from load),
+so they are checked exactly as the top level's; validate() is the cross-table checks (from validate.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lb.config.load import BackendSpec, ConfigError, check_cidrs, parse_backend_url
+from lb.config.kinds import Kind, parse_backend_url
+from lb.errors import ConfigError
+from lb.netaddr import network
+from lb.upstream.backends import BackendSpec
+from lb.upstream.pools import pool_config
 
 DEFAULT_POOL = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -51,6 +59,7 @@ class PoolSpec:
     backends: tuple[BackendSpec, ...]
     strategy: str | None = None            # None: the top level's
     overrides: tuple = ()                   # ((Config field, value), ...) from its health/upstream tables
+    raw: tuple = ()                         # ((section, key, value), ...) as read, until typed_overrides
 
 
 @dataclass(frozen=True)
@@ -96,9 +105,19 @@ def _unknown(table: dict, known: tuple, where: str) -> None:
         raise ConfigError(f"{where}: unknown key {sorted(bad)[0]!r} (known: {', '.join(known)})")
 
 
-def parse_pools(value, section_field) -> tuple[PoolSpec, ...]:
-    """[[pools]] tables. section_field(section, key, value) -> (Config field, checked value): the top
-    level's own reading of [health] and [upstream] keys, so a pool's override is checked the same way."""
+def _cidrs(values, key: str) -> tuple[str, ...]:
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ConfigError(f"{key}: expected a list of CIDRs like [\"10.0.0.0/8\"], got {values!r}")
+    for v in values:
+        try:
+            network(v)
+        except ValueError:
+            raise ConfigError(f"{key}: not an address or CIDR: {v!r}") from None
+    return tuple(values)
+
+
+def parse_pools(value) -> tuple[PoolSpec, ...]:
+    """[[pools]] tables; their health/upstream keys are kept as read (typed_overrides checks them)."""
     if not isinstance(value, list) or not all(isinstance(p, dict) for p in value):
         raise ConfigError("pools: expected [[pools]] tables with name and backends")
     out, seen, problems = [], set(), []
@@ -131,7 +150,7 @@ def parse_pools(value, section_field) -> tuple[PoolSpec, ...]:
                     raise ConfigError(f"{where}.backends: {s.url} is listed twice")
                 urls.add(s.url)
                 specs.append(s)
-            overrides = []
+            raw = []
             for section in ("health", "upstream"):
                 t = p.get(section, {})
                 if not isinstance(t, dict):
@@ -140,12 +159,32 @@ def parse_pools(value, section_field) -> tuple[PoolSpec, ...]:
                     if section == "upstream" and k not in POOL_UPSTREAM:
                         raise ConfigError(f"{where}.upstream.{k}: not a per-pool setting (per pool: "
                                           f"{', '.join(POOL_UPSTREAM)}; the rest is [upstream]'s, edge-wide)")
-                    overrides.append(section_field(section, k, v, f"{where}.{section}.{k}"))
-            out.append(PoolSpec(name, tuple(specs), strategy, tuple(overrides)))
+                    raw.append((section, k, v))
+            out.append(PoolSpec(name, tuple(specs), strategy, raw=tuple(raw)))
         except ConfigError as e:
             problems.extend(e.problems)
     if problems:
         raise ConfigError(*problems)
+    return tuple(out)
+
+
+def typed_overrides(pools: tuple, table: dict, problems: list[str]) -> tuple:
+    """Each pool's health/upstream keys read with the settings table's own kinds (table: load's
+    {section: {key: Setting}}), as (Config field, value); a bad one is a problem naming pools[i]."""
+    from dataclasses import replace
+    out = []
+    for i, p in enumerate(pools):
+        typed = []
+        for section, k, v in p.raw:
+            key = f"pools[{i}] ({p.name}).{section}.{k}"
+            s = table.get(section, {}).get(k)
+            try:
+                if s is None:
+                    raise ConfigError(f"{key}: unknown key (known in [{section}]: {', '.join(table.get(section, {}))})")
+                typed.append((s.name, s.kind.file(v, key)))
+            except ConfigError as e:
+                problems.extend(e.problems)
+        out.append(replace(p, overrides=tuple(typed), raw=()))
     return tuple(out)
 
 
@@ -238,8 +277,8 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
             if not isinstance(hs, dict) or not all(isinstance(k, str) and _TOKEN.fullmatch(k) and isinstance(v, str)
                                                    for k, v in hs.items()):
                 raise ConfigError(f"{where}.match.headers: expected a table of name = \"exact value\", got {hs!r}")
-            allow = check_cidrs(r.get("allow", []), f"{where}.allow")
-            deny = check_cidrs(r.get("deny", []), f"{where}.deny")
+            allow = _cidrs(r.get("allow", []), f"{where}.allow")
+            deny = _cidrs(r.get("deny", []), f"{where}.deny")
             out.append(RouteSpec(
                 name=name, pool=pool, split=split,
                 path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
@@ -273,12 +312,6 @@ def _covers(a: RouteSpec, b: RouteSpec) -> bool:
     return set(a.headers) <= set(b.headers)
 
 
-def pool_config(c, spec: PoolSpec):
-    """The configuration a pool's parts are built from: the top level's, with the pool's own overrides."""
-    from dataclasses import replace
-    return replace(c, strategy=spec.strategy or c.strategy, **dict(spec.overrides))
-
-
 def validate(c) -> list[str]:
     """Across tables: every pool a route names exists, and no route is shadowed by an earlier one."""
     bad = []
@@ -306,3 +339,26 @@ def validate(c) -> list[str]:
             bad.append(f"rules ({rule.name}).match.route: no route named {rule.route!r}"
                        f"{' (routes: ' + ', '.join(sorted(route_names)) + ')' if route_names else ' (no [[routes]])'}")
     return bad
+
+
+class Pools(Kind):
+    """[[pools]]: PoolSpec per table (parse_pools)."""
+
+    def file(self, value, key):
+        return parse_pools(value)
+
+    def toml_shown(self, path):
+        return f"`[[{path}]]`"
+
+
+class Routes(Kind):
+    """[[routes]]: RouteSpec per table (parse_routes)."""
+
+    def file(self, value, key):
+        return parse_routes(value)
+
+    def toml_shown(self, path):
+        return f"`[[{path}]]`"
+
+
+POOLS, ROUTES = Pools(), Routes()

@@ -28,6 +28,13 @@ POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeou
                  "ca_file")
 
 
+def pool_config(cfg, spec):
+    """The configuration a pool's parts are built from: the top level's, with the pool's own overrides
+    (a PoolSpec of lb/config/routes.py)."""
+    from dataclasses import replace
+    return replace(cfg, strategy=spec.strategy or cfg.strategy, **dict(spec.overrides))
+
+
 class Pool:
     def __init__(self, name: str, balancer: Balancer, ejector: Ejector, breaker: Breaker, health=None, cfg=None):
         self.name = name
@@ -60,7 +67,6 @@ class Pool:
 
 def build(spec, cfg, metrics, on_state) -> Pool:
     """A named pool from its PoolSpec and the top-level Config, its health checks running."""
-    from lb.config.routes import pool_config
     pc = pool_config(cfg, spec)
     breaker = Breaker(pc.max_requests, pc.max_pending)
     ejector = Ejector(pc.eject_after, pc.eject_for, pc.max_ejected_percent)
@@ -79,7 +85,6 @@ def update(pool: Pool, spec, cfg, metrics, on_state) -> tuple[int, int]:
     """Reload: the pool takes its new spec and settings in place. Kept backends keep their health state,
     ejection and (unless its settings changed) connection pool; new ones start UP (ramping with slow
     start); removed ones leave the rotation at once and drain. (added, removed)."""
-    from lb.config.routes import pool_config
     pc = pool_config(cfg, spec)
     old_pc = pool.cfg
     new_conns = any(getattr(pc, n) != getattr(old_pc, n) for n in POOL_SETTINGS)
