@@ -37,8 +37,17 @@ class LocalReply:
 def build(x, status: int, reason: str, keep: bool) -> LocalReply:
     """The reply to the exchange x: what every answer of the edge's own carries (its id, the rate-limit
     headers and Retry-After), a text/plain reason."""
-    return LocalReply(status, reason.encode("utf-8", "replace") + b"\n", x.rid_header + x.rl, not keep,
-                      x.req.method == b"HEAD")
+    return LocalReply(status, body(reason), x.rid_header + x.rl, not keep, x.req.method == b"HEAD")
+
+
+def refusal(status: int, reason: str, extra: bytes = b"") -> LocalReply:
+    """The answer to a request that could not be read (no Exchange: a bad or late head), then a close.
+    extra: its X-Request-Id line, when asked for."""
+    return LocalReply(status, body(reason), extra, True, False)
+
+
+def body(reason: str) -> bytes:
+    return reason.encode("utf-8", "replace") + b"\n"
 
 
 def h1(r: LocalReply) -> bytes:
