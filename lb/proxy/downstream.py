@@ -5,9 +5,12 @@ own replies are built by lb/proxy/replies.py), the Downstream writes it in its p
 
     proto                                    b"HTTP/1.1" | b"HTTP/2": the access log's field, a metrics label
     local_reply(x, status, reason, keep)     the edge's own answer; True when the connection may carry another
-    start(x, status, reason, headers, length) a response head (length None: the body's end is finish())
+    start(x, status, reason, headers, length) a response head: headers [(name, value)] without framing;
+                                             length: the body's bytes that follow (0: none; None: until finish)
     send(data)                               body bytes; blocks while the client is slow (back-pressure)
     finish(trailers)                         the end of the body
+    abort()                                  the backend failed after start: the response cannot be completed
+    start, send and finish raise ClientGone when the client (or its stream) is gone.
     read_body(x)                             the request body, read only now (HTTP/1.1 invites it: 100-continue)
     hold(delay)                              delay mode's wait, watching for the client going away
 
@@ -44,6 +47,7 @@ class Downstream:
     the outcome is known and before the last byte leaves (Edge.record)."""
 
     proto = b"HTTP/1.1"
+    sock = None          # HTTP/1.1's raw path (lb/proxy/relay.py); None: responses go through start/send/finish
 
     def local_reply(self, x, status: int, reason: str, keep: bool, linger: bool = False) -> bool:
         raise NotImplementedError
@@ -56,6 +60,10 @@ class Downstream:
 
     def finish(self, trailers: list[tuple[bytes, bytes]] | None = None) -> None:
         raise NotImplementedError
+
+    def abort(self) -> None:
+        """The response cannot be completed (the backend failed after start): HTTP/2 resets the stream.
+        (HTTP/1.1's raw path closes the connection instead.)"""
 
     def read_body(self, x):
         return b""

@@ -314,7 +314,8 @@ class Edge:
         """Serve one request (lb/proxy/pipeline.py); True when the client connection may carry another."""
         x = Exchange(req, monotonic(), conn.scheme)
         x.reader = conn.reader
-        conn.trust(self.identifier)          # once per connection and per reload
+        if conn.identifier is not self.identifier:
+            conn.trust(self.identifier)      # once per connection and per reload
         return self.pipeline.run(x, conn, down)
 
     def record(self, x: "Exchange", status: int) -> None:

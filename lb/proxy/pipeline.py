@@ -45,8 +45,20 @@ class Pipeline:
         body: the request body when the codec has it already (bytes, SpooledBody or an iterator of
         pieces); None: the downstream reads it (down.read_body) once a backend is chosen."""
         edge = self.edge
+        req = x.req
+        has_body = req.chunked or bool(req.content_length)
+        # After an early answer, an unread body would be read as the next request: close instead.
+        keep = req.keep_alive and not has_body
         try:
-            return self._stages(x, conn, down, body)
+            answer = self.identify(x, conn)
+            if answer is None:
+                answer = self.limit(x, down, keep)
+                if answer is None:
+                    answer = self.choose(x, keep)
+                    if answer is None:
+                        return self.forward(x, conn, down, body, has_body)
+            status, reason, keep, counters = answer
+            return self.reply(x, down, status, reason, keep, **counters)
         except ClientGone:
             if x.status is None:     # the client left before its answer was complete: nginx's 499
                 edge.metrics.edge_answered(499, monotonic() - x.start)
@@ -57,21 +69,6 @@ class Pipeline:
                 release_slots(x.slots)
             if x.admitted is not None:   # the pool's circuit breaker, likewise
                 x.admitted.leave()
-
-    def _stages(self, x, conn, down, body) -> bool:
-        req = x.req
-        has_body = req.chunked or bool(req.content_length)
-        # After an early answer, an unread body would be read as the next request: close instead.
-        keep = req.keep_alive and not has_body
-        answer = self.identify(x, conn)
-        if answer is None:
-            answer = self.limit(x, down, keep)
-        if answer is None:
-            answer = self.choose(x, keep)
-        if answer is not None:
-            status, reason, keep, counters = answer
-            return self.reply(x, down, status, reason, keep, **counters)
-        return self.forward(x, conn, down, body, has_body)
 
     def reply(self, x, down, status: int, reason: str, keep: bool, **counters) -> bool:
         """An answer of the edge's own (413, 429, 503, ...): counted, then built by lb/proxy/replies.py and

@@ -39,9 +39,11 @@ class Relay:
         response_head, the body relayed as the backend sends it), then the backend connection back to its
         pool. The edge writes the framing: the client never sees a Content-Length and a
         Transfer-Encoding together, nor a length the edge did not parse."""
+        sock = down.sock
+        if sock is None:                  # a Downstream without HTTP/1.1's raw path (HTTP/2)
+            return self.relay_fields(x, rh, ur, uc, down, in_sync)
         edge = self.edge
         req, backend = x.req, x.backend
-        sock = down.sock
         out, mode, client_keep = self.response_head(x, rh, in_sync)
         if mode == "length" and rh.content_length <= SMALL_BODY:
             # Read a small body before anything goes to the client: if the backend fails now, the
@@ -75,6 +77,60 @@ class Relay:
         if not in_sync:
             linger(sock)    # the client may still be sending the body the backend refused
         return client_keep
+
+    def relay_fields(self, x, rh, ur: Reader, uc, down, in_sync: bool) -> bool:
+        """The response through the neutral interface (down.start, send, finish): what a Downstream without
+        HTTP/1.1's raw path gets. The same rules as the raw path: the fields relayed (relayed_fields), a
+        small body read whole before the head leaves (a backend failing inside it is still a clean 502),
+        a larger one as it arrives (the downstream's own queue is its buffer); once the head is gone, a
+        backend failure is down.abort()."""
+        req, backend = x.req, x.backend
+        status = rh.status
+        mode = _body_mode(req, rh)
+        body = b""
+        if mode == "length" and rh.content_length <= SMALL_BODY:
+            try:
+                body = ur.read_exact(rh.content_length)
+            except (socket.timeout, OSError, EOFError) as e:
+                backend.pool.release(uc, False)
+                kind = Failure.TIMEOUT if isinstance(e, socket.timeout) else Failure.RESET
+                self.fw.observe(backend, False, f"{kind} inside a response body")
+                return self.fw.failed(down, x, kind, "failed inside a response body", req.keep_alive and in_sync)
+            mode = "whole"
+        length = rh.content_length if mode in ("length", "whole") else (0 if mode == "none" else None)
+        started = False
+        try:
+            down.start(x, status, rh.status_line[13:], relayed_fields(x, rh), length)
+            started = True
+            if body:
+                down.send(body)
+            n, upstream_ok = len(body), True
+            if mode == "length":
+                n += _pull_length(rh.content_length, ur, down)
+            elif mode == "chunked":
+                n += _pull_chunked(ur, down)
+            elif mode == "eof":
+                n += _pull_eof(ur, down)
+                upstream_ok = False
+            down.finish(None)
+        except (socket.timeout, UpstreamError, OSError, EOFError, HttpError) as e:
+            backend.pool.release(uc, False)
+            if not started:
+                raise ClientGone() from None      # start() failed: the client's side, not the backend's
+            down.abort()
+            kind = Failure.TIMEOUT if isinstance(e, socket.timeout) else Failure.RESET
+            self.fw.observe(backend, False, f"{kind} mid-response")
+            log.warning("backend %s %s mid-response: %s %s (the response is aborted)",
+                        backend.url, kind, req.method.decode(), req.target[:200].decode("latin-1"))
+            self.edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
+            self.edge.record(x, status)
+            return False
+        except ClientGone:
+            backend.pool.release(uc, False)
+            raise
+        x.bytes_sent = n
+        self.relayed(x, rh, ur, uc, None, upstream_ok)
+        return req.keep_alive and in_sync and not self.edge.closing
 
     def response_head(self, x, rh, in_sync: bool) -> tuple[bytearray, str, bool]:
         """(the head for the client, the body's mode, whether the client connection stays open).
@@ -191,6 +247,73 @@ class Relay:
             x.bytes_sent = c.n
         edge.metrics.backend_done(backend.url, rh.status, now - x.start, x.upstream_seconds)
         edge.record(x, rh.status)
+
+
+def relayed_fields(x, rh) -> list[tuple[bytes, bytes]]:
+    """The response's fields as the client gets them, without framing (the neutral path's; response_head
+    writes the same choice as HTTP/1.1 lines): hop-by-hop and the framing out, the backend's rate-limit
+    and request-id fields replaced by the edge's, the sticky cookie added."""
+    tokens = rh.conn_tokens
+    limiting = bool(x.rl)
+    skip = not_relayed(x.rl, x.rid_header)
+    out = [(name, value) for name, lname, value in rh.headers
+           if not (lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"))]
+    out += _pairs(x.rid_header + x.rl + x.set_cookie)
+    return out
+
+
+def _pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
+    pairs = []
+    for line in lines.split(b"\r\n"):
+        if line:
+            name, _, value = line.partition(b":")
+            pairs.append((name, value.strip()))
+    return pairs
+
+
+def _body_mode(req, rh) -> str:
+    """none | length | chunked | eof (delimited by the backend's close; a coding we do not decode too)."""
+    status = rh.status
+    if req.method == b"HEAD" or status in _NO_BODY_STATUS or status < 200:
+        return "none"
+    if rh.content_length is not None:
+        return "length"
+    return "chunked" if rh.chunked else "eof"
+
+
+def _pull_length(n: int, ur: Reader, down) -> int:
+    total = n
+    while n > 0:
+        data = ur.read_some(min(n, PIECE))
+        n -= len(data)
+        down.send(data)
+    return total
+
+
+def _pull_chunked(ur: Reader, down) -> int:
+    dec = ChunkedDecoder(_bad_chunk)
+    buf = ur.buf
+    n = 0
+    while True:
+        ev = dec.next(buf, PIECE)
+        if type(ev) is bytes:
+            n += len(ev)
+            down.send(ev)
+        elif ev == NEED:
+            if not ur.fill():
+                raise EOFError("closed inside a body")
+        elif ev == END:
+            return n
+
+
+def _pull_eof(ur: Reader, down) -> int:
+    n = 0
+    while ur.buf or ur.fill():
+        data = bytes(ur.buf)
+        ur.buf.clear()
+        n += len(data)
+        down.send(data)
+    return n
 
 
 def uncount(x) -> None:
