@@ -39,6 +39,27 @@ def _answer(s, _server):
             buf += data
         head, _, buf = buf.partition(b"\r\n\r\n")
         target = head.split(b" ", 2)[1]
+        if target == b"/len":         # the body's length back
+            if b"content-length: " in head.lower():
+                n = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                while len(buf) < n:
+                    buf += s.recv(65536)
+                buf = buf[n:]
+            else:                     # chunked (a streamed body), read by the book
+                n = 0
+                while True:
+                    while b"\r\n" not in buf:
+                        buf += s.recv(65536)
+                    line, _, buf = buf.partition(b"\r\n")
+                    size = int(line, 16)
+                    while len(buf) < size + 2:
+                        buf += s.recv(65536)
+                    buf = buf[size + 2:]
+                    n += size
+                    if not size:
+                        break
+            s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%d" % (len(str(n)), n))
+            continue
         s.sendall(RESPONSES.get(target, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"))
         if target in (b"/eof", b"/cut", b"/bad-chunk", b"/short"):
             return                # the close delimits (or cuts) the body
@@ -85,13 +106,14 @@ def edge():
     backend.close()
 
 
-def run(edge, target: bytes, key: bytes = b"k1"):
+def run(edge, target: bytes, key: bytes = b"k1", body=None):
     a, b = socket.socketpair()          # the client connection HTTP/2 would have (unused by the codec)
     try:
         down = Recording(edge)
         conn = ClientConn(a, "127.0.0.1")
-        req = parse_request(b"GET %s HTTP/1.1\r\nHost: h\r\nX-Api-Key: %s" % (target, key))
-        keep = edge.handle(req, conn, down)
+        method, framing = (b"GET", b"") if body is None else (b"POST", b"\r\nTransfer-Encoding: chunked")
+        req = parse_request(b"%s %s HTTP/1.1\r\nHost: h\r\nX-Api-Key: %s%s" % (method, target, key, framing))
+        keep = edge.handle(req, conn, down, body)
         return down.calls, keep
     finally:
         a.close()
@@ -144,3 +166,10 @@ def test_the_edges_own_replies_are_built_once_with_the_rate_limit_headers(edge):
     assert (op, status) == ("reply", 429) and body == b"rate limit exceeded\n"
     names = [n for n, _ in headers]
     assert b"X-RateLimit-Limit" in names and b"Retry-After" in names
+
+
+@pytest.mark.parametrize("body, n", [(b"x" * 1000, 1000), (iter([b"a" * 70_000, b"b" * 5]), 70_005)])
+def test_a_body_the_codec_has_is_forwarded_whole_or_streamed(edge, body, n):
+    """HTTP/2 hands its body to the pipeline (bytes, or an iterator of pieces as it arrives)."""
+    calls, _ = run(edge, b"/len", b"body-%d" % n, body)
+    assert calls[1] == ("data", b"%d" % n)

@@ -310,13 +310,14 @@ class Edge:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def handle(self, req: Request, conn: ClientConn, down) -> bool:
-        """Serve one request (lb/proxy/pipeline.py); True when the client connection may carry another."""
+    def handle(self, req: Request, conn: ClientConn, down, body=None) -> bool:
+        """Serve one request (lb/proxy/pipeline.py); True when the client connection may carry another.
+        body: the request body when the codec has it (HTTP/2), else None: the downstream reads it."""
         x = Exchange(req, monotonic(), conn.scheme)
         x.reader = conn.reader
         if conn.identifier is not self.identifier:
             conn.trust(self.identifier)      # once per connection and per reload
-        return self.pipeline.run(x, conn, down)
+        return self.pipeline.run(x, conn, down, body)
 
     def record(self, x: "Exchange", status: int) -> None:
         """The request's outcome is known: the access-log line (once per request)."""
