@@ -173,3 +173,29 @@ def test_a_body_the_codec_has_is_forwarded_whole_or_streamed(edge, body, n):
     """HTTP/2 hands its body to the pipeline (bytes, or an iterator of pieces as it arrives)."""
     calls, _ = run(edge, b"/len", b"body-%d" % n, body)
     assert calls[1] == ("data", b"%d" % n)
+
+
+def test_http11s_neutral_methods_write_its_framing(edge):
+    """H1Downstream's start/send/finish (the raw path relays otherwise): a length, or chunks and trailers."""
+    from lb.proxy.downstream import H1Downstream
+    from lb.proxy.exchange import Exchange
+    a, b = socket.socketpair()
+    try:
+        down = H1Downstream(ClientConn(a, "127.0.0.1"), edge)
+        x = Exchange(parse_request(b"GET / HTTP/1.1\r\nHost: h"), 0.0)
+        down.start(x, 200, b"OK", [(b"X-A", b"1")], 2)
+        down.send(b"hi")
+        down.finish()
+        down.start(x, 201, b"Created", [], None)
+        down.send(b"abc")
+        down.send(b"")
+        down.finish([(b"T", b"t")])
+        a.shutdown(socket.SHUT_WR)
+        got = b""
+        while data := b.recv(65536):
+            got += data
+    finally:
+        a.close()
+        b.close()
+    assert got == (b"HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Length: 2\r\n\r\nhi"
+                   b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nT: t\r\n\r\n")
