@@ -29,7 +29,8 @@ import time
 from itertools import chain
 from time import monotonic
 
-from lb.http.framing import (ClientGone, HttpError, body_deadline, iter_chunked, iter_fixed, linger, send)
+from lb.errors import ClientGone, HttpError
+from lb.http.framing import body_deadline, iter_chunked, iter_fixed, linger, send
 from lb.proxy import replies
 from lb.proxy.spool import Spool, SpooledBody
 

@@ -36,7 +36,8 @@ from lb.upstream.outlier import Ejector
 from lb.limiting.stage import Holds
 from lb.upstream.breaker import Breaker
 from lb.upstream.retrybudget import RetryBudget
-from lb.http.framing import ClientGone, HttpError, Reader, Request, linger, own_response, parse_request, send_timeout
+from lb.http.framing import Reader, Request, linger, own_response, parse_request, send_timeout
+from lb.errors import ClientGone, HttpError
 
 log = logging.getLogger("edge")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from time import monotonic, sleep
 
-from lb.http.framing import ClientGone, HttpError
+from lb.errors import ClientGone, HttpError
 from lb.logs import ClientFaults, client_fault
 from lb.proxy import tunnel
 from lb.proxy.pipeline import route_set_cookie

@@ -24,7 +24,7 @@ import random
 import re
 from time import monotonic
 
-from lb.http.framing import ClientGone, HttpError
+from lb.errors import ClientGone, HttpError
 from lb.limiting.identity import Identifier
 from lb.limiting.stage import release as release_slots
 from lb.logs import client_fault

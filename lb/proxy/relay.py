@@ -16,7 +16,8 @@ import ssl
 from time import monotonic
 
 from lb.http.chunked import CHUNK, CHUNK_END, END, NEED, ChunkedDecoder
-from lb.http.framing import ClientGone, HttpError, Reader, UpstreamError, linger, not_relayed, send
+from lb.errors import ClientGone, HttpError, UpstreamError
+from lb.http.framing import Reader, linger, not_relayed, send
 from lb.proxy.downstream import SMALL_BODY
 from lb.proxy.spool import Spool
 from lb.upstream.failures import Failure

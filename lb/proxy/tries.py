@@ -17,10 +17,11 @@ from time import monotonic
 
 from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
-from lb.http.framing import HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, parse_response
+from lb.errors import ClientGone, HttpError, PoolExhausted, UpstreamError
+from lb.http.framing import HOP_BY_HOP, Reader, Request, parse_response
 from lb.netaddr import hostport
 from lb.proxy.spool import SpooledBody
-from lb.upstream.backends import Backend, PoolExhausted
+from lb.upstream.backends import Backend
 from lb.upstream.failures import Failure
 
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
