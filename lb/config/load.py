@@ -88,6 +88,7 @@ class Config:
     resolve_interval: float = 30.0           # re-resolve them this often (or sooner, at the records' TTL)
     retry_on: tuple = ("connect",)           # which failed tries are retried (lb/upstream/retrypolicy.py CONDITIONS)
     per_try_timeout: float = 0.0             # one try's wait for its response head (0: read_timeout only)
+    hedge_after: float = 0.0                 # no response head after this long: a second copy elsewhere (0: off)
     # client side
     workers: int = 1                         # processes sharing the port (SO_REUSEPORT)
     takeover: bool = False                   # bind beside a running edge on the same ports (an upgrade)
@@ -331,6 +332,7 @@ _SECTIONS = {
                  "max_pending": ("max_pending", Num(True, 0, 10_000_000)),
                  "resolver": ("resolver", "s"), "resolve_interval": ("resolve_interval", SECONDS),
                  "retry_on": ("retry_on", "retryon"), "per_try_timeout": ("per_try_timeout", SECONDS0),
+                 "hedge_after": ("hedge_after", SECONDS0),
                  "proxy_buffering": ("proxy_buffering", "onoff"),
                  "max_temp_file_size": ("max_temp_file_size", Num(True, 0, 2 ** 50))},
     "server": {"workers": ("workers", Num(True, 1, 256)), "cpu_affinity": ("cpu_affinity", "s"),
@@ -523,6 +525,8 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--retry-on", help="failed tries retried on another backend: connect,reset,timeout,5xx,502,503,504 "
                          "(default connect; all but connect: idempotent methods with a buffered body only)")
     a("--per-try-timeout", help="seconds one try waits for its response head (default 0: read timeout only)")
+    a("--hedge-after", help="seconds without a response head after which an idempotent request without a large "
+                            "body is also sent to another backend, the first head wins (default 0: off)")
     a("--workers", help="processes sharing the listening port (default 1); with the memory store they "
                         "share their limits in shared memory")
     a("--takeover", action="store_true", help="start beside a running edge on the same --listen and --admin "

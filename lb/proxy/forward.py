@@ -23,7 +23,7 @@ from time import monotonic, sleep
 
 from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
-from lb.proxy import tunnel
+from lb.proxy import hedge, tunnel
 from lb.upstream.backends import Backend, PoolExhausted
 from lb.logs import ClientFaults, client_fault
 from lb.upstream.retrypolicy import RetryPolicy, retry_after
@@ -218,7 +218,10 @@ class Forwarder:
                     backend.inflight += 1
                 try:
                     try:
-                        conn, rh, ur = self.attempt(x, backend, head, body)
+                        if tried is None and edge.cfg.hedge_after and hedge.eligible(x, body):
+                            conn, rh, ur, backend = hedge.attempt(self, x, backend, head, body)   # lb/proxy/hedge.py
+                        else:
+                            conn, rh, ur = self.attempt(x, backend, head, body)
                     except UpstreamFailed as f:
                         tried = (tried or []) + [backend]
                         if f.kind == "gone" and not regone:
@@ -364,8 +367,10 @@ class Forwarder:
             req.method.decode(), req.target[:200].decode("latin-1"), detail, nxt.url, tries + 1)
         self.edge.metrics.try_failed(failed.url, kind, cond)
 
-    def attempt(self, x, backend: Backend, head: bytes, body):
+    def attempt(self, x, backend: Backend, head: bytes, body, wait=None):
         """One try on `backend`: (conn, response head, reader) once a final (or 101) head arrived.
+        wait(ur): called once the request is sent, before its head is read (lb/proxy/hedge.py's race);
+        what it raises fails the try as a read would.
 
         Raises UpstreamFailed (the backend's fault, nothing sent to the client yet), ClientGone or
         HttpError (a streamed request body failed: the client's fault). The connection is released
@@ -415,6 +420,8 @@ class Forwarder:
             # timeout starts at the request's end): a slow upload or a delay-mode hold is not the backend's.
             ur.deadline = monotonic() + cfg.response_timeout
             try:
+                if wait is not None and send_err is None:
+                    wait(ur)
                 rhead = ur.read_head(max_first_line=8192, what="response")
                 while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
                     rhead = ur.read_head(max_first_line=8192, what="response")   # interim 1xx: not relayed
