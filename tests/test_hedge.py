@@ -19,8 +19,8 @@ class Delayed(RawServer):
     got), with a body naming itself. While it waits it watches the connection: a close by the edge
     before the answer is counted in `abandoned` (the hedge's loser must be closed, not kept)."""
 
-    def __init__(self, name: str, delay):
-        self.name, self.delay = name, delay
+    def __init__(self, name: str, delay, close_instead: bool = False):
+        self.name, self.delay, self.close_instead = name, delay, close_instead
         self.got: list[str] = []
         self.abandoned = 0
         self.answered = 0
@@ -47,6 +47,8 @@ class Delayed(RawServer):
                     with self.lock:
                         self.abandoned += 1
                     return
+            if self.close_instead:          # a backend that dies on the request: the edge sees a reset
+                return
             body = f"{self.name} {req[1]}".encode()     # names the request: a stale answer shows
             try:
                 s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -160,7 +162,7 @@ def test_when_both_are_slow_the_first_head_wins_and_the_hedge_is_closed():
         r, t = timed(e, path="/one")
         assert r.status == 200 and r.body in (b"a", b"b")
         first, second = (a, b) if r.body == b"a" else (b, a)
-        assert first.answered == 1 and second.got == ["GET"]          # the hedge was sent ...
+        assert second.got == ["GET"]                                  # the hedge was sent ...
         wait_until(lambda: second.abandoned == 1, timeout=5, what="the hedge's connection closed")
         assert second.answered == 0                                   # ... and closed before it answered
         wait_until(lambda: metric(e, 'lb_hedges_total{result="lost"}') == 1, what="the hedge counted as lost")
@@ -195,6 +197,55 @@ def test_the_losers_response_never_reaches_another_request():
         bodies = [timed(e, path=f"/n{i}")[0].body for i in range(6)]
         assert sorted(set(bodies)) == [b"a", b"b"] and bodies.count(b"a") == 3
         settled(e)
+    finally:
+        e.stop()
+        a.close()
+        b.close()
+
+
+def test_a_first_try_that_fails_after_the_hedge_went_leaves_the_answer_to_the_hedge():
+    dying = Delayed("dying", lambda n: 0.2, close_instead=True)
+    late = Delayed("late", lambda n: 0.4)
+    e = edge_for([dying, late], "--hedge-after", "0.05", "--max-requests", "10")
+    try:
+        r, t = timed(e, path="/d")          # round-robin: the dying one first
+        assert r.status == 200 and r.body == b"late", (r.status, r.body)
+        assert metric(e, 'lb_hedges_total{result="won"}') == 1
+        assert metric(e, f'lb_upstream_errors_total{{backend="{dying.url}",kind="reset"}}') == 1
+        s = settled(e)
+        assert s["breaker"]["in_flight"] == 0
+    finally:
+        e.stop()
+        dying.close()
+        late.close()
+
+
+def test_a_failed_hedge_is_counted_and_the_first_still_answers():
+    slowish = Delayed("slowish", lambda n: 0.3)
+    dying = Delayed("dying", lambda n: 0.0, close_instead=True)
+    e = edge_for([slowish, dying], "--hedge-after", "0.05")
+    try:
+        r, _ = timed(e, path="/f")
+        assert r.status == 200 and r.body == b"slowish"
+        wait_until(lambda: metric(e, 'lb_hedges_total{result="failed"}') == 1, what="the failed hedge counted")
+        assert metric(e, f'lb_upstream_errors_total{{backend="{dying.url}",kind="reset"}}') == 1
+        settled(e)
+    finally:
+        e.stop()
+        slowish.close()
+        dying.close()
+
+
+def test_when_both_fail_the_client_gets_the_first_ones_error_and_nothing_is_left_held():
+    a = Delayed("a", lambda n: 0.2, close_instead=True)
+    b = Delayed("b", lambda n: 0.1, close_instead=True)
+    e = edge_for([a, b], "--hedge-after", "0.05", "--max-requests", "10")
+    try:
+        r, _ = timed(e, path="/both")
+        assert r.status == 502
+        assert metric(e, 'lb_hedges_total{result="failed"}') == 1
+        s = settled(e)
+        assert s["breaker"]["in_flight"] == 0
     finally:
         e.stop()
         a.close()
