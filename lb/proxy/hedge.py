@@ -85,9 +85,8 @@ class Race:
         self.winner = None           # "first" | "hedge", once a side claimed the race
         self.result = None           # the hedge's (conn, rh, ur) when it won
         self.failure = None          # the hedge's UpstreamFailed, when it failed
-        self.done = threading.Event()   # the hedge's thread is over (or was never started)
-        self.done.set()
-        self.lock = threading.Lock()
+        self.done = None             # threading.Event: the hedge's thread is over (made when it starts)
+        self.lock = None             # made with the hedge: a request that is never hedged pays for neither
         self.pipe = None             # (r, w): a byte on it once somebody claimed the race
         self.users = 1               # who still needs the pipe (this request; the hedge's thread)
         self.slot = False            # a retry budget slot and a breaker place are held for the hedge
@@ -191,12 +190,13 @@ class Race:
             edge.metrics.inc("lb_hedges_skipped_total", reason="budget")
             return False
         self.slot = True
+        self.lock = threading.Lock()
+        self.done = threading.Event()
         r, w = os.pipe()
         os.set_blocking(w, False)
         self.pipe = (r, w)
         self.other = other
         self.fired = True
-        self.done.clear()
         with other.lock:
             other.inflight += 1      # the hedge loads its backend (least-request, the drain) from now
         self.users += 1
@@ -205,7 +205,6 @@ class Race:
         except RuntimeError:         # no thread to be had: the first try goes on alone
             self.users -= 1
             self.fired = False
-            self.done.set()
             with other.lock:
                 other.inflight -= 1
             self.give_back()
@@ -315,6 +314,8 @@ class Race:
             breaker.leave()
 
     def leave(self) -> None:
+        if self.lock is None:
+            return                   # never hedged: nothing to close
         with self.lock:
             self.users -= 1
             close = self.users == 0 and self.pipe is not None
