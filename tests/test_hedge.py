@@ -252,6 +252,44 @@ def test_when_both_fail_the_client_gets_the_first_ones_error_and_nothing_is_left
         b.close()
 
 
+def test_under_concurrency_every_hedge_gives_back_what_it_held():
+    """Races decided every way at once (either side first, by a hair, or both slow): afterwards no
+    in-flight count, retry slot, breaker place or file descriptor is left held."""
+    import random
+    rng = random.Random(28)
+    pool = [Delayed(f"b{k}", lambda n: rng.choice((0.0, 0.0, 0.0, 0.02, 0.03, 0.2))) for k in range(3)]
+    e = edge_for(pool, "--hedge-after", "0.02", "--max-requests", "200", "--retry-budget-min", "50")
+    try:
+        bad = []
+
+        def client(c, burst):
+            for i in range(25):
+                r, _ = timed(e, path=f"/c{burst}-{c}-{i}")   # each body checked to answer its own request
+                if r.status != 200:
+                    bad.append(r.status)
+
+        def burst(n):
+            ts = [threading.Thread(target=client, args=(c, n)) for c in range(12)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+            assert not bad, bad
+            return settled(e)
+        s = burst(1)
+        assert s["breaker"]["in_flight"] == 0 and s["hedge"]["sent"] > 10, s["hedge"]
+        fds = metric(e, "process_open_fds")      # the pool's idle connections are open now
+        s = burst(2)
+        assert s["breaker"]["in_flight"] == 0 and s["hedge"]["sent"] > 20, s["hedge"]
+        # As many hedges again, and no descriptor more than the pool's connections grown by a new peak.
+        assert metric(e, "process_open_fds") <= fds + 12, (fds, metric(e, "process_open_fds"))
+        print("hedges", s["hedge"], "fds", fds, metric(e, "process_open_fds"))
+    finally:
+        e.stop()
+        for b in pool:
+            b.close()
+
+
 def test_hedge_after_is_a_setting(tmp_path):
     from lb.config import load as config
     assert config.load(["--backends", "http://127.0.0.1:1"]).hedge_after == 0.0
