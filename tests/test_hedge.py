@@ -283,7 +283,6 @@ def test_under_concurrency_every_hedge_gives_back_what_it_held():
         assert s["breaker"]["in_flight"] == 0 and s["hedge"]["sent"] > 20, s["hedge"]
         # As many hedges again, and no descriptor more than the pool's connections grown by a new peak.
         assert metric(e, "process_open_fds") <= fds + 12, (fds, metric(e, "process_open_fds"))
-        print("hedges", s["hedge"], "fds", fds, metric(e, "process_open_fds"))
     finally:
         e.stop()
         for b in pool:
