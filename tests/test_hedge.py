@@ -239,11 +239,12 @@ def test_a_failed_hedge_is_counted_and_the_first_still_answers():
 def test_when_both_fail_the_client_gets_the_first_ones_error_and_nothing_is_left_held():
     a = Delayed("a", lambda n: 0.2, close_instead=True)
     b = Delayed("b", lambda n: 0.1, close_instead=True)
-    e = edge_for([a, b], "--hedge-after", "0.05", "--max-requests", "10")
+    e = edge_for([a, b], "--hedge-after", "0.05", "--max-requests", "10", "--retry-on", "connect,reset")
     try:
         r, _ = timed(e, path="/both")
         assert r.status == 502
         assert metric(e, 'lb_hedges_total{result="failed"}') == 1
+        assert a.got == ["GET"] and b.got == ["GET"]     # the hedge was a try: no retry on its backend
         s = settled(e)
         assert s["breaker"]["in_flight"] == 0
     finally:

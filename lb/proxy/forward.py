@@ -66,6 +66,8 @@ class UpstreamFailed(Exception):
         super().__init__(detail)
         self.kind, self.status, self.detail, self.sent = kind, status, detail, sent
 
+    also_tried = ()      # other backends this try reached (a failed hedge, lb/proxy/hedge.py): not retried on
+
 
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
                   close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
@@ -223,7 +225,7 @@ class Forwarder:
                         else:
                             conn, rh, ur = self.attempt(x, backend, head, body)
                     except UpstreamFailed as f:
-                        tried = (tried or []) + [backend]
+                        tried = (tried or []) + [backend, *f.also_tried]
                         if f.kind == "gone" and not regone:
                             # A reload removed this backend between the pick and now: another, once
                             # (not a failure of anyone's, so no retry or budget is spent on it).

@@ -105,6 +105,7 @@ class Race:
                 self.done.wait()     # the first failed: the hedge may still answer (its own timeouts bound it)
                 if self.winner != "hedge":
                     x.hedge = ("failed", self.other.url)
+                    f.also_tried = (self.other,)   # a retry (--retry-on) goes to a third backend
                     raise            # both failed: forward() answers (or retries) the first's failure
             self.first_abandoned(None if f.kind == "hedged" else f)
             return self.hedge_won()
