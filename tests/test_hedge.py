@@ -290,6 +290,18 @@ def test_under_concurrency_every_hedge_gives_back_what_it_held():
             b.close()
 
 
+def test_a_per_try_timeout_shorter_than_the_hedge_delay_decides_first(pair):
+    slow, fast = pair
+    e = edge_for([slow, fast], "--hedge-after", "1", "--per-try-timeout", "0.3", "--retry-on", "timeout,connect")
+    try:
+        r, t = timed(e, path="/t")           # round-robin: the slow one first
+        assert r.status == 200 and r.body == b"fast"
+        assert status(e)["hedge"]["sent"] == 0                      # retried at 0.3 s, not hedged at 1 s
+        assert metric(e, 'lb_retries_by_condition_total{condition="timeout"}') == 1
+    finally:
+        e.stop()
+
+
 def test_hedge_after_is_a_setting(tmp_path):
     from lb.config import load as config
     assert config.load(["--backends", "http://127.0.0.1:1"]).hedge_after == 0.0

@@ -128,11 +128,13 @@ class Race:
             if ur.buf or _pending(ur.sock):
                 return
             left = self.started + self.after - now
+            if ur.timeout is not None and ur.timeout <= left:
+                return      # a per-try (or read) timeout shorter than the hedge's delay decides first
             if left > 0 and _poll_one(ur.sock, left):
                 return                           # the head is arriving: no hedge (the common case)
             if not self.fire():
                 return
-        self.race(ur, "first")
+        self.race(ur, "first", self.started)
 
     def hedge_won(self):
         """The hedge's exchange is the request's now: its in-flight count, its backend, its status."""
@@ -238,7 +240,7 @@ class Race:
                 self.leave()
 
     def wait_hedge(self, ur) -> None:
-        self.race(ur, "hedge")
+        self.race(ur, "hedge", monotonic())
 
     def hedge_over(self) -> None:
         """The hedge lost or failed: its count, its budget slot and breaker place back; counted."""
@@ -259,16 +261,17 @@ class Race:
 
     # -- the race -----------------------------------------------------------------------------------
 
-    def race(self, ur, me: str) -> None:
+    def race(self, ur, me: str, sent: float) -> None:
         """Read this side's backend into ur.buf until a whole head is there (then attempt() parses it
         without waiting) or the other side claimed the race (raise: attempt() closes this connection).
-        Bounded by ur.timeout from the request's send and by ur.deadline, as attempt()'s own read."""
+        Bounded by ur.timeout from when this side's request was sent (so a per-try timeout means the
+        same hedged or not) and by ur.deadline."""
         sock = ur.sock
         wake = self.pipe[0]
         p = select.poll()
         p.register(sock, select.POLLIN)
         p.register(wake, select.POLLIN)
-        limit = monotonic() + (ur.timeout if ur.timeout is not None else 3600.0)
+        limit = sent + (ur.timeout if ur.timeout is not None else 3600.0)
         if ur.deadline is not None and ur.deadline < limit:
             limit = ur.deadline
         while True:
