@@ -61,6 +61,9 @@ def attempt(fw, x, backend, head: bytes, body: bytes):
     race = Race(fw, x, backend, head, body, fw.edge.cfg.hedge_after)
     try:
         return race.run()
+    except BaseException:
+        race.abandon()    # whatever ended the first try, a hedge still out must not win for nobody
+        raise
     finally:
         race.leave()
 
@@ -91,6 +94,7 @@ class Race:
         self.users = 1               # who still needs the pipe (this request; the hedge's thread)
         self.slot = False            # a retry budget slot and a breaker place are held for the hedge
         self.breaker = None
+        self.taken = False           # the hedge's winning exchange became the request's (hedge_won)
 
     # -- the request's own thread -------------------------------------------------------------------
 
@@ -140,6 +144,7 @@ class Race:
         """The hedge's exchange is the request's now: its in-flight count, its backend, its status."""
         from lb.proxy.forward import uncount
         x, other = self.x, self.other
+        self.taken = True
         uncount(x)                   # the first's count back; the hedge's thread counted the other's
         x.counted = other
         x.backend = other
@@ -151,6 +156,18 @@ class Race:
         self.fw.edge.metrics.inc("lb_hedges_total", result="won")
         self.give_back()             # the first's connection is closed: the pool carries one again
         return conn, rh, ur, other
+
+    def abandon(self) -> None:
+        """The request gives up on the race (its first try raised): a hedge still out loses now and
+        cleans up on its thread; one that had won but was not taken is closed and given back here."""
+        if not self.fired or self.claim("nobody"):
+            return
+        if self.winner == "hedge" and not self.taken:
+            self.taken = True
+            self.other.pool.release(self.result[0], False)
+            with self.other.lock:
+                self.other.inflight -= 1
+            self.give_back()
 
     def first_abandoned(self, failure) -> None:
         """The first try lost the race (its connection already closed): a request its backend got;
@@ -181,9 +198,14 @@ class Race:
         other = edge.balancer.pick(exclude=[self.first])
         if other is None or other is self.first or other.pool_full():
             return False
+        try:
+            pipe = os.pipe()
+        except OSError:              # out of descriptors: the first try goes on alone (never its failure)
+            return False
         if breaker.max_requests:
             if not breaker.enter(count=False):
                 edge.metrics.inc("lb_hedges_skipped_total", reason="max_requests")
+                _close(pipe)
                 return False
             self.breaker = breaker
         if not budget.try_retry(False):      # taken by another request since the look above
@@ -191,13 +213,13 @@ class Race:
                 self.breaker.leave()
                 self.breaker = None
             edge.metrics.inc("lb_hedges_skipped_total", reason="budget")
+            _close(pipe)
             return False
         self.slot = True
         self.lock = threading.Lock()
         self.done = threading.Event()
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self.pipe = (r, w)
+        os.set_blocking(pipe[1], False)
+        self.pipe = pipe
         self.other = other
         self.fired = True
         with other.lock:
@@ -324,8 +346,12 @@ class Race:
             self.users -= 1
             close = self.users == 0 and self.pipe is not None
         if close:
-            os.close(self.pipe[0])
-            os.close(self.pipe[1])
+            _close(self.pipe)
+
+
+def _close(pipe) -> None:
+    os.close(pipe[0])
+    os.close(pipe[1])
 
 
 def _pending(sock) -> bool:
