@@ -78,6 +78,13 @@ class _Try:
         self.req, self.upstream_status = req, None
 
 
+class _Failed:
+    """A hedge's failure that was no UpstreamFailed (a bug's exception): what hedge_over() reads."""
+
+    def __init__(self, kind: str, detail: str):
+        self.kind, self.detail = kind, detail
+
+
 class Race:
     def __init__(self, fw, x, backend, head, body, after: float):
         self.fw, self.x, self.first, self.head, self.body = fw, x, backend, head, body
@@ -142,11 +149,14 @@ class Race:
 
     def hedge_won(self):
         """The hedge's exchange is the request's now: its in-flight count, its backend, its status."""
-        from lb.proxy.forward import uncount
         x, other = self.x, self.other
         self.taken = True
-        uncount(x)                   # the first's count back; the hedge's thread counted the other's
-        x.counted = other
+        # The request's in-flight count moves (forward.py's uncount() takes back x.counted's at the end):
+        # the first's back now, the one the hedge's thread took for the other becomes the request's.
+        first, x.counted = x.counted, other
+        if first is not None:
+            with first.lock:
+                first.inflight -= 1
         x.backend = other
         if x.set_cookie:             # sticky: the client is pinned to whoever answers, as after a retry
             x.set_cookie = b"Set-Cookie: route=" + other.route.encode() + b"; Path=/; HttpOnly\r\n"
@@ -237,17 +247,17 @@ class Race:
         return True
 
     def _hedge(self) -> None:
-        from lb.proxy.forward import UpstreamFailed
         other, won = self.other, False
         t = _Try(self.x.req)
         try:
             conn, rh, ur = self.fw.attempt(t, other, self.head, self.body, wait=self.wait_hedge)
-        except UpstreamFailed as f:
-            if f.kind != "hedged":
+        except Exception as f:       # forward.py's UpstreamFailed (kind, detail); never a dead thread
+            kind = getattr(f, "kind", None)    # with the accounting held
+            if kind is None:
+                log.error("hedge to backend %s: %r", other.url, f)
+                self.failure = _Failed("protocol", repr(f))
+            elif kind != "hedged":
                 self.failure = f
-        except Exception as e:       # never a dead thread with the accounting held
-            log.error("hedge to backend %s: %r", other.url, e)
-            self.failure = UpstreamFailed("protocol", 502, repr(e), True)
         else:
             if self.claim("hedge", (conn, rh, ur)):
                 won = True
