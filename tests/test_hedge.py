@@ -291,15 +291,17 @@ def test_under_concurrency_every_hedge_gives_back_what_it_held():
 
 
 def test_a_per_try_timeout_shorter_than_the_hedge_delay_decides_first(pair):
-    slow, fast = pair
-    e = edge_for([slow, fast], "--hedge-after", "1", "--per-try-timeout", "0.3", "--retry-on", "timeout,connect")
+    _, fast = pair
+    slow = Delayed("slow", lambda n: 4.0)     # far beyond both: a stalled machine cannot make it answer in time
+    e = edge_for([slow, fast], "--hedge-after", "2", "--per-try-timeout", "0.3", "--retry-on", "timeout,connect")
     try:
         r, t = timed(e, path="/t")           # round-robin: the slow one first
         assert r.status == 200 and r.body == b"fast"
-        assert status(e)["hedge"]["sent"] == 0                      # retried at 0.3 s, not hedged at 1 s
+        assert status(e)["hedge"]["sent"] == 0                      # retried at 0.3 s, not hedged at 2 s
         assert metric(e, 'lb_retries_by_condition_total{condition="timeout"}') == 1
     finally:
         e.stop()
+        slow.close()
 
 
 def test_hedge_after_is_a_setting(tmp_path):
