@@ -240,6 +240,13 @@ class UpstreamTable(HealthTable):
         help="seconds one try waits for its response head (below --read-timeout)",
         doc="the most one try waits for its response head (below `--read-timeout`); a try past it is a `timeout` "
             "(retried with `--retry-on timeout`, else a 504)")
+    hedge_after: float = setting(
+        0.0, SECONDS0, toml="upstream.hedge_after", flag="--hedge-after", shown="`0`: off",
+        help="seconds without a response head after which an idempotent request with no or a small body is also "
+             "sent to another backend; the first head wins",
+        doc="hedged requests: an idempotent request with no body or a small one, still without a response head "
+            "after S, is also sent to another backend; the first head wins, the other exchange is closed; within "
+            "the retry budget (see Failover)")
     proxy_buffering: bool = setting(
         True, ONOFF, toml="upstream.proxy_buffering", flag="--proxy-buffering",
         help="on: read a response ahead of a slow client (memory, then a temp file) so the backend connection is "

@@ -64,6 +64,10 @@ FAMILIES = {
     "lb_retries_by_condition_total": ("counter", "Tries retried on another backend, by the --retry-on condition "
                                                  "they met (connect, reset, timeout, 5xx, 502, 503, 504)."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
+    "lb_hedges_total": ("counter", "Hedged requests (--hedge-after): second copies sent, by result (won: the hedge "
+                                   "answered first; lost: the first backend did; failed: the hedge's try failed)."),
+    "lb_hedges_skipped_total": ("counter", "Hedges not sent though due, by reason (budget: the retry budget was "
+                                           "spent; max_requests: the pool's circuit breaker was at its cap)."),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
     "lb_admin_actions_total": ("counter", "Admin API actions on a backend (drain, enable)."),
