@@ -63,6 +63,16 @@ def held(host: str, port: int) -> bool:
         s.close()
 
 
+def migrate_req() -> str:
+    """The kernel's net.ipv4.tcp_migrate_req ("n/a" off Linux): 1 hands the connections queued on a closing
+    SO_REUSEPORT listener to another listener on the port; 0 resets them (a --takeover's last microseconds)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_migrate_req") as f:
+            return f.read().strip()
+    except OSError:
+        return "n/a"
+
+
 def client_ip(addr: str) -> str:
     """The peer as the client knows itself: an IPv4 client of a dual-stack listener is a.b.c.d."""
     if addr.startswith("::ffff:") and "." in addr:
