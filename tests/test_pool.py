@@ -211,45 +211,47 @@ def test_the_pool_caps_connections_per_backend_and_answers_503_past_it(backends)
 @pytest.mark.parametrize("strategy,n", [("round-robin", 2), ("weighted", 3)])
 def test_when_every_backend_is_full_requests_still_take_turns(backends, strategy, n):
     """The pass-over must not move the rotation when there is nowhere to pass to: each backend busy
-    with one slow request, the next n requests wait one in each backend's line, as without the
+    with one held request, the next n requests wait one in each backend's line, as without the
     pass-over. (Picking "another" one at a time took that one's turn too: round robin over two sent
     every such request to the first, the weighted one over three never to the second -- a 503 after
-    --pool-timeout in the line of a backend busy for long, while the one that came free had nobody.)"""
+    --pool-timeout in the line of a backend busy for long, while the one that came free had nobody.)
+    The backends answer when the test releases them, not after a fixed time (a loaded machine once took
+    longer to queue the waiters than the busy backend stayed busy), and the line each waiter stood in is
+    read from who answered it: backend i's connection, once free, goes to the one waiting for it."""
     bs = backends[:n]
+    for b in bs:
+        request(b.port, "POST", "/_ctl/hold")
     e = Edge("--backends", ",".join(b.url for b in bs), "--strategy", strategy, "--health-interval", "30",
-             "--pool-maxsize", "1", "--pool-timeout", "5", "--admin", "127.0.0.1:0", name=f"edge-pool-turns-{n}")
+             "--pool-maxsize", "1", "--pool-timeout", "60", "--admin", "127.0.0.1:0", name=f"edge-pool-turns-{n}")
     in_flight = lambda: sum(x["inflight"] for x in
                             json.loads(request(e.admin_port, "GET", "/status").body)["backends"])
     out: dict = {}
 
     def send(i, path):
-        r = request(e.port, "GET", path, timeout=30)
+        r = request(e.port, "GET", path, timeout=90)
         out[i] = (r.status, r.body.decode().strip())
 
     threads = []
     try:
-        # One slow request per backend, in pick order; the second backend's ends well before the
-        # others' (3 s against 11 s) and well within --pool-timeout of the requests that wait for it.
-        for i, b in enumerate(bs):
-            ms = 3000 if i == 1 else 11000
-            threads.append(threading.Thread(target=send, args=(f"slow{i}", f"/slow?ms={ms}")))
+        for i, b in enumerate(bs):             # one held request per backend, in pick order
+            threads.append(threading.Thread(target=send, args=(f"held{i}", "/hold")))
             threads[-1].start()
-            wait_until(lambda: f"/slow?ms={ms}" in b.stats()["last"], what=f"slow request {i} at {b.name}")
+            wait_until(lambda: "/hold" in b.stats()["last"], what=f"held request {i} at {b.name}")
         for i in range(n):                     # every backend full: one at a time, into the lines
             threads.append(threading.Thread(target=send, args=(i, "/")))
             threads[-1].start()
             wait_until(lambda: in_flight() == n + i + 1, what=f"request {i} to wait in a line")
-        for t in threads[n:]:
-            t.join(30)
-        got = [out[i] for i in range(n)]
-        # The second in line waited at the second backend and got its connection at 3 s; the others
-        # waited at backends busy for 11 s and were refused after --pool-timeout.
-        assert [s for s, _ in got] == [503 if i != 1 else 200 for i in range(n)], got
-        assert got[1][1] == bs[1].name.removeprefix("backend-")
-        for t in threads[:n]:
-            t.join(30)
-        assert [out[f"slow{i}"][0] for i in range(n)] == [200] * n
+        for b in bs:
+            request(b.port, "POST", "/_ctl/release")
+        for t in threads:
+            t.join(60)
+        got = [out.get(i) for i in range(n)]
+        # Waiter i stood in backend i's line: one in each, none twice in one.
+        assert got == [(200, b.name.removeprefix("backend-")) for b in bs], got
+        assert [out[f"held{i}"][0] for i in range(n)] == [200] * n
     finally:
+        for b in bs:
+            request(b.port, "POST", "/_ctl/release")
         e.stop()
 
 
