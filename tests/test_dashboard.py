@@ -198,7 +198,7 @@ def test_the_top_limited_list_stays_bounded_under_rotating_keys():
 
 
 @pytest.mark.parametrize("algorithm", ["token-bucket", "fixed-window", "sliding-log", "sliding-counter"])
-@pytest.mark.parametrize("store", ["memory", "redis"])
+@pytest.mark.parametrize("store", ["memory", pytest.param("redis", marks=pytest.mark.integration)])
 def test_peek_answers_as_allow_would_and_changes_nothing(algorithm, store, request):
     from limiter import build
     url = request.getfixturevalue("redis_server").url if store == "redis" else "memory"

@@ -36,11 +36,11 @@ def test_check_of_an_unreadable_toml_file_is_one_line_not_a_traceback(tmp_path, 
 
 def _late_reader(s, size: int) -> int:
     """The client's timing is the subject here (sleeps are its behaviour, not synchronisation): the
-    head's last piece is awaited with ~1.5 s of the 10 s header_timeout left, then the client starts
+    head's last piece is awaited with ~1.5 s of the 4 s header_timeout left, then the client starts
     reading 8 s late. Before the fix the edge's send gave up well before (plain: after ~3 x 1.5 s, the
     kernel's zero-window probes; TLS: after 1.5 s). The body bytes the client got."""
     s.sendall(b"GET /big?bytes=%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" % size)
-    time.sleep(8.5)
+    time.sleep(HEADER_TIMEOUT - 1.5)
     s.sendall(b"X-A: 1\r\n")
     time.sleep(0.05)
     s.sendall(b"\r\n")
@@ -64,12 +64,13 @@ def _small_window_socket(port: int) -> socket.socket:
 
 
 SIZE = 32 * 1024 * 1024          # far more than both sockets' buffers hold
+HEADER_TIMEOUT = 4.0             # what matters is the ~1.5 s it leaves, and the client's 8 s late start
 
 
 def test_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend):
     """The client socket's send timeout was whatever its last read had set: a head completed near the
     header deadline left ~1.5 s to write a large response to a client that reads it a little late."""
-    e = Edge("--backends", backend.url, "--header-timeout", "10")
+    e = Edge("--backends", backend.url, "--header-timeout", str(HEADER_TIMEOUT))
     try:
         n = _late_reader(_small_window_socket(e.port), SIZE)
         assert n > SIZE, f"{n} of {SIZE} body bytes"
@@ -87,7 +88,7 @@ def test_over_tls_too_a_response_is_not_cut_by_what_was_left_of_the_head_deadlin
     leaf.cert_chain_pems[0].write_to_path(str(cert))
     leaf.private_key_pem.write_to_path(str(key))
     ca.cert_pem.write_to_path(str(cafile))
-    e = Edge("--backends", backend.url, "--header-timeout", "10", "--tls-cert", str(cert), "--tls-key", str(key))
+    e = Edge("--backends", backend.url, "--header-timeout", str(HEADER_TIMEOUT), "--tls-cert", str(cert), "--tls-key", str(key))
     try:
         ctx = ssl.create_default_context(cafile=str(cafile))
         n = _late_reader(ctx.wrap_socket(_small_window_socket(e.port), server_hostname="127.0.0.1"), SIZE)
