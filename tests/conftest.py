@@ -14,6 +14,16 @@ from tests.redis_server import own_redis, redis_server  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
+def backend():
+    """One identity backend, shared by the tests of one module (a module whose backend is of another kind,
+    scripted or recording, defines its own)."""
+    from tests.support import Backend
+    b = Backend("one")
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
 def backends():
     """Three identity backends named a, b, c, shared by the tests of one module."""
     from tests.support import Backend

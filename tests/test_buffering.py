@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 import threading
 import time
 
 import pytest
 
 from tests.rawserver import ConnReader, RawServer, read_request
-from tests.support import PY, Backend, Edge, Proc, request, wait_until
+from tests.support import PY, Edge, Proc, request, wait_until
 
 BIG = 8 << 20
 
@@ -122,13 +121,6 @@ class SlowUploader:
             rest += d
         self.s.close()
         return head.split(b"\r\n")[0] + b" " + rest
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("buf")
-    yield b
-    b.stop()
 
 
 def _timed_requests(port: int, n: int = 10) -> list[tuple[int, float]]:
