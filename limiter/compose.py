@@ -72,7 +72,7 @@ def allow_all_memory(checks, now: float | None = None):
                 g.acquire()
         admitted = True
         trials = []
-        for (lim, key, enforce), lock, state in zip(checks, locks, states):
+        for (lim, _key, enforce), lock, state in zip(checks, locks, states):
             if state is None:
                 new, d = lim._step(None, now)
                 if d[0]:

@@ -432,7 +432,7 @@ class Forwarder:
                 if e.reason.startswith("bare CR"):
                     raise UpstreamFailed("protocol", 502, e.reason, True) from None
                 raise UpstreamFailed("reset", 502, "closed the connection inside the response head", True) from None
-            except (OSError, UpstreamError) as e:
+            except (OSError, UpstreamError) as e:  # noqa: F841 (read below when send_err is None)
                 pool.release(conn, False)
                 if send_err is not None:
                     e = send_err
@@ -779,7 +779,7 @@ class _Buffered(_Client):
                     raise ClientGone()
                 raise socket.timeout("timed out")
             readable = False
-            for fd, ev in p.poll(wait * 1000):
+            for fd, _ev in p.poll(wait * 1000):
                 if fd == ufd:
                     readable = True
                 else:
