@@ -610,7 +610,7 @@ _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
 # Request ids correlate log lines; they are no secret and guard nothing, so a per-process Mersenne
 # Twister seeded from the kernel (reseeded in every forked worker) is enough. os.urandom per request was
 # a getrandom() system call, which gives the GIL away: one of the ~5 system calls on the request path
-# (docs/latency.md), and the only one that moved no byte.
+# (docs/journal/latency.md), and the only one that moved no byte.
 _ids = random.Random(os.urandom(32))
 os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
 
