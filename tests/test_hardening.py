@@ -4,16 +4,16 @@ Each case checks the status, that the backend received nothing, and that the edg
 clean request afterwards.
 """
 
+import ctypes
+import os
+import signal
 import socket
+import ssl
 import time
 
 import pytest
 
 from tests.support import Edge, raw, request, wait_until
-import ssl
-import ctypes
-import os
-import signal
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ mid-response, a WebSocket tunnel. (The drain procedure waits for inflight 0; lea
 from __future__ import annotations
 
 import re
+import resource
 import socket
 import time
 
@@ -12,7 +13,6 @@ import pytest
 
 from tests.rawserver import ConnReader, RawServer, read_request
 from tests.support import PY, Backend, Edge, Proc, free_port, request, wait_until
-import resource
 
 
 def inflight(e: Edge) -> dict[str, int]:

@@ -16,7 +16,6 @@ from limiter.redis.url import parse
 from tests.redis_server import RedisServer
 from tests.support import Edge, request, wait_until
 
-
 # ------------------------------------------------------------------------------------ URL parsing
 
 @pytest.mark.parametrize("url, kind, hosts, extra", [

@@ -3,6 +3,7 @@ through the pipeline, the tunnel both ways, closes from either side, idle timeou
 and the backend's plain HTTP afterwards."""
 
 import asyncio
+import contextlib
 import re
 import signal
 import ssl
@@ -15,7 +16,6 @@ from tests.support import PY, Edge, Proc, request, wait_until
 websockets = pytest.importorskip("websockets", reason="websockets (requirements-dev.txt) is the real client")
 from websockets.asyncio.client import connect  # noqa: E402
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
-import contextlib
 
 
 class WsBackend(Proc):
