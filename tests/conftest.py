@@ -24,6 +24,23 @@ def backend():
 
 
 @pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A throwaway CA and two server certificates for 127.0.0.1, ::1 and localhost, as PEM files:
+    {"ca", "cert1", "key1", "cert2", "key2"} -> path."""
+    trustme = pytest.importorskip("trustme", reason="trustme (requirements-dev.txt) makes the test certificates")
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    files = {"ca": d / "ca.pem"}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    for n in ("1", "2"):
+        leaf = ca.issue_cert("127.0.0.1", "::1", "localhost")
+        files["cert" + n], files["key" + n] = d / f"cert{n}.pem", d / f"key{n}.pem"
+        leaf.cert_chain_pems[0].write_to_path(str(files["cert" + n]))
+        leaf.private_key_pem.write_to_path(str(files["key" + n]))
+    return {k: str(v) for k, v in files.items()}
+
+
+@pytest.fixture(scope="module")
 def backends():
     """Three identity backends named a, b, c, shared by the tests of one module."""
     from tests.support import Backend

@@ -267,19 +267,13 @@ def test_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend):
         e.stop()
 
 
-def test_over_tls_too_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend, tmp_path):
+def test_over_tls_too_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend, pki):
     """The same over TLS, where the socket has one timeout for both directions: after a read the edge
     puts send_timeout back before it writes."""
-    trustme = pytest.importorskip("trustme", reason="trustme (requirements-dev.txt) makes the test certificates")
-    ca = trustme.CA()
-    leaf = ca.issue_cert("127.0.0.1")
-    cert, key, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    leaf.cert_chain_pems[0].write_to_path(str(cert))
-    leaf.private_key_pem.write_to_path(str(key))
-    ca.cert_pem.write_to_path(str(cafile))
-    e = Edge("--backends", backend.url, "--header-timeout", str(HEADER_TIMEOUT), "--tls-cert", str(cert), "--tls-key", str(key))
+    e = Edge("--backends", backend.url, "--header-timeout", str(HEADER_TIMEOUT), "--tls-cert", pki["cert1"],
+             "--tls-key", pki["key1"])
     try:
-        ctx = ssl.create_default_context(cafile=str(cafile))
+        ctx = ssl.create_default_context(cafile=pki["ca"])
         n = _late_reader(ctx.wrap_socket(_small_window_socket(e.port), server_hostname="127.0.0.1"), SIZE)
         assert n > SIZE, f"{n} of {SIZE} body bytes"
     finally:
