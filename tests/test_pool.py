@@ -17,6 +17,18 @@ from lb.upstream.backends import LifoSlots
 from tests.support import Edge, request, wait_until
 
 
+def hold(*backends) -> None:
+    """From now on these backends answer GET /hold only when the test releases them (the backends are the
+    module's: a test arms them first)."""
+    for b in backends:
+        request(b.port, "POST", "/_ctl/hold")
+
+
+def release(*backends) -> None:
+    for b in backends:
+        request(b.port, "POST", "/_ctl/release")
+
+
 def test_slots_are_last_in_first_out_and_bounded():
     s = LifoSlots(2)
     s.put("a")
@@ -169,42 +181,48 @@ def test_a_backend_with_every_connection_busy_is_passed_over_for_a_free_one(back
     """nginx's max_conns: round robin would give every other request to the backend whose one connection
     a slow request holds; they wait --pool-timeout there and get 503 while the other backend idles."""
     a, b = backends[0], backends[1]
+    hold(a, b)
     e = Edge("--backends", f"{a.url},{b.url}", "--health-interval", "30", "--pool-maxsize", "1",
              "--pool-timeout", "0.3", name="edge-pool-pass-over")
     try:
         slow = []
-        t = threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/slow?ms=4321").status))
+        t = threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/hold").status))
         t.start()
-        at = wait_until(lambda: next((x for x in (a, b) if "/slow?ms=4321" in x.stats()["last"]), None),
-                        what="the slow request to reach its backend")
+        at = wait_until(lambda: next((x for x in (a, b) if "/hold" in x.stats()["last"]), None),
+                        what="the held request to reach its backend")
         other = b if at is a else a
         got = [request(e.port, "GET", "/") for _ in range(6)]
         assert [r.status for r in got] == [200] * 6
         assert {r.body.decode().strip() for r in got} == {other.name.removeprefix("backend-")}
+        release(a, b)
         t.join(30)
         assert slow == [200]
     finally:
+        release(a, b)
         e.stop()
 
 
 def test_the_pool_caps_connections_per_backend_and_answers_503_past_it(backends):
     b = backends[0]
+    hold(b)
     e = Edge("--backends", b.url, "--health-interval", "30", "--pool-maxsize", "2", "--pool-timeout", "0.2",
              name="edge-pool-cap")
     try:
         slow = []
-        threads = [threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/slow?ms=5000").status))
+        threads = [threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/hold").status))
                    for _ in range(2)]
         for t in threads:
             t.start()
-        # Both slots busy (the backend is inside both requests): the next one waits 0.2 s, then 503.
+        # Both slots busy (the backend holds both requests): the next one waits 0.2 s, then 503.
         wait_until(lambda: request(e.port, "GET", "/health-of-edge-pool").status == 503, timeout=10,
                    what="a request past the cap to be refused")
+        release(b)
         for t in threads:
             t.join(30)
         assert slow == [200, 200]
         assert request(e.port, "GET", "/").status == 200      # the slots came back
     finally:
+        release(b)
         e.stop()
 
 
@@ -219,8 +237,7 @@ def test_when_every_backend_is_full_requests_still_take_turns(backends, strategy
     longer to queue the waiters than the busy backend stayed busy), and the line each waiter stood in is
     read from who answered it: backend i's connection, once free, goes to the one waiting for it."""
     bs = backends[:n]
-    for b in bs:
-        request(b.port, "POST", "/_ctl/hold")
+    hold(*bs)
     e = Edge("--backends", ",".join(b.url for b in bs), "--strategy", strategy, "--health-interval", "30",
              "--pool-maxsize", "1", "--pool-timeout", "60", "--admin", "127.0.0.1:0", name=f"edge-pool-turns-{n}")
     in_flight = lambda: sum(x["inflight"] for x in
@@ -241,8 +258,7 @@ def test_when_every_backend_is_full_requests_still_take_turns(backends, strategy
             threads.append(threading.Thread(target=send, args=(i, "/")))
             threads[-1].start()
             wait_until(lambda: in_flight() == n + i + 1, what=f"request {i} to wait in a line")
-        for b in bs:
-            request(b.port, "POST", "/_ctl/release")
+        release(*bs)
         for t in threads:
             t.join(60)
         got = [out.get(i) for i in range(n)]
@@ -250,8 +266,7 @@ def test_when_every_backend_is_full_requests_still_take_turns(backends, strategy
         assert got == [(200, b.name.removeprefix("backend-")) for b in bs], got
         assert [out[f"held{i}"][0] for i in range(n)] == [200] * n
     finally:
-        for b in bs:
-            request(b.port, "POST", "/_ctl/release")
+        release(*bs)
         e.stop()
 
 
@@ -265,19 +280,22 @@ def test_a_request_in_flight_across_a_reload_that_makes_new_pools_gives_its_slot
     log = tmp_path / "access.log"
     base = f'access_log = "{log}"\n[[backends]]\nurl = "{backends[0].url}"\n[health]\ninterval = 30\n'
     cfg.write_text(base + "[upstream]\npool_maxsize = 2\n")
+    hold(backends[0])
     e = Edge("--config", str(cfg), name="edge-pool-reload")
     try:
         out = []
-        t = threading.Thread(target=lambda: out.append(request(e.port, "GET", "/slow?ms=2000", timeout=20).status))
+        t = threading.Thread(target=lambda: out.append(request(e.port, "GET", "/hold", timeout=20).status))
         t.start()
-        wait_until(lambda: "/slow?ms=2000" in backends[0].stats()["last"], what="the slow request at its backend")
+        wait_until(lambda: "/hold" in backends[0].stats()["last"], what="the held request at its backend")
         cfg.write_text(base + "[upstream]\npool_maxsize = 2\npool_timeout = 7\n")
         e.signal(signal.SIGHUP)
         e.wait_log(r"reloaded: 1 backends .*new connection pools")
+        release(backends[0])                   # it finishes on the old pool's connection
         t.join(20)
         assert out == [200]
-        wait_until(lambda: "/slow?ms=2000" in log.read_text(), what="the slow request's access-log line")
+        wait_until(lambda: "/hold" in log.read_text(), what="the held request's access-log line")
         assert "unexpected error" not in e.log()
         assert [request(e.port, "GET", "/").status for _ in range(3)] == [200] * 3
     finally:
+        release(backends[0])
         e.stop()
