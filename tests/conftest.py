@@ -103,7 +103,18 @@ def _starts(obj, seen: set[int]) -> str:
         for used in [scope[name]] if name in scope else _helpers().get(name, ()):
             if isinstance(used, (types.FunctionType, type)) and _ours(used) and (why := _starts(used, seen)):
                 return f"{name} > {why}"
+    # module.helper(): the attributes it reads of a module of ours (`protocol.detect_wrk2()`)
+    modules = [scope[n] for n in names if isinstance(scope.get(n), types.ModuleType) and _ours_module(scope[n])]
+    for mod in modules:
+        for name in every:
+            used = getattr(mod, name, None)
+            if isinstance(used, (types.FunctionType, type)) and _ours(used) and (why := _starts(used, seen)):
+                return f"{mod.__name__.rsplit('.', 1)[-1]}.{name} > {why}"
     return ""
+
+
+def _ours_module(mod) -> bool:
+    return (getattr(mod, "__name__", "") or "").split(".")[0] in OURS
 
 
 def _ours(obj) -> bool:
