@@ -69,3 +69,15 @@ def test_a_takeover_under_load_loses_no_request(backends, workers):
         assert r["lost"] == 0, r
     else:
         assert r["lost"] <= 3 and all(w.startswith("ConnectionResetError") for w in r["why"]), r
+
+
+def test_a_takeover_says_when_the_kernel_can_reset_a_connection_in_the_handover(backends):
+    """The one gap a takeover leaves is the kernel's: with net.ipv4.tcp_migrate_req = 0 a connection that
+    reaches the old listener as it closes is reset. The new edge says so once, where the operator looks."""
+    e = Edge("--backends", backends[0].url, "--takeover")
+    try:
+        e.wait_log(r"INFO edge: ready", timeout=20)
+        warned = "tcp_migrate_req = 0" in e.log()
+        assert warned == (migrate_req() == "0"), e.log()[-2000:]
+    finally:
+        e.stop()
