@@ -260,6 +260,7 @@ class AccessLog:
             if self.atomic:                         # a regular file (O_APPEND): one write, whole lines
                 self.file.write("\n".join(lines) + "\n")
             else:                                   # a pipe or socket others write to (workers, "-"):
+                chunk: list[str]
                 chunk, size = [], 0                 # only a write of <= PIPE_BUF is never cut into
                 for line in lines:
                     n = len(line) + 1

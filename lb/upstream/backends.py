@@ -239,7 +239,7 @@ class Backend:
         self.weight = spec.weight
         # Sticky-session id: stable across restarts and edges, reveals nothing of the address.
         self.route = hashlib.sha1(spec.url.encode()).hexdigest()[:10]
-        self.current = 0          # smooth weighted round robin's running weight
+        self.current: float = 0   # smooth weighted round robin's running weight
         self.up = True            # a backend starts UP; health checks take it out
         self.ejected = False      # passive health: too many consecutive failures (lb/upstream/outlier.py)
         self.ejected_until = 0.0  # monotonic time the ejection ends
