@@ -87,7 +87,7 @@ class RouteSpec:
 
     @property
     def pools(self) -> tuple[str, ...]:
-        return tuple(p for p, _ in self.split) if self.split else (self.pool,)
+        return tuple(p for p, _ in self.split) if self.split else (self.pool or DEFAULT_POOL,)
 
 
 def _name(value, where: str, what: str) -> str:
@@ -236,14 +236,15 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
             seen.add(name)
             if ("pool" in r) == ("split" in r):
                 raise ConfigError(f"{where}: needs pool = \"NAME\" or split = [{{ pool, weight }}, ...], one of the two")
-            pool, split = r.get("pool"), ()
+            pool = r.get("pool")
+            split: tuple[tuple[str, int], ...] = ()
             if "pool" in r and (not isinstance(pool, str) or not pool):
                 raise ConfigError(f"{where}.pool: expected a pool's name, got {pool!r}")
             if "split" in r:
                 sp = r["split"]
                 if not isinstance(sp, list) or not sp:
                     raise ConfigError(f"{where}.split: empty; expected [{{ pool = \"a\", weight = 90 }}, ...]")
-                parts = []
+                parts: list[tuple[str, int]] = []
                 for j, s in enumerate(sp):
                     if not isinstance(s, dict):
                         raise ConfigError(f"{where}.split[{j}]: expected {{ pool = \"NAME\", weight = N }}")

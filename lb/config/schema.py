@@ -4,7 +4,7 @@ Everything else is generated from it: the flags and their --help (lb/config/load
 the default appended to each help), the TOML keys the file may have and the unknown-key errors that
 list them (load.read_file), the per-value checks (the kind: type and range; `choices`), and the
 README's configuration table (`python3 -m lb.config.docs --markdown`; tests/test_settings_table.py
-fails when README.md's table and this one disagree, `--write README.md` rewrites it in place).
+fails when docs/reference/configuration.md's table and this one disagree, `--write docs/reference/configuration.md` rewrites it in place).
 Checks that span several keys (cert goes with key, health.timeout < interval, ...) are in
 lb/config/validate.py.
 
@@ -24,7 +24,7 @@ Adding a setting is one entry, in the class of its TOML table (UpstreamTable for
     doc: the README's meaning when it says more (markdown; else the help); shown: the default as the
     README writes it (markdown), when the value alone does not say it ("" shows none); env: a variable
     that sets it instead; choices: the words it takes (checked after flags and file are merged);
-  - then `python3 -m lb.config.docs --write README.md` (tests/test_settings_table.py insists), and the
+  - then `python3 -m lb.config.docs --write docs/reference/configuration.md` (tests/test_settings_table.py insists), and the
     key in conf/edge.toml (the test insists on that too).
 
   E.g. `[server] http2`: `http2: bool = setting(False, ONOFF, toml="server.http2", flag="--http2", help="...")` in
@@ -32,7 +32,7 @@ Adding a setting is one entry, in the class of its TOML table (UpstreamTable for
   list, with unknown keys refused like Backends.file; toml_shown() names it in the README) and then one
   entry like any other: `pools: tuple = setting((), POOLS, toml="pools", doc="...")` in TopLevel.
 
-The order here is the order of --help, the README's table and the "known:" lists of unknown-key errors
+The order here is the order of --help, the configuration reference's table and the "known:" lists of unknown-key errors
 (the top-level list's order is the top-level keys' order, then each [section] by its first key).
 Checks that span several keys are validate.py's.
 
@@ -133,11 +133,11 @@ class TopLevel:
     pools: tuple = setting((), POOLS, toml="pools",         # lb.config.routes.PoolSpec per [[pools]] table
                            doc="named pools (name, strategy, backends, health, upstream), each with its own balancer, "
                                "health checks, ejection, slow start, connection pools and circuit breaker; "
-                               "`--backends` / `[[backends]]` are the pool `default`: [Routes and pools](#routes-and-pools)")
+                               "`--backends` / `[[backends]]` are the pool `default`: [docs/routes.md](../routes.md)")
     routes: tuple = setting((), ROUTES, toml="routes",      # lb.config.routes.RouteSpec per [[routes]] table
                             doc="first match wins (match: path_prefix, host, methods, headers) → `pool` or a canary "
                                 "`split`; `request_headers` / `response_headers` {set, remove}; `allow` / `deny` "
-                                "CIDRs → 403: [Routes and pools](#routes-and-pools)")
+                                "CIDRs → 403: [docs/routes.md](../routes.md)")
     keys: tuple = setting((), KEYS, toml="keys",            # lb.limiting.keys.KeySpec: [[keys]], then api_keys_file's
                           doc="known API keys (name, key, tier) and their tiers (`[limits.tiers]`)")
 
@@ -249,6 +249,13 @@ class UpstreamTable(HealthTable):
         help="seconds one try waits for its response head (below --read-timeout)",
         doc="the most one try waits for its response head (below `--read-timeout`); a try past it is a `timeout` "
             "(retried with `--retry-on timeout`, else a 504)")
+    hedge_after: float = setting(
+        0.0, SECONDS0, toml="upstream.hedge_after", flag="--hedge-after", shown="`0`: off",
+        help="seconds without a response head after which an idempotent request with no or a small body is also "
+             "sent to another backend; the first head wins",
+        doc="hedged requests: an idempotent request with no body or a small one, still without a response head "
+            "after S, is also sent to another backend; the first head wins, the other exchange is closed; within "
+            "the retry budget (see Failover)")
     proxy_buffering: bool = setting(
         True, ONOFF, toml="upstream.proxy_buffering", flag="--proxy-buffering",
         help="on: read a response ahead of a slow client (memory, then a temp file) so the backend connection is "

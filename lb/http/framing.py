@@ -243,6 +243,24 @@ class Request:
     __slots__ = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive",
                  "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie",
                  "request_id", "client_cert")
+    # (the types, for mypy: parse_request sets every one)
+    method: bytes
+    target: bytes
+    version: bytes
+    headers: list[tuple[bytes, bytes, bytes]]
+    content_length: int | None
+    chunked: bool
+    keep_alive: bool
+    host: bytes | None
+    expect_continue: bool
+    conn_tokens: set[bytes]
+    api_key: bytes | None
+    xff: bytes | None
+    proto: bytes | None
+    fwd_host: bytes | None
+    cookie: bytes | None
+    request_id: bytes | None
+    client_cert: object | None
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -311,7 +329,7 @@ def parse_request(head: bytes) -> Request:
     tokens: set[bytes] = set()
     te_seen = False
     keep_alive = version == b"HTTP/1.1"
-    for name, lname, value in headers:
+    for _name, lname, value in headers:
         if lname not in _REQUEST_FIELDS:
             continue                   # (most of a browser's headers: one set lookup, not eleven compares)
         if lname == b"host":
@@ -464,9 +482,19 @@ def body_deadline(reader: Reader, t0: float, received: int, min_rate: float) -> 
 class ResponseHead:
     __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "codings", "close", "early",
                  "conn_tokens")
+    # (the types, for mypy: parse_response sets every one)
+    status: int
+    status_line: bytes
+    headers: list[tuple[bytes, bytes, bytes]]
+    content_length: int | None
+    chunked: bool
+    codings: bytes
+    close: bool
+    early: bool
+    conn_tokens: frozenset[bytes]
 
 
-_NO_TOKENS = frozenset()
+_NO_TOKENS: frozenset[bytes] = frozenset()
 _KEEP_ALIVE = frozenset({b"keep-alive"})
 
 
@@ -506,7 +534,7 @@ def parse_response(head: bytes) -> ResponseHead:
     close = status_line[5:8] == b"1.0"
     te = None
     tokens = _NO_TOKENS
-    for name, lname, value in headers:
+    for _name, lname, value in headers:
         if lname == b"content-length":
             for v in value.split(b","):
                 v = v.strip()
@@ -545,7 +573,7 @@ def parse_response(head: bytes) -> ResponseHead:
 
 # ------------------------------------------------------------------------------ responses of our own
 
-_date_cache = [0, b""]
+_date_cache: list = [0, b""]
 
 
 def http_date() -> bytes:

@@ -43,6 +43,7 @@ from lb.ops.metrics import Metrics
 from lb.netaddr import held, hostport
 from lb.upstream.outlier import Ejector
 from lb.proxy.tunnel import close_all as close_tunnels
+from lb.proxy import hedge
 from lb.proxy.edge import Edge, EdgeServer
 from lb.upstream.breaker import Breaker
 from lb.upstream import pools as pools_mod
@@ -382,6 +383,7 @@ class App:
                         "on": list(self.cfg.retry_on), "per_try_timeout": self.cfg.per_try_timeout,
                         "by_condition": self.metrics.by_label("lb_retries_by_condition_total", "condition")},
             "breaker": self.breaker.status(),
+            "hedge": hedge.status(self.cfg, self.metrics),
             "resolver": self.cfg.resolver, "resolve_interval": self.cfg.resolve_interval,
             "resolved": {u: {"addresses": a, **({"failing": self.resolve_failing[u]} if u in self.resolve_failing else {})}
                          for u, a in self.resolved.items()},

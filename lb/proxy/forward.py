@@ -17,7 +17,7 @@ from time import monotonic, sleep
 
 from lb.errors import ClientGone, HttpError
 from lb.logs import ClientFaults, client_fault
-from lb.proxy import tunnel
+from lb.proxy import hedge, tunnel
 from lb.proxy.pipeline import route_set_cookie
 from lb.proxy.relay import Relay, uncount
 from lb.proxy.spool import SpooledBody
@@ -78,7 +78,10 @@ class Forwarder:
                     backend.inflight += 1
                 try:
                     try:
-                        uc, rh, ur = attempt(cfg, x, backend, head, body)
+                        if t is None and cfg.hedge_after and hedge.eligible(x, body):
+                            uc, rh, ur, backend = hedge.attempt(self, x, backend, head, body)   # lb/proxy/hedge.py
+                        else:
+                            uc, rh, ur = attempt(cfg, x, backend, head, body)
                     except UpstreamFailed as f:
                         t = t or _Tries()
                         backend = self.after_failure(x, t, backend, f, policy, streamed)
@@ -118,7 +121,7 @@ class Forwarder:
     def after_failure(self, x, t: "_Tries", backend: Backend, f: UpstreamFailed, policy: RetryPolicy,
                       streamed: bool) -> Backend | None:
         """A try failed before a response head: the backend to try next, or None to answer f."""
-        t.tried.append(backend)
+        t.tried += [backend, *f.also_tried]
         kind = f.kind
         if kind is Failure.GONE and not t.regone:
             # A reload removed this backend between the pick and now: another, once (not a failure of

@@ -75,7 +75,7 @@ class Route:
         self.prefix = spec.path_prefix.encode("latin-1") if spec.path_prefix else None
         h = spec.host.encode() if spec.host else None
         self.wildcard = h is not None and h.startswith(b"*.")
-        self.host = h[1:] if self.wildcard else h
+        self.host = h[1:] if h is not None and self.wildcard else h    # "*.example.com" -> ".example.com"
         self.methods = frozenset(m.encode() for m in spec.methods)
         self.headers = tuple((n.encode(), v.encode("latin-1")) for n, v in spec.headers)
         names = spec.pools
@@ -153,8 +153,8 @@ class Router:
     def match(self, req) -> Route | None:
         """The first route whose conditions all hold, or None (the pool `default`). One loop, inline (a
         method call per route was a third of the cost at 100 routes); the path and host made once."""
-        path = normalize_path(req.target) if self.by_path else None
-        host = _host(req) if self.by_host else None
+        path = normalize_path(req.target) if self.by_path else b""    # (made only when a route reads it)
+        host = _host(req) if self.by_host else b""
         method = req.method
         headers = None
         for r in self.routes:
@@ -178,7 +178,7 @@ class Router:
 
 
 def _first_values(headers) -> dict:
-    out = {}
+    out: dict[bytes, bytes] = {}
     for _, lname, value in headers:
         out.setdefault(lname, value)
     return out

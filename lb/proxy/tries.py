@@ -47,6 +47,8 @@ class UpstreamFailed(Exception):
         super().__init__(detail)
         self.kind, self.detail, self.sent = kind, detail, sent
 
+    also_tried = ()      # other backends this try reached (a failed hedge, lb/proxy/hedge.py): not retried on
+
     @property
     def status(self) -> int:
         return self.kind.status
@@ -159,8 +161,10 @@ def _acquire(pool, fresh: bool = False):
         raise UpstreamFailed(Failure.GONE, "removed by a reload") from None
 
 
-def attempt(cfg, x, backend: Backend, head: bytes, body):
+def attempt(cfg, x, backend: Backend, head: bytes, body, wait=None):
     """One try on `backend`: (conn, response head, reader) once a final (or 101) head arrived.
+    wait(ur): called once the request is sent, before its head is read (lb/proxy/hedge.py's race);
+    what it raises fails the try as a read would.
 
     Raises UpstreamFailed (the backend's fault, nothing sent to the client yet), ClientGone or
     HttpError (a streamed request body failed: the client's fault). The connection is released
@@ -188,14 +192,7 @@ def attempt(cfg, x, backend: Backend, head: bytes, body):
             pool.release(conn, False)
             raise UpstreamFailed(*classify(e, reused)) from None   # nothing was sent: retryable
         try:
-            if type(body) is bytes:
-                up.sendall(head + body if body else head)
-            elif replayable:
-                up.sendall(head)            # a buffered body, from its first byte on every try
-                for piece in body.pieces():
-                    up.sendall(piece)
-            else:
-                _send_streamed(up, head, body, req.chunked)
+            _send_request(up, head, body, replayable, req.chunked)
         except (HttpError, ClientGone):
             pool.release(conn, False)
             raise
@@ -209,6 +206,8 @@ def attempt(cfg, x, backend: Backend, head: bytes, body):
         # timeout starts at the request's end): a slow upload or a delay-mode hold is not the backend's.
         ur.deadline = monotonic() + cfg.response_timeout
         try:
+            if wait is not None and send_err is None:
+                wait(ur)
             rhead = ur.read_head(max_first_line=8192, what="response")
             while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
                 rhead = ur.read_head(max_first_line=8192, what="response")   # interim 1xx: not relayed
@@ -236,6 +235,17 @@ def attempt(cfg, x, backend: Backend, head: bytes, body):
             rh.early = True
             rh.close = True          # the request was not sent whole: this connection is done
         return conn, rh, ur
+
+
+def _send_request(up, head: bytes, body, replayable: bool, chunked: bool) -> None:
+    if type(body) is bytes:
+        up.sendall(head + body if body else head)
+    elif replayable:
+        up.sendall(head)            # a buffered body, from its first byte on every try
+        for piece in body.pieces():
+            up.sendall(piece)
+    else:
+        _send_streamed(up, head, body, chunked)
 
 
 def _head_refused(e: HttpError) -> UpstreamFailed:

@@ -127,7 +127,7 @@ def switching_head(x, rh) -> bytearray | None:
     return out
 
 
-def _run(edge, x, client: socket.socket, up: socket.socket, answer: bytes, to_client: bytes,
+def _run(edge, x, client: socket.socket, up: socket.socket, answer: bytes | bytearray, to_client: bytes,
          to_up: bytes) -> bool:
     """Relay the 101 and whatever either side sent early, then pump; record the tunnel when it ends."""
     cfg = edge.cfg

@@ -10,6 +10,8 @@ its last response) is closed instead of reused: those bytes would be read as the
 
 from __future__ import annotations
 
+from typing import Any
+
 import hashlib
 import logging
 import queue
@@ -233,7 +235,7 @@ class Backend:
     is passive health (lb/upstream/outlier.py); `drained` is the operator's (admin API). Pickers read only
     `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
-    cluster = None    # the named pool it belongs to (lb/upstream/pools.py); None: the default pool
+    cluster: Any = None    # the Pool it belongs to (lb/upstream/pools.py); None: the default pool
 
     def __init__(self, spec: BackendSpec, pool: BackendPool):
         self.spec = spec
@@ -241,7 +243,7 @@ class Backend:
         self.weight = spec.weight
         # Sticky-session id: stable across restarts and edges, reveals nothing of the address.
         self.route = hashlib.sha1(spec.url.encode()).hexdigest()[:10]
-        self.current = 0          # smooth weighted round robin's running weight
+        self.current: float = 0   # smooth weighted round robin's running weight
         self.up = True            # a backend starts UP; health checks take it out
         self.ejected = False      # passive health: too many consecutive failures (lb/upstream/outlier.py)
         self.ejected_until = 0.0  # monotonic time the ejection ends

@@ -17,6 +17,7 @@ class Failure(StrEnum):
     PROTOCOL = "protocol", 502, "backend sent an invalid response"
     POOL = "pool", 503, "backend connection limit reached"    # our limit (max_conns), not the backend's fault
     GONE = "gone", 502, "backend removed"                     # its pool closed by a reload
+    HEDGED = "hedged", 502, "answered by another backend"     # lost a hedge race (lb/proxy/hedge.py): never answered
 
     def __new__(cls, value: str, status: int, reason: str):
         m = str.__new__(cls, value)
