@@ -108,6 +108,8 @@ class Config:
     tunnel_idle_timeout: float = 300.0       # an upgraded connection (WebSocket) silent both ways is closed
     upgrades: frozenset = frozenset({"websocket"})   # Upgrade protocols tunnelled; empty: none
     allow_underscores: bool = False          # forward request header names with '_' (nginx: underscores_in_headers)
+    http2: bool = True                       # HTTP/2 from clients: prior knowledge in cleartext, ALPN h2 over TLS
+    http2_max_concurrent_streams: int = 100  # streams one HTTP/2 connection may have open (refused past it)
     # limiting
     limit: str | None = None                 # "N/PERIOD"; None: limiting off
     key_limits: tuple[tuple[str, str], ...] = ()
@@ -343,6 +345,8 @@ _SECTIONS = {
                "tunnel_idle_timeout": ("tunnel_idle_timeout", SECONDS), "upgrades": ("upgrades", "list"),
                "request_id_response": ("request_id_response", "b"),
                "allow_underscores": ("allow_underscores", "b"),
+               "http2": ("http2", "onoff"),
+               "http2_max_concurrent_streams": ("http2_max_concurrent_streams", Num(True, 1, 10_000)),
                "request_buffering": ("request_buffering", "onoff"),
                "buffer_memory": ("buffer_memory", Num(True, 0, 2 ** 44)), "temp_dir": ("temp_dir", "s"),
                "log_redact_params": ("log_redact_params", "list")},
@@ -535,6 +539,7 @@ def build_argparser() -> argparse.ArgumentParser:
                                 "keep-alive one is closed for a new one")
     a("--allow-underscores", action="store_true",
       help="forward request header names containing '_' (default: dropped, as nginx does)")
+    a("--http2", help="on (default): HTTP/2 from clients too (prior knowledge in cleartext, ALPN h2 over TLS) | off")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
     a("--body-min-rate", help="bytes/s a request body must average beyond --body-timeout (default 8192; "
@@ -714,7 +719,7 @@ def tls_listener(c: Config):
     from lb.http.tls import listener_context
     return listener_context(CertSpec(c.tls_cert, c.tls_key), c.tls_certificates, c.tls_strict_sni,
                             ciphers=c.tls_ciphers, min_version=c.tls_min_version, client_ca=c.tls_client_ca,
-                            client_auth=c.tls_client_auth, client_crl=c.tls_client_crl)
+                            client_auth=c.tls_client_auth, client_crl=c.tls_client_crl, http2=c.http2)
 
 
 def _known_keys(values: dict) -> tuple:

@@ -24,7 +24,8 @@ request). `bytes_received` counts the request's head and body bytes as read from
 label; stable across restarts with EDGE_KEY_HASH_SECRET); null when the client is known by its address
 only. `limited_by`: the rules that rejected the request, and dry-run rules that would have
 ("NAME:dry_run"), comma-separated. Over mutual TLS, a request with a client certificate ends with its
-subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"). Absent values are
+subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"); one that came over
+HTTP/2 ends with `proto=HTTP/2` (JSON: "protocol"). Absent values are
 `-` in text and null in JSON. SIGUSR1/SIGHUP reopen
 the file (logrotate).
 """
@@ -192,6 +193,8 @@ class AccessLog:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
             if cert is not None:
                 d["client_cert"] = cert.subject
+            if req is not None and req.version == b"HTTP/2":
+                d["protocol"] = "HTTP/2"      # absent: HTTP/1.x (the lines before HTTP/2 are unchanged)
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
         return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
@@ -200,7 +203,8 @@ class AccessLog:
                 f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
                 f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
                 + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
-                + (f" cert={escape(cert.subject, 512)}" if cert is not None else ""))
+                + (f" cert={escape(cert.subject, 512)}" if cert is not None else "")
+                + (" proto=HTTP/2" if req is not None and req.version == b"HTTP/2" else ""))
 
     def _writer(self) -> None:
         while True:

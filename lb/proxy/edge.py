@@ -212,7 +212,11 @@ class Edge:
             self.metrics.tls_client_cert(cert is not None,
                                          subject if subject in configured_subjects(cfg.rules) else None)
         try:
-            self._serve(tsock, peer_ip, True, sock, cert)
+            if tsock.selected_alpn_protocol() == "h2":      # offered only with [server] http2 on
+                from lb.http2.server import serve as serve_h2
+                serve_h2(self, tsock, peer_ip, True, sock, cert)
+            else:
+                self._serve(tsock, peer_ip, True, sock, cert)
         finally:
             tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
 
@@ -245,6 +249,9 @@ class Edge:
                         if reader.buf[0] == tls.HANDSHAKE:
                             client_fault("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
+                        if reader.buf[:3] == b"PRI" and cfg.http2 and _h2_preface(reader):   # h2c, prior knowledge
+                            from lb.http2.server import serve as serve_h2
+                            return serve_h2(self, sock, peer_ip, False, accepted, cert, bytes(reader.buf))
                     conns[sock] = True
                     idle.pop(sock, None)
                     reader.timeout = None
@@ -618,6 +625,15 @@ os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
 def new_request_id() -> bytes:
     return b"%032x" % _ids.getrandbits(128)
 
+
+
+def _h2_preface(reader: Reader) -> bool:
+    """Whether the connection opens with HTTP/2's preface (read on until it is whole or cannot be)."""
+    from lb.http2.server import PREFACE
+    while len(reader.buf) < len(PREFACE) and PREFACE.startswith(bytes(reader.buf)):
+        if not reader.fill():
+            return False
+    return reader.buf.startswith(PREFACE)
 
 
 def _since(item) -> float:

@@ -1,0 +1,191 @@
+"""Today's pipeline writes its answer as HTTP/1.1 bytes to a client socket; an HTTP/2 stream takes it here.
+
+StreamSocket stands where the pipeline expects the client's socket (Edge.handle(req, reader, sock, ...)),
+reads the HTTP/1.1 response written to it (the head, then a body framed by Content-Length, chunks or the
+end) and hands it to the stream as HTTP/2 (start, send, finish: the Downstream contract of PIPELINE.md).
+It is a socket.socket (an unconnected UDP one, never used for I/O) only so that the few places that
+call socket.socket's own methods on a client socket (a lingering close, the delay mode's watch) get a
+harmless answer. When Pipeline.run takes a Downstream, this module goes: the stream is the Downstream.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from lb.http.framing import HOP_BY_HOP, UpstreamError, parse_response
+from lb.http2 import grpc
+
+_DROPPED = HOP_BY_HOP | {b"proxy-connection"}
+_GRPC_BODY = 1024          # the text of an answer of the edge's own kept for grpc-message
+
+
+class StreamSocket(socket.socket):
+    def __init__(self, stream, head_only: bool):
+        super().__init__(socket.AF_INET, socket.SOCK_DGRAM)
+        self.stream = stream
+        self.head_only = head_only      # a HEAD request: the head says a length, no body follows
+        self.buf = bytearray()
+        self.mode = "head"              # head | length | chunked | eof | grpc | done
+        self.left = 0                   # bytes of the body (length) or of the chunk (chunked) to come
+        self.chunk = "size"             # chunked: size | data | crlf | trailer
+        self.grpc_status = 0
+        self.grpc_fields: list = []
+        self.chunked = False
+        self._text = b""
+
+    # -- what the pipeline calls ---------------------------------------------------------------------
+
+    def sendall(self, data, flags=0):
+        self._feed(bytes(data))
+
+    def send(self, data, flags=0):
+        self._feed(bytes(data))
+        return len(data)
+
+    def settimeout(self, t):
+        pass
+
+    def setblocking(self, flag):
+        pass
+
+    def gettimeout(self):
+        return None
+
+    def recv(self, n, flags=0):
+        return b""                      # a lingering close reads to the end: there is none to read
+
+    # -- HTTP/1.1 in, HTTP/2 out ---------------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        st = self.stream
+        if st.reset:
+            raise ConnectionResetError("stream reset")
+        if self.mode == "done":
+            return
+        self.buf += data
+        if self.mode == "head":
+            i = self.buf.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            head = bytes(self.buf[:i])
+            del self.buf[:i + 4]
+            self._start(head)
+        self._body()
+
+    def _start(self, head: bytes) -> None:
+        try:
+            rh = parse_response(head)
+        except UpstreamError:
+            raise ConnectionResetError("unreadable response head") from None
+        fields = [(lname, value) for _, lname, value in rh.headers
+                  if lname not in _DROPPED and not (rh.conn_tokens and lname in rh.conn_tokens)]
+        status = rh.status
+        no_body = self.head_only or status in (204, 304) or status < 200
+        if rh.chunked:
+            fields = [f for f in fields if f[0] != b"content-length"]
+        if self.stream.grpc and status != 200:
+            # An answer of the edge's own (or an HTTP/1.1 backend's error) to a gRPC client: trailers-only
+            # once its text is read (the grpc-message).
+            self.grpc_status, self.grpc_fields = status, fields
+            self.mode, self.left = "grpc", (0 if no_body else (rh.content_length or 0))
+            self.chunked = rh.chunked and not no_body
+            return
+        if no_body:
+            self.stream.start(status, fields, end=True)
+            self.mode = "done"
+            return
+        self.stream.start(status, fields, end=False)
+        if rh.chunked:
+            self.mode = "chunked"
+        elif rh.content_length is not None:
+            self.mode, self.left = "length", rh.content_length
+            if not self.left:
+                self._finish()
+        else:
+            self.mode = "eof"
+
+    def _body(self) -> None:
+        buf = self.buf
+        mode = self.mode
+        if mode == "length":
+            if buf:
+                take = bytes(buf[:self.left])
+                del buf[:len(take)]
+                self.left -= len(take)
+                self.stream.send(take)
+                if not self.left:
+                    self._finish()
+        elif mode == "eof":
+            if buf:
+                data = bytes(buf)
+                buf.clear()
+                self.stream.send(data)
+        elif mode == "chunked":
+            self._chunks(self.stream.send)
+        elif mode == "grpc":
+            if self.chunked:
+                self._chunks(self._grpc_text)
+            elif len(buf) >= self.left:
+                self._grpc_done(bytes(buf[:self.left]))
+
+    def _chunks(self, out) -> None:
+        """The edge writes clean chunks (sizes it counted, no extensions), split anywhere across writes."""
+        buf = self.buf
+        while buf:
+            if self.chunk == "size":
+                i = buf.find(b"\r\n")
+                if i < 0:
+                    return
+                self.left = int(bytes(buf[:i]).split(b";")[0], 16)
+                del buf[:i + 2]
+                self.chunk = "data" if self.left else "trailer"
+            elif self.chunk == "data":
+                take = bytes(buf[:self.left])
+                del buf[:len(take)]
+                self.left -= len(take)
+                out(take)
+                if not self.left:
+                    self.chunk = "crlf"
+            elif self.chunk == "crlf":
+                if len(buf) < 2:
+                    return
+                del buf[:2]
+                self.chunk = "size"
+            else:   # trailer lines until the empty one
+                i = buf.find(b"\r\n")
+                if i < 0:
+                    return
+                del buf[:i + 2]
+                if i == 0:
+                    if self.mode == "grpc":
+                        self._grpc_done(bytes(self.grpc_text()))
+                    else:
+                        self._finish()
+                    return
+
+    def grpc_text(self) -> bytes:
+        return self._text
+
+    def _grpc_text(self, data: bytes) -> None:
+        t = self.grpc_text()
+        if len(t) < _GRPC_BODY:
+            self._text = t + data[:_GRPC_BODY - len(t)]
+
+    def _grpc_done(self, text: bytes) -> None:
+        self.mode = "done"
+        self.buf.clear()
+        self.stream.start(200, grpc.trailers_only(self.grpc_status, text[:_GRPC_BODY], self.grpc_fields),
+                          end=True)
+
+    def _finish(self) -> None:
+        self.mode = "done"
+        self.stream.finish()
+
+    def close_out(self) -> bool:
+        """The pipeline returned: end what it wrote. False when the answer was cut short (nothing, or a
+        body shorter than its framing said): the stream is then reset, as HTTP/1.1 closes the connection."""
+        if self.mode == "eof":
+            self._finish()
+        elif self.mode == "grpc" and self.left == 0 and not self.chunked:
+            self._grpc_done(b"")
+        return self.mode == "done"
