@@ -59,6 +59,7 @@ class Config:
     demo: bool = False
     # health
     health_path: str = "/health"
+    health_protocol: str = "http"            # h2c:// backends: "grpc" probes grpc.health.v1.Health/Check
     health_interval: float = 10.0
     health_timeout: float | None = None      # None: derived, shorter than the interval
     unhealthy_threshold: int = 2
@@ -186,9 +187,9 @@ def parse_backend_url(url: str, weight, key: str) -> BackendSpec:
         port = parts.port
     except ValueError:
         raise ConfigError(f"{key}: bad backend URL {url!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
-        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT] or https://..., "
-                          f"[IPV6] in brackets, no path)")
+    if parts.scheme not in ("http", "https", "h2c") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT], https://... or h2c://... "
+                          f"(HTTP/2, gRPC), [IPV6] in brackets, no path)")
     if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
         raise ConfigError(f"{key}: weight must be a whole number >= 1, got {weight!r} for {url}")
     port = port or (443 if parts.scheme == "https" else 80)
@@ -316,7 +317,7 @@ _SECTIONS = {
     # `admin = "HOST:PORT"` at the top, or an [admin] table (TOML cannot have both under one name)
     "admin": {"listen": ("admin", "hostport"), "token_file": ("admin_token_file", "s"),
               "allowed_hosts": ("admin_allowed_hosts", "list")},
-    "health": {"path": ("health_path", "s"), "interval": ("health_interval", SECONDS),
+    "health": {"path": ("health_path", "s"), "protocol": ("health_protocol", "s"), "interval": ("health_interval", SECONDS),
                "timeout": ("health_timeout", SECONDS),
                "unhealthy_threshold": ("unhealthy_threshold", STREAK),
                "healthy_threshold": ("healthy_threshold", STREAK),
@@ -539,6 +540,8 @@ def build_argparser() -> argparse.ArgumentParser:
                                 "keep-alive one is closed for a new one")
     a("--allow-underscores", action="store_true",
       help="forward request header names containing '_' (default: dropped, as nginx does)")
+    a("--health-protocol", help="http (default) | grpc: h2c:// backends are probed with grpc.health.v1.Health/Check "
+                                "(SERVING passes)")
     a("--http2", help="on (default): HTTP/2 from clients too (prior knowledge in cleartext, ALPN h2 over TLS) | off")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
     a("--body-timeout", help="seconds between reads of a request body (default 30) -> 408")
@@ -773,6 +776,8 @@ def validate(c: Config) -> list[str]:
         seen.add(b.url)
     if not c.health_path.startswith("/"):
         bad.append(f"health.path: must start with '/', got {c.health_path!r}")
+    if c.health_protocol not in ("http", "grpc"):
+        bad.append(f"health.protocol: http or grpc, got {c.health_protocol!r}")
     if c.health_timeout is not None and c.health_timeout >= c.health_interval:
         bad.append(f"health.timeout: must be shorter than the interval ({c.health_interval:g}), "
                    f"got {c.health_timeout:g}")

@@ -32,6 +32,7 @@ class StreamSocket(socket.socket):
         self.grpc_fields: list = []
         self.chunked = False
         self._text = b""
+        self.trailers: list = []
 
     # -- what the pipeline calls ---------------------------------------------------------------------
 
@@ -94,13 +95,17 @@ class StreamSocket(socket.socket):
             self.stream.start(status, fields, end=True)
             self.mode = "done"
             return
+        if rh.content_length == 0 and not rh.chunked:
+            # One HEADERS frame with END_STREAM, which says the length (gRPC's trailers-only answer: a
+            # content-length there would reach the application as metadata).
+            self.stream.start(status, [f for f in fields if f[0] != b"content-length"], end=True)
+            self.mode = "done"
+            return
         self.stream.start(status, fields, end=False)
         if rh.chunked:
             self.mode = "chunked"
         elif rh.content_length is not None:
             self.mode, self.left = "length", rh.content_length
-            if not self.left:
-                self._finish()
         else:
             self.mode = "eof"
 
@@ -151,17 +156,21 @@ class StreamSocket(socket.socket):
                     return
                 del buf[:2]
                 self.chunk = "size"
-            else:   # trailer lines until the empty one
+            else:   # trailer lines until the empty one (an h2c:// backend's grpc-status: lb/http2/h2c.py)
                 i = buf.find(b"\r\n")
                 if i < 0:
                     return
+                line = bytes(buf[:i])
                 del buf[:i + 2]
-                if i == 0:
-                    if self.mode == "grpc":
-                        self._grpc_done(bytes(self.grpc_text()))
-                    else:
-                        self._finish()
-                    return
+                if i:
+                    name, _, value = line.partition(b":")
+                    self.trailers.append((name.strip().lower(), value.strip()))
+                    continue
+                if self.mode == "grpc":
+                    self._grpc_done(bytes(self.grpc_text()))
+                else:
+                    self._finish(self.trailers)
+                return
 
     def grpc_text(self) -> bytes:
         return self._text
@@ -177,9 +186,9 @@ class StreamSocket(socket.socket):
         self.stream.start(200, grpc.trailers_only(self.grpc_status, text[:_GRPC_BODY], self.grpc_fields),
                           end=True)
 
-    def _finish(self) -> None:
+    def _finish(self, trailers=None) -> None:
         self.mode = "done"
-        self.stream.finish()
+        self.stream.finish(trailers or None)
 
     def close_out(self) -> bool:
         """The pipeline returned: end what it wrote. False when the answer was cut short (nothing, or a

@@ -35,7 +35,7 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
-from lb.http.framing import MAX_HEAD, ClientGone, HttpError, Reader, request_from_fields
+from lb.http.framing import MAX_HEAD, ClientGone, HttpError, Reader, linger, request_from_fields
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
 from lb.http2.guard import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, Allowance
@@ -334,6 +334,10 @@ class Connection:
         except OSError:
             pass
         finally:
+            if self.goaway and not self.outbuf:
+                # What the peer sent after our GOAWAY is read and dropped for a moment: a close with
+                # unread bytes is a reset, which can destroy the GOAWAY before the peer reads it.
+                linger(sock, 1.0, 1 << 20)
             conns.pop(sock, None)
             with self.cv:
                 for st in list(self.streams.values()):

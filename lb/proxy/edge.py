@@ -452,6 +452,10 @@ class Edge:
             if x.upgrade is not None:
                 return self.forwarder.forward(x, backend, b"", sock, peer, peer_trusted, reader)
 
+        if backend.h2 is not None:      # an h2c:// backend: the body streams with the call (lb/http2/h2c.py)
+            from lb.http2.h2c import forward as forward_h2c
+            return forward_h2c(self, x, backend, reader, sock, peer, peer_trusted)
+
         # 4. the body: only now is the client invited to send it. A small one is read (and a chunked
         #    one validated) whole before any backend connection is taken; a larger one streams.
         body: bytes | object = b""

@@ -1,0 +1,224 @@
+"""One exchange to an h2c:// backend: the request as an HTTP/2 call, the answer relayed as it arrives.
+
+The pipeline has already identified, limited and chosen (per call: the balancer picked this backend
+for this request alone). Here: the call opens on the backend's pool (lb/upstream/h2pool.py); the request
+body streams to it from the client as it arrives, on a thread of its own, while this one relays the
+answer -- both directions at once, as a gRPC bidirectional stream needs. grpc-timeout is the call's
+deadline (within response_timeout); a client that resets its stream cancels the backend's.
+
+Until Pipeline.run hands a Downstream over (PIPELINE.md), the answer is written as HTTP/1.1 to the
+client socket: chunked, its trailers (grpc-status, grpc-message, trailing metadata) in the last chunk,
+which an HTTP/2 client's StreamSocket (lb/http2/bridge.py) turns back into HEADERS with END_STREAM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from time import monotonic
+
+from h2.errors import ErrorCodes
+
+from lb.http.framing import HOP_BY_HOP, ClientGone, HttpError, iter_chunked, iter_fixed, not_relayed
+from lb.http2.grpc import parse_timeout
+from lb.upstream.h2pool import H2Unavailable
+
+log = logging.getLogger("edge")
+
+_NOT_SENT = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"x-forwarded-proto", b"expect"}
+_CHECK = 1.0        # how often a wait for the backend looks at whether the client is still there
+
+
+def _fields(x, req, peer: bytes, trusted: bool, length) -> list:
+    out = [(b":method", req.method), (b":scheme", b"http"), (b":path", req.target),
+           (b":authority", req.host or b"")]
+    for _, lname, value in req.headers:
+        if lname in _NOT_SENT or (x.rid_sent is not None and lname == b"x-request-id"):
+            continue
+        out.append((lname, value))
+    out.append((b"te", b"trailers"))         # gRPC servers require it; HTTP/2 allows no other TE
+    out.append((b"x-forwarded-for", req.xff + b", " + peer if req.xff else peer))
+    if not (trusted and req.proto):
+        out.append((b"x-forwarded-proto", x.proto))
+    if x.rid_sent is not None:
+        out.append((b"x-request-id", x.rid_sent))
+    if length is not None:
+        out.append((b"content-length", b"%d" % length))
+    return out
+
+
+def _upload(call, pieces, failed: list) -> None:
+    """The request body to the backend as the client sends it; a client failure cancels the call."""
+    try:
+        for piece in pieces:
+            if piece:
+                call.send(piece)
+        call.send(b"", end=True)
+    except (HttpError, ClientGone, EOFError, OSError) as e:
+        failed.append(e)
+        call.reset(ErrorCodes.CANCEL)
+
+
+def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
+    """Forward x.req to the h2c backend and relay its answer to sock; True when the client connection
+    may carry another request (HTTP/1.1 clients; HTTP/2 ignores it)."""
+    from lb.proxy.forward import uncount       # (lb/proxy imports lb/http2 lazily; the cycle stays open)
+    cfg = edge.cfg
+    req = x.req
+    fw = edge.forwarder
+    has_body = req.chunked or bool(req.content_length)
+    keep = req.keep_alive and not edge.closing
+    deadline = monotonic() + cfg.response_timeout
+    for _, lname, value in req.headers:
+        if lname == b"grpc-timeout":
+            t = parse_timeout(value)
+            if t is not None:
+                deadline = min(deadline, monotonic() + t)
+    x.counted = backend
+    with backend.lock:
+        backend.inflight += 1
+    x.upstream_start = monotonic()
+    stream = getattr(sock, "stream", None)      # an HTTP/2 client's stream: its reset cancels the call
+    try:
+        try:
+            call = backend.h2.open_call(_fields(x, req, peer, trusted, req.content_length if not req.chunked else None),
+                                        end=not has_body)
+        except H2Unavailable as e:
+            pool = "stream limit" in str(e)
+            if not pool:
+                fw.observe(backend, False, str(e))
+            return fw.failed(sock, x, "pool" if pool else "connect", 503 if pool else 502, str(e), keep and not has_body)
+        except OSError as e:
+            fw.observe(backend, False, e.strerror or type(e).__name__)
+            return fw.failed(sock, x, "connect", 502, e.strerror or type(e).__name__, keep and not has_body)
+        failed: list = []
+        if has_body:
+            reader.timeout, reader.deadline = cfg.body_timeout, None
+            pieces = iter_chunked(reader, cfg.max_body_size, cfg.body_min_rate) if req.chunked else \
+                iter_fixed(reader, req.content_length, cfg.body_min_rate)
+            threading.Thread(target=_upload, args=(call, pieces, failed), daemon=True,
+                             name="h2c upload").start()
+        return _relay(edge, x, backend, call, sock, stream, deadline, failed, keep)
+    finally:
+        uncount(x)
+
+
+def _relay(edge, x, backend, call, sock, stream, deadline: float, failed: list, keep: bool) -> bool:
+    cfg = edge.cfg
+    fw = edge.forwarder
+    req = x.req
+    status = None
+    sent = 0
+    skip = not_relayed(x.rl, x.rid_header)
+    limiting = bool(x.rl)
+    idle = cfg.read_timeout
+    last = monotonic()
+    try:
+        while True:
+            now = monotonic()
+            if stream is not None and stream.reset:
+                call.reset(ErrorCodes.CANCEL)
+                raise ClientGone()
+            left = min(deadline - now, last + idle - now)
+            if left <= 0:
+                call.reset(ErrorCodes.CANCEL)
+                why = "the call's deadline (grpc-timeout) passed" if deadline - now <= 0 else \
+                    "no response within the read timeout"
+                if status is None:
+                    fw.observe(backend, False, why)
+                    return fw.failed(sock, x, "timeout", 504, why, keep and not failed)
+                raise _Cut(why)
+            ev = call.get(min(left, _CHECK))
+            if ev is None:
+                continue
+            last = monotonic()
+            kind = ev[0]
+            if kind == "headers":
+                fields = ev[1]
+                try:
+                    status = int(dict(fields).get(b":status", b"0"))
+                except ValueError:
+                    status = 0
+                if not 200 <= status < 600:
+                    call.reset(ErrorCodes.PROTOCOL_ERROR)
+                    fw.observe(backend, False, "bad :status")
+                    return fw.failed(sock, x, "protocol", 502, "backend sent an invalid response", keep)
+                x.upstream_status = status
+                out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _phrase(status)))
+                for name, value in fields:
+                    if name[:1] == b":" or name in skip or (limiting and name[:12] == b"x-ratelimit-"):
+                        continue
+                    out += name + b": " + value + b"\r\n"
+                out += x.rid_header + x.rl + x.set_cookie
+                if ev[2] or req.method == b"HEAD" or status in (204, 304):
+                    out += b"Content-Length: 0\r\n\r\n" if status not in (204, 304) else b"\r\n"
+                    sock.sendall(out)
+                    sent += len(out)
+                    if not ev[2]:
+                        call.reset(ErrorCodes.CANCEL)   # no body is relayed: nothing more is wanted
+                    break
+                out += b"Transfer-Encoding: chunked\r\n\r\n"
+                sock.sendall(out)
+                sent += len(out)
+            elif kind == "data":
+                data, n = ev[1], ev[2]
+                if data:
+                    piece = b"%x\r\n%s\r\n" % (len(data), data)
+                    sock.sendall(piece)          # blocks while the client is slow: its stream only
+                    sent += len(piece)
+                if n:
+                    call.ack(n)                  # the window back only once the client took it
+            elif kind == "trailers":
+                out = bytearray(b"0\r\n")
+                for name, value in ev[1]:
+                    if name[:1] != b":" and name not in HOP_BY_HOP:
+                        out += name + b": " + value + b"\r\n"
+                out += b"\r\n"
+                sock.sendall(out)
+                sent += len(out)
+                break
+            elif kind == "end":
+                sock.sendall(b"0\r\n\r\n")
+                sent += 5
+                break
+            else:    # reset or closed
+                why = f"backend reset the stream ({ev[1]})" if kind == "reset" else str(ev[1])
+                if status is None:
+                    fw.observe(backend, False, why)
+                    return fw.failed(sock, x, "reset", 502, why, keep and not failed)
+                raise _Cut(why)
+    except (OSError, ClientGone) as e:
+        call.reset(ErrorCodes.CANCEL)
+        if isinstance(e, _Cut):
+            fw.observe(backend, False, str(e))
+            log.warning("backend %s %s mid-response: %s %s", backend.url, e, req.method.decode(),
+                        req.target[:200].decode("latin-1"))
+            edge.metrics.upstream_error(backend.url, "reset", status, monotonic() - x.start)
+            edge._done(x, status)
+            return False
+        if x.status is None:
+            edge.client_closed(x, reached=True)
+        raise ClientGone() from None
+    finally:
+        call.conn.finished(call)
+    x.bytes_sent = sent
+    if failed and isinstance(failed[0], HttpError):
+        keep = False
+    fw.observe(backend, status < 500, f"HTTP/2 {status}")
+    now = monotonic()
+    x.upstream_seconds = now - x.upstream_start
+    edge.metrics.backend_done(backend.url, status, now - x.start, x.upstream_seconds)
+    edge._done(x, status)
+    return keep
+
+
+class _Cut(OSError):
+    """The backend failed after the head went to the client: only a reset can show it."""
+
+
+def _phrase(status: int) -> bytes:
+    from http import HTTPStatus
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Status"

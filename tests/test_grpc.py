@@ -1,0 +1,96 @@
+"""gRPC end to end through the edge: grpcio clients and grpcio servers (h2c:// backends), none of them ours.
+
+Every kind of call (unary, server stream, client stream, bidirectional, an error status with trailing
+metadata, a deadline), per-call balancing on one channel, the gRPC health check, and a client's
+cancellation reaching the backend."""
+
+import pytest
+
+from tests.support import PY, Edge, Proc, request, wait_until
+
+grpc = pytest.importorskip("grpc", reason="grpcio (requirements-dev.txt) is the client and the servers")
+pytest.importorskip("grpc_health", reason="grpcio-health-checking (requirements-dev.txt)")
+
+
+class GrpcBackend(Proc):
+    def __init__(self, name: str):
+        super().__init__([PY, "-m", "tests.grpc_backend", "--name", name], f"grpc-{name}")
+        self.port = int(self.wait_log(r"listening \S+:(\d+) ").group(1))
+        self.url = f"h2c://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    bs = [GrpcBackend(f"g{i}") for i in (1, 2, 3)]
+    yield bs
+    for b in bs:
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def edge(servers):
+    e = Edge("--backends", ",".join(b.url for b in servers), "--health-interval", "30", "--admin", "127.0.0.1:0")
+    yield e
+    e.stop()
+
+
+def channel(port: int):
+    return grpc.insecure_channel(f"127.0.0.1:{port}")
+
+
+def test_every_kind_of_call_passes_through_with_its_trailers(edge):
+    with channel(edge.port) as ch:
+        reply, call = ch.unary_unary("/test.Echo/Unary").with_call(b"hi", timeout=10)
+        assert reply.endswith(b":hi")
+        assert dict(call.trailing_metadata())["x-served-by"] == reply.split(b":")[0].decode()
+        assert len(list(ch.unary_stream("/test.Echo/ServerStream")(b"50", timeout=10))) == 50
+        assert ch.stream_unary("/test.Echo/ClientStream")(iter([b"a", b"b", b"c"]), timeout=10) == b"a|b|c"
+        got = list(ch.stream_stream("/test.Echo/Bidi")(iter([b"x" * 100000, b"y"]), timeout=10))
+        assert [g.split(b":", 1)[1] for g in got] == [b"x" * 100000, b"y"]
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/test.Echo/Fail")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details() == "no such thing"
+        assert dict(e.value.trailing_metadata()) == {"x-why": "because"}
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/test.Echo/Slow")(b"3000", timeout=0.5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_90_unary_calls_on_one_channel_land_30_30_30(edge):
+    with channel(edge.port) as ch:
+        u = ch.unary_unary("/test.Echo/Unary")
+        names = [u(b"n", timeout=10).split(b":")[0] for _ in range(90)]
+    assert sorted(names.count(n) for n in (b"g1", b"g2", b"g3")) == [30, 30, 30]
+
+
+def test_a_client_cancellation_cancels_the_backend_stream(servers):
+    e = Edge("--backends", servers[0].url, "--health-interval", "30")
+    try:
+        with channel(servers[0].port) as direct:
+            before = int(direct.unary_unary("/test.Echo/Cancels")(b"", timeout=10))
+            with channel(e.port) as ch:
+                it = ch.unary_stream("/test.Echo/Watch")(b"", timeout=30)
+                assert next(it) == b"0" and next(it) == b"1"
+                it.cancel()
+            wait_until(lambda: int(direct.unary_unary("/test.Echo/Cancels")(b"", timeout=10)) > before,
+                       what="the backend's stream cancelled")
+    finally:
+        e.stop()
+
+
+def test_grpc_health_protocol_takes_a_not_serving_backend_out(tmp_path):
+    sick, well = GrpcBackend("sick"), GrpcBackend("well")
+    e = Edge("--backends", f"{sick.url},{well.url}", "--health-protocol", "grpc", "--health-interval", "0.3",
+             "--admin", "127.0.0.1:0")
+    try:
+        with channel(sick.port) as direct:
+            direct.unary_unary("/test.Echo/Sick")(b"", timeout=10)
+        e.wait_log(r"backend h2c://127.0.0.1:%d DOWN: .*NOT_SERVING" % sick.port, timeout=20)
+        with channel(e.port) as ch:
+            u = ch.unary_unary("/test.Echo/Unary")
+            assert {u(b"n", timeout=10).split(b":")[0] for _ in range(6)} == {b"well"}
+        assert "DOWN" in request(e.admin_port, "GET", "/status").body.decode()
+    finally:
+        e.stop()
+        sick.stop()
+        well.stop()
