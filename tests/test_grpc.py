@@ -29,7 +29,8 @@ def servers():
 
 @pytest.fixture(scope="module")
 def edge(servers):
-    e = Edge("--backends", ",".join(b.url for b in servers), "--health-interval", "30", "--admin", "127.0.0.1:0")
+    e = Edge("--backends", ",".join(b.url for b in servers), "--health-protocol", "grpc", "--health-interval", "30",
+             "--admin", "127.0.0.1:0")
     yield e
     e.stop()
 

@@ -96,8 +96,12 @@ def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
             reader.timeout, reader.deadline = cfg.body_timeout, None
             pieces = iter_chunked(reader, cfg.max_body_size, cfg.body_min_rate) if req.chunked else \
                 iter_fixed(reader, req.content_length, cfg.body_min_rate)
-            threading.Thread(target=_upload, args=(call, pieces, failed), daemon=True,
-                             name="h2c upload").start()
+            st = getattr(reader, "stream", None)
+            if st is not None and st.body_end:
+                _upload(call, pieces, failed)     # all of it already here (a unary call): no thread for it
+            else:
+                threading.Thread(target=_upload, args=(call, pieces, failed), daemon=True,
+                                 name="h2c upload").start()
         return _relay(edge, x, backend, call, sock, stream, deadline, failed, keep)
     finally:
         uncount(x)

@@ -64,7 +64,7 @@ def probe(b, path: str, timeout: float, grpc: bool) -> tuple[bool, str]:
                             (f" ({meta[b'grpc-message'].decode('latin-1')})" if b"grpc-message" in meta else "")
                     return body[5:] == SERVING, "SERVING" if body[5:] == SERVING else "NOT_SERVING"
                 elif isinstance(ev, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
-                    return False, "the backend reset the check"
+                    return False, "the backend reset the check" + ("" if grpc else " (a gRPC server? [health] protocol = \"grpc\")")
             out = c.data_to_send()
             if out:
                 s.sendall(out)
