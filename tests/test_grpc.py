@@ -95,3 +95,57 @@ def test_grpc_health_protocol_takes_a_not_serving_backend_out(tmp_path):
         e.stop()
         sick.stop()
         well.stop()
+
+
+def test_a_limit_is_resource_exhausted_with_its_metadata_and_no_backend_is_unavailable(servers):
+    e = Edge("--backends", servers[0].url, "--health-interval", "30", "--limit", "2/m")
+    try:
+        with channel(e.port) as ch:
+            u = ch.unary_unary("/test.Echo/Unary")
+            for _ in range(2):
+                u(b"n", timeout=10, metadata=(("x-api-key", "k1"),))
+            with pytest.raises(grpc.RpcError) as err:
+                u(b"n", timeout=10, metadata=(("x-api-key", "k1"),))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        md = dict(err.value.trailing_metadata())
+        assert md["x-ratelimit-limit"] == "2" and md["x-ratelimit-remaining"] == "0" and int(md["retry-after"]) > 0
+    finally:
+        e.stop()
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    e = Edge("--backends", f"h2c://127.0.0.1:{dead}", "--health-interval", "30")
+    try:
+        with channel(e.port) as ch, pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/test.Echo/Unary")(b"n", timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        e.stop()
+
+
+def test_sigterm_lets_a_call_in_flight_finish(servers):
+    import signal
+    import threading
+    e = Edge("--backends", servers[0].url, "--health-interval", "30", "--admin", "127.0.0.1:0")
+    out = {}
+    try:
+        with channel(e.port) as ch:
+            slow = ch.unary_unary("/test.Echo/Slow")
+            assert slow(b"1", timeout=10) == b"late"         # the connection is up
+
+            def call():
+                try:
+                    out["reply"] = slow(b"1500", timeout=20)
+                except grpc.RpcError as ex:
+                    out["error"] = ex
+            t = threading.Thread(target=call)
+            t.start()
+            wait_until(lambda: 'lb_backend_inflight{backend="%s"} 1' % servers[0].url
+                       in request(e.admin_port, "GET", "/metrics").body.decode(), what="the call in flight")
+            e.signal(signal.SIGTERM)
+            t.join(20)
+        assert out.get("reply") == b"late", out
+        e.popen.wait(20)
+        assert e.popen.returncode == 0
+    finally:
+        e.stop()

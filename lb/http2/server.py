@@ -34,6 +34,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
+from hyperframe.frame import GoAwayFrame
 
 from lb.http.framing import MAX_HEAD, ClientGone, HttpError, Reader, linger, request_from_fields
 from lb.http2 import grpc
@@ -375,9 +376,19 @@ class Connection:
         return True
 
     def _go_away(self, code, why: str | None = None) -> None:
+        """(the connection thread) GOAWAY. NO_ERROR is the graceful one (a drain, an idle connection): the
+        streams open go on to their end, new ones are refused. h2 has no such state -- after its own
+        close_connection() nothing more may be sent -- so that frame is written here, past h2."""
         with self.cv:
             if not self.goaway:
                 self.goaway = True
+                if code == ErrorCodes.NO_ERROR:
+                    f = GoAwayFrame(0)
+                    f.last_stream_id = self.h2.highest_inbound_stream_id
+                    f.error_code = code
+                    self.outbuf += self.h2.data_to_send()
+                    self.outbuf += f.serialize()
+                    return
                 try:
                     self.h2.close_connection(code, additional_data=why.encode() if why else None)
                 except h2.exceptions.ProtocolError:
