@@ -90,6 +90,9 @@ class Stream:
         self.sent_end = False           # END_STREAM is on its way
         self.progress = monotonic()     # when the client last took some of this stream's bytes
         self.grpc = False
+        # Its worker's waits (window, body, the end): on the connection's lock, but woken alone -- one
+        # condition for all streams woke every worker at each pump (half the GIL's time under h2load).
+        self.cv = threading.Condition(conn.lock)
 
     # -- the Downstream contract (PIPELINE.md) ------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class Stream:
                 if left <= 0:
                     c.reset_stream(self, ErrorCodes.CANCEL)     # the client stopped reading this stream
                     break
-                c.cv.wait(min(left, TICK))
+                self.cv.wait(min(left, TICK))
             if self.reset:
                 raise ConnectionResetError("stream reset")
             self.out.append(item)
@@ -132,7 +135,7 @@ class Stream:
                 if left <= 0:
                     c.reset_stream(self, ErrorCodes.CANCEL)
                     break
-                c.cv.wait(min(left, TICK))
+                self.cv.wait(min(left, TICK))
             return not self.reset
 
 
@@ -166,7 +169,7 @@ class StreamReader(Reader):
                     left = None if end_at is None else end_at - monotonic()
                     if left is not None and left <= 0:
                         raise socket.timeout("timed out")
-                    c.cv.wait(TICK if left is None else min(left, TICK))
+                    st.cv.wait(TICK if left is None else min(left, TICK))
                 if st.reset:
                     raise ConnectionResetError("stream reset")
                 data = b"".join(st.body)
@@ -199,7 +202,8 @@ class Connection:
         self.edge, self.sock, self.peer_ip, self.over_tls, self.cert = edge, sock, peer_ip, over_tls, cert
         self.accepted = accepted or sock
         self.first = first
-        self.cv = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()           # the h2 state machine, and every stream's state
+        self.cv = threading.Condition(self.lock)
         self.streams: dict[int, Stream] = {}
         self.ready: dict[int, Stream] = {}      # streams with output queued
         self.running = 0                        # streams whose worker has not returned (reset ones too)
@@ -251,7 +255,7 @@ class Connection:
             except h2.exceptions.ProtocolError:
                 pass
             self.ready.pop(st.sid, None)
-            self.cv.notify_all()
+            st.cv.notify_all()
         self.wake()
 
     # -- the connection thread ---------------------------------------------------------------------------
@@ -343,10 +347,10 @@ class Connection:
             with self.cv:
                 for st in list(self.streams.values()):
                     st.reset = True
+                    st.cv.notify_all()
                 self.goaway = True
                 self._closed = True          # the last worker to end closes the wake-up fd
                 close_now = self.running == 0
-                self.cv.notify_all()
             if close_now:
                 os.close(self.wfd)
 
@@ -453,7 +457,7 @@ class Connection:
                     self.reset_stream(st, ErrorCodes.INTERNAL_ERROR)
                 if not st.out or st.reset:
                     self.ready.pop(sid, None)
-            self.cv.notify_all()
+                st.cv.notify_all()
 
     def _receive(self, data: bytes) -> bool:
         """Feed the state machine; False when the connection is to end (after what was queued is sent)."""
@@ -481,7 +485,7 @@ class Connection:
                     else:
                         st.body.append(ev.data)
                         st.unacked += ev.flow_controlled_length
-                        self.cv.notify_all()
+                        st.cv.notify_all()
                 if not ev.data and not ev.stream_ended and not self.control.take(now):
                     calm = "empty DATA frames"
             elif t is h2.events.StreamEnded:
@@ -489,14 +493,14 @@ class Connection:
                     st = self.streams.get(ev.stream_id)
                     if st is not None:
                         st.body_end = True
-                        self.cv.notify_all()
+                        st.cv.notify_all()
             elif t is h2.events.StreamReset:
                 with self.cv:
                     st = self.streams.get(ev.stream_id)
                     if st is not None:
                         st.reset = True
                         self.ready.pop(st.sid, None)
-                        self.cv.notify_all()
+                        st.cv.notify_all()
                 self.edge.metrics.inc("lb_http2_streams_total", outcome="reset by client")
                 if not self.resets.take(now):
                     calm = "too many stream resets"
