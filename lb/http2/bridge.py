@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import socket
 
-from lb.http.framing import HOP_BY_HOP, UpstreamError, parse_response
-from lb.http2 import grpc
+from lb.http.framing import UpstreamError, parse_response
+from lb.http2.downstream import H2Downstream
 
-_DROPPED = HOP_BY_HOP | {b"proxy-connection"}
 _GRPC_BODY = 1024          # the text of an answer of the edge's own kept for grpc-message
 
 
@@ -23,6 +22,7 @@ class StreamSocket(socket.socket):
     def __init__(self, stream, head_only: bool):
         super().__init__(socket.AF_INET, socket.SOCK_DGRAM)
         self.stream = stream
+        self.down = H2Downstream(stream, None, head_only)
         self.head_only = head_only      # a HEAD request: the head says a length, no body follows
         self.buf = bytearray()
         self.mode = "head"              # head | length | chunked | eof | grpc | done
@@ -78,30 +78,24 @@ class StreamSocket(socket.socket):
             rh = parse_response(head)
         except UpstreamError:
             raise ConnectionResetError("unreadable response head") from None
-        fields = [(lname, value) for _, lname, value in rh.headers
-                  if lname not in _DROPPED and not (rh.conn_tokens and lname in rh.conn_tokens)]
+        headers = [(lname, value) for _, lname, value in rh.headers
+                   if not (rh.conn_tokens and lname in rh.conn_tokens)]
         status = rh.status
         no_body = self.head_only or status in (204, 304) or status < 200
         if rh.chunked:
-            fields = [f for f in fields if f[0] != b"content-length"]
+            headers = [f for f in headers if f[0] != b"content-length"]
         if self.stream.grpc and status != 200:
             # An answer of the edge's own (or an HTTP/1.1 backend's error) to a gRPC client: trailers-only
             # once its text is read (the grpc-message).
-            self.grpc_status, self.grpc_fields = status, fields
+            self.grpc_status, self.grpc_fields = status, headers
             self.mode, self.left = "grpc", (0 if no_body else (rh.content_length or 0))
             self.chunked = rh.chunked and not no_body
             return
-        if no_body:
-            self.stream.start(status, fields, end=True)
+        if no_body or (rh.content_length == 0 and not rh.chunked):
+            self.down.start(None, status, b"", headers, 0)
             self.mode = "done"
             return
-        if rh.content_length == 0 and not rh.chunked:
-            # One HEADERS frame with END_STREAM, which says the length (gRPC's trailers-only answer: a
-            # content-length there would reach the application as metadata).
-            self.stream.start(status, [f for f in fields if f[0] != b"content-length"], end=True)
-            self.mode = "done"
-            return
-        self.stream.start(status, fields, end=False)
+        self.down.start(None, status, b"", headers, None if rh.chunked else rh.content_length)
         if rh.chunked:
             self.mode = "chunked"
         elif rh.content_length is not None:
@@ -117,16 +111,16 @@ class StreamSocket(socket.socket):
                 take = bytes(buf[:self.left])
                 del buf[:len(take)]
                 self.left -= len(take)
-                self.stream.send(take)
+                self.down.send(take)
                 if not self.left:
                     self._finish()
         elif mode == "eof":
             if buf:
                 data = bytes(buf)
                 buf.clear()
-                self.stream.send(data)
+                self.down.send(data)
         elif mode == "chunked":
-            self._chunks(self.stream.send)
+            self._chunks(self.down.send)
         elif mode == "grpc":
             if self.chunked:
                 self._chunks(self._grpc_text)
@@ -183,12 +177,11 @@ class StreamSocket(socket.socket):
     def _grpc_done(self, text: bytes) -> None:
         self.mode = "done"
         self.buf.clear()
-        self.stream.start(200, grpc.trailers_only(self.grpc_status, text[:_GRPC_BODY], self.grpc_fields),
-                          end=True)
+        self.down.grpc_reply(self.grpc_status, text[:_GRPC_BODY], self.grpc_fields)
 
     def _finish(self, trailers=None) -> None:
         self.mode = "done"
-        self.stream.finish(trailers or None)
+        self.down.finish(trailers or None)
 
     def close_out(self) -> bool:
         """The pipeline returned: end what it wrote. False when the answer was cut short (nothing, or a

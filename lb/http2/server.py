@@ -75,7 +75,8 @@ os.register_at_fork(after_in_child=_reset_pool_after_fork)
 
 
 class Stream:
-    """One request/response exchange on a connection; the Downstream its pipeline writes to."""
+    """One request/response exchange on a connection: its queues, which H2Downstream
+    (lb/http2/downstream.py) writes the response into and the connection thread sends from."""
 
     proto = b"HTTP/2"
 
@@ -94,9 +95,9 @@ class Stream:
         # condition for all streams woke every worker at each pump (half the GIL's time under h2load).
         self.cv = threading.Condition(conn.lock)
 
-    # -- the Downstream contract (PIPELINE.md) ------------------------------------------------------------
+    # -- what H2Downstream calls ---------------------------------------------------------------------------
 
-    def start(self, status: int, fields: list, end: bool = False) -> None:
+    def headers(self, status: int, fields: list, end: bool = False) -> None:
         self._put(("h", [(b":status", b"%d" % status)] + fields, end), 0)
 
     def send(self, data: bytes) -> None:
