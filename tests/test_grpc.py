@@ -149,3 +149,18 @@ def test_sigterm_lets_a_call_in_flight_finish(servers):
         assert e.popen.returncode == 0
     finally:
         e.stop()
+
+
+def test_a_call_to_a_backend_that_refuses_connections_is_retried_on_another(servers):
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    e = Edge("--backends", f"h2c://127.0.0.1:{dead},{servers[0].url}", "--health-interval", "30",
+             "--eject-after", "0")
+    try:
+        with channel(e.port) as ch:
+            u = ch.unary_unary("/test.Echo/Unary")
+            assert all(u(b"n", timeout=10).startswith(b"g1:") for _ in range(10))
+        e.wait_log(r"backend h2c://127.0.0.1:%d connect: POST /test.Echo/Unary .*retrying on %s" % (dead, servers[0].url))
+    finally:
+        e.stop()

@@ -74,23 +74,37 @@ def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
             t = parse_timeout(value)
             if t is not None:
                 deadline = min(deadline, monotonic() + t)
-    x.counted = backend
-    with backend.lock:
-        backend.inflight += 1
     x.upstream_start = monotonic()
     stream = getattr(sock, "stream", None)      # an HTTP/2 client's stream: its reset cancels the call
+    budget = edge.retry_budget
+    budget.start()
+    held = False
+    tried: list = []
     try:
-        try:
-            call = backend.h2.open_call(_fields(x, req, peer, trusted, req.content_length if not req.chunked else None),
-                                        end=not has_body)
-        except H2Unavailable as e:
-            pool = "stream limit" in str(e)
-            if not pool:
-                fw.observe(backend, False, str(e))
-            return fw.failed(sock, x, "pool" if pool else "connect", 503 if pool else 502, str(e), keep and not has_body)
-        except OSError as e:
-            fw.observe(backend, False, e.strerror or type(e).__name__)
-            return fw.failed(sock, x, "connect", 502, e.strerror or type(e).__name__, keep and not has_body)
+        fields = _fields(x, req, peer, trusted, req.content_length if not req.chunked else None)
+        while True:
+            x.counted = backend
+            with backend.lock:
+                backend.inflight += 1
+            try:
+                call = backend.h2.open_call(fields, end=not has_body)
+                break
+            except OSError as e:       # H2Unavailable too: nothing was sent
+                why = str(e) if isinstance(e, H2Unavailable) else (e.strerror or type(e).__name__)
+                pool = "stream limit" in why
+                uncount(x)
+                tried.append(backend)
+                nxt = None
+                if not pool:             # ours, not the backend's: no failure counted, no retry
+                    fw.observe(backend, False, why)
+                    nxt, budgeted, refused = fw.next_try(backend, tried, held)
+                    why += refused
+                if nxt is None or nxt.h2 is None:
+                    return fw.failed(sock, x, "pool" if pool else "connect", 503 if pool else 502, why,
+                                     keep and not has_body, tried)
+                held = held or budgeted
+                fw.retrying(x, backend, "connect", why, "connect", nxt, len(tried))   # as HTTP/1.1's connect retry
+                backend = nxt
         failed: list = []
         if has_body:
             reader.timeout, reader.deadline = cfg.body_timeout, None
@@ -105,6 +119,7 @@ def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
         return _relay(edge, x, backend, call, sock, stream, deadline, failed, keep)
     finally:
         uncount(x)
+        budget.end(held)
 
 
 def _relay(edge, x, backend, call, sock, stream, deadline: float, failed: list, keep: bool) -> bool:
