@@ -340,3 +340,16 @@ def test_a_stream_whose_window_stays_shut_is_reset_and_holds_up_no_other(edge):
     finally:
         c.close()
     still_serves(edge)
+
+
+def test_an_idle_http2_connection_makes_room_at_max_connections(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--max-connections", "1")
+    c = H2Client(e.port)
+    try:
+        assert c.response(c.request("/echo"))["headers"][b":status"] == b"200"
+        # the one slot is the idle HTTP/2 connection's: a new client takes it, as from an idle HTTP/1.1 one
+        assert wait_until(lambda: request(e.port, "GET", "/echo").status == 200, what="the new connection served")
+        c.until_closed()
+    finally:
+        c.close()
+        e.stop()

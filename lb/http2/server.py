@@ -272,6 +272,7 @@ class Connection:
             self.h2.initiate_connection()
             self.h2.increment_flow_control_window(CONN_WINDOW - 65535)
         conns = edge.conns
+        idle = edge.idle
         conns[sock] = True
         cfg = edge.cfg
         idle_since = monotonic()
@@ -292,8 +293,11 @@ class Connection:
                 if busy:
                     idle_since = now
                     conns[sock] = True
+                    idle.pop(sock, None)
                 else:
                     conns[sock] = False
+                    if sock not in idle:
+                        idle[sock] = (idle_since, self.accepted)   # at max_connections, closed first (evict_idle)
                     if self.goaway and not self.outbuf:
                         return
                     if now - idle_since > idle_limit:
@@ -345,6 +349,7 @@ class Connection:
                 # unread bytes is a reset, which can destroy the GOAWAY before the peer reads it.
                 linger(sock, 1.0, 1 << 20)
             conns.pop(sock, None)
+            idle.pop(sock, None)
             with self.cv:
                 for st in list(self.streams.values()):
                     st.reset = True
