@@ -164,3 +164,21 @@ def test_a_call_to_a_backend_that_refuses_connections_is_retried_on_another(serv
         e.wait_log(r"backend h2c://127.0.0.1:%d connect: POST /test.Echo/Unary .*retrying on %s" % (dead, servers[0].url))
     finally:
         e.stop()
+
+
+def test_grpc_over_tls_alpn_h2_to_an_h2c_backend(servers, tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    e = Edge("--backends", servers[1].url, "--health-interval", "30", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+        with grpc.secure_channel(f"127.0.0.1:{e.port}", creds) as ch:
+            assert ch.unary_unary("/test.Echo/Unary")(b"tls", timeout=10) == b"g2:tls"
+            got = list(ch.stream_stream("/test.Echo/Bidi")(iter([b"a" * 300000, b"b"]), timeout=10))
+            assert [g.split(b":", 1)[1] for g in got] == [b"a" * 300000, b"b"]
+    finally:
+        e.stop()
