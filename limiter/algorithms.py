@@ -251,7 +251,7 @@ class SlidingLog(_Algorithm):
       hidden from it entries still in its window (the Redis store admitted 112 of 100 that way).
       retry_after: the oldest entry still counted leaving; reset: log[-1] - now (the newest leaving)
     The list is updated in place and returned (the store owns it; step does no I/O).
-    The Redis script (limiter.redis_store.SLIDING_LOG) evaluates the same expressions.
+    The Redis script (limiter/redis/lua/sliding_log.lua) evaluates the same expressions.
     """
 
     name = "sliding-log"

@@ -118,22 +118,12 @@ class Arena:
         os.close(self.lock_fd)
 
 
-ARENA: Arena | None = None  # set by the supervisor before it forks the workers (lb/process/supervisor.py)
-
-
-def create(slots: int, state_bytes: int, stripes: int = 64) -> Arena:
-    global ARENA
-    ARENA = Arena(slots, state_bytes, stripes)
-    return ARENA
-
-
 class ShmStore:
     """allow(key, now=None) for one algorithm, with state in an Arena shared by forked processes."""
 
     def __init__(self, algorithm, arena: Arena | None = None, *, name: str | None = None, clock=_time):
-        arena = arena or ARENA
         if arena is None:
-            raise ValueError("the shared-memory store needs an Arena created before fork (limiter.shm.create)")
+            raise ValueError("the shared-memory store needs an Arena created before fork (limiter.shm.Arena)")
         codec = _codec(algorithm)
         if codec.size > arena.state_bytes:
             raise ValueError(f"{algorithm!r} needs {codec.size} bytes of state per key; the shared table "

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from lb.config import load as config
+from lb.config.kinds import Num, OnOff
+from lb.config.schema import SETTINGS
+from lb.errors import ConfigError
 from tests.support import PY, ROOT, Edge, free_port, raw, request, wait_until
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (INFO|WARNING|ERROR) edge: ")
@@ -54,23 +57,24 @@ class NotifySocket:
 
 # ------------------------------------------------------------------------------------ configuration
 
-NUMERIC = sorted(config._FLAG_KINDS)
+NUMERIC = sorted(s.name for s in SETTINGS if isinstance(s.kind, (Num, OnOff)))
 
 
 @pytest.mark.parametrize("name", NUMERIC)
 @pytest.mark.parametrize("bad", ["nan", "inf", "-1", "1e30"])
 def test_every_number_is_finite_and_in_range_flag_and_file(name, bad, tmp_path):
     """One table checks them all: the flag and the TOML key give the same error naming the key."""
-    flag = "--" + name.replace("_", "-")
+    s = next(s for s in SETTINGS if s.name == name)
+    flag = s.flag
     if flag in config.build_argparser()._option_string_actions:    # a few keys are file-only (max_keys)
-        with pytest.raises(config.ConfigError) as e:
+        with pytest.raises(ConfigError) as e:
             config.load(["--backends", "http://127.0.0.1:9", f"{flag}={bad}"])
         assert len(e.value.problems) == 1 and e.value.problems[0].startswith(flag + ":"), e.value.problems
-    section, key = next((s, k) for s, t in config._SECTIONS.items() for k, (n, _) in t.items() if n == name)
+    section, key = s.toml[0].split(".")
     f = tmp_path / "edge.toml"
     value = {"nan": "nan", "inf": "inf", "-1": "-1", "1e30": "1e30"}[bad]
     f.write_text(f'[[backends]]\nurl = "http://127.0.0.1:9"\n[{section}]\n{key} = {value}\n')
-    with pytest.raises(config.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         config.load(["--config", str(f)])
     assert e.value.problems[0].startswith(f"{section}.{key}:"), e.value.problems
 

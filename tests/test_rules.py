@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from lb.config.load import ConfigError, load
+from lb.config.load import load
+from lb.errors import ConfigError
 from lb.http.framing import parse_request
 from lb.limiting.keys import parse_keys
 from lb.limiting.stage import LimitStage, release

@@ -15,6 +15,8 @@ from email.utils import formatdate
 from http import HTTPStatus
 from time import monotonic, time
 
+from lb.errors import ClientGone, HttpError, UpstreamError
+
 CRLF = b"\r\n"
 
 # Limits (nginx: large_client_header_buffers 4 8k; HAProxy: tune.bufsize 16k, 101 headers).
@@ -65,26 +67,6 @@ _VERSION = re.compile(rb"HTTP/(\d)\.(\d)\Z")
 _HOST_BAD = re.compile(rb"[\x00-\x20\x7f/\\@?#,]")
 # A CR not followed by LF, or an LF not preceded by CR: a line end two parsers may read differently.
 _BARE_EOL = re.compile(rb"\r(?!\n)|(?<!\r)\n")
-
-
-class HttpError(Exception):
-    """A request the edge answers itself: status, short reason. close=True when framing is lost."""
-
-    def __init__(self, status: int, reason: str, close: bool = True):
-        super().__init__(reason)
-        self.status, self.reason, self.close = status, reason, close
-
-
-class UpstreamError(Exception):
-    """The backend failed us: kind is 'connect', 'reset', 'timeout' or 'protocol'."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(detail)
-        self.kind, self.detail = kind, detail
-
-
-class ClientGone(Exception):
-    """The client closed or reset its connection while we were answering."""
 
 
 _TIMEVAL = struct.Struct("@ll")

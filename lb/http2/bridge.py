@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import socket
 
-from lb.http.framing import UpstreamError, parse_response
+from lb.errors import UpstreamError
+from lb.http.framing import parse_response
 from lb.http2.downstream import H2Downstream
 
 _GRPC_BODY = 1024          # the text of an answer of the edge's own kept for grpc-message

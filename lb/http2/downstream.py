@@ -31,8 +31,9 @@ def fields(headers) -> list[tuple[bytes, bytes]]:
 class H2Downstream:
     proto = b"HTTP/2"
 
-    def __init__(self, stream, edge=None, head_only: bool = False):
+    def __init__(self, stream, edge=None, head_only: bool = False, build=None):
         self.stream, self.edge, self.head_only = stream, edge, head_only
+        self.build = build            # lb.proxy.replies.build, given by the pipeline's side (a room above)
 
     @property
     def grpc(self) -> bool:
@@ -62,9 +63,9 @@ class H2Downstream:
         self.stream.headers(200, grpc.trailers_only(status, reason, fields(headers)), True)
 
     def local_reply(self, x, status: int, reason: str, keep: bool, linger: bool = False) -> bool:
-        """The edge's own reply (PIPELINE.md): built by lb/proxy/replies.py, logged, then encoded."""
-        from lb.proxy import replies           # the pipeline's builder (branch i25p)
-        r = replies.build(x, status, reason, keep)
+        """The edge's own reply (PIPELINE.md): built by lb/proxy/replies.py's build (self.build), logged, then
+        encoded."""
+        r = self.build(x, status, reason, keep)
         x.bytes_sent = len(r.body)
         self.edge.record(x, status)
         if self.grpc:

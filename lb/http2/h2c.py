@@ -19,7 +19,8 @@ from time import monotonic
 
 from h2.errors import ErrorCodes
 
-from lb.http.framing import HOP_BY_HOP, ClientGone, HttpError, iter_chunked, iter_fixed, not_relayed
+from lb.errors import ClientGone, HttpError
+from lb.http.framing import HOP_BY_HOP, iter_chunked, iter_fixed, not_relayed
 from lb.http2.grpc import parse_timeout
 from lb.upstream.h2pool import H2Unavailable
 
@@ -62,7 +63,6 @@ def _upload(call, pieces, failed: list) -> None:
 def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
     """Forward x.req to the h2c backend and relay its answer to sock; True when the client connection
     may carry another request (HTTP/1.1 clients; HTTP/2 ignores it)."""
-    from lb.proxy.forward import uncount       # (lb/proxy imports lb/http2 lazily; the cycle stays open)
     cfg = edge.cfg
     req = x.req
     fw = edge.forwarder
@@ -229,6 +229,15 @@ def _relay(edge, x, backend, call, sock, stream, deadline: float, failed: list, 
     edge.metrics.backend_done(backend.url, status, now - x.start, x.upstream_seconds)
     edge._done(x, status)
     return keep
+
+
+def uncount(x) -> None:
+    """The call no longer loads its backend (least-request, the drain): its in-flight count back, once
+    (lb/proxy/forward.py's, which this room sits below)."""
+    b, x.counted = x.counted, None
+    if b is not None:
+        with b.lock:
+            b.inflight -= 1
 
 
 class _Cut(OSError):

@@ -36,7 +36,8 @@ import h2.settings
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
-from lb.http.framing import MAX_HEAD, ClientGone, HttpError, Reader, linger, request_from_fields
+from lb.errors import ClientGone, HttpError
+from lb.http.framing import MAX_HEAD, Reader, linger, request_from_fields
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
 from lb.http2.guard import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, Allowance

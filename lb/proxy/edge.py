@@ -41,8 +41,9 @@ from lb.limiting.stage import Holds
 from lb.limiting.stage import release as release_slots
 from lb.upstream.breaker import Breaker
 from lb.upstream.retrybudget import RetryBudget
-from lb.http.framing import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
-                     own_response, parse_request, send, send_timeout)
+from lb.http.framing import (Reader, Request, body_deadline, iter_chunked, iter_fixed, linger, own_response,
+                             parse_request, send, send_timeout)
+from lb.errors import ClientGone, HttpError
 
 log = logging.getLogger("edge")
 

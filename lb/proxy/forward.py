@@ -24,13 +24,15 @@ from time import monotonic, sleep
 from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
 from lb.proxy import tunnel
-from lb.upstream.backends import Backend, PoolExhausted
+from lb.upstream.backends import Backend
+from lb.errors import PoolExhausted
 from lb.logs import ClientFaults, client_fault
 from lb.upstream.retrypolicy import RetryPolicy, retry_after
 from lb.proxy.spool import Spool, SpooledBody
 from lb.netaddr import hostport
-from lb.http.framing import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
-                     not_relayed, own_response, parse_response, send)
+from lb.http.framing import (HOP_BY_HOP, Reader, Request, chunk_size, linger, not_relayed, own_response,
+                             parse_response, send)
+from lb.errors import ClientGone, HttpError, UpstreamError
 
 log = logging.getLogger("edge")
 retry_log = ClientFaults(log, what="retries")   # retries past connect: one WARNING per window, then a count

@@ -14,11 +14,9 @@ import os
 import socket
 import struct
 
+from lb.errors import ResolveError
+
 A, AAAA = 1, 28
-
-
-class ResolveError(Exception):
-    pass
 
 
 def is_address(host: str) -> bool:
