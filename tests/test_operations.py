@@ -689,7 +689,7 @@ def test_the_unit_runs_check_before_reload_and_its_low_port_lines_work():
 def test_request_ids_differ_across_forked_workers():
     """Request ids come from a per-process generator (no system call per request): each forked worker
     reseeds it, or every worker would hand out the same sequence of ids."""
-    from lb.proxy.edge import new_request_id
+    from lb.proxy.pipeline import new_request_id
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

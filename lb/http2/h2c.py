@@ -22,6 +22,7 @@ from h2.errors import ErrorCodes
 from lb.errors import ClientGone, HttpError
 from lb.http.framing import HOP_BY_HOP, iter_chunked, iter_fixed, not_relayed
 from lb.http2.grpc import parse_timeout
+from lb.upstream.failures import Failure
 from lb.upstream.h2pool import H2Unavailable
 
 log = logging.getLogger("edge")
@@ -60,9 +61,10 @@ def _upload(call, pieces, failed: list) -> None:
         call.reset(ErrorCodes.CANCEL)
 
 
-def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
-    """Forward x.req to the h2c backend and relay its answer to sock; True when the client connection
-    may carry another request (HTTP/1.1 clients; HTTP/2 ignores it)."""
+def forward(edge, x, backend, conn, down) -> bool:
+    """Forward x.req to the h2c backend and relay its answer to `down` (start, send, finish: any
+    Downstream); True when the client connection may carry another request (HTTP/2 ignores it)."""
+    reader, sock, peer, trusted = conn.reader, conn.sock, conn.peer, conn.peer_trusted
     cfg = edge.cfg
     req = x.req
     fw = edge.forwarder
@@ -100,7 +102,7 @@ def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
                     nxt, budgeted, refused = fw.next_try(backend, tried, held)
                     why += refused
                 if nxt is None or nxt.h2 is None:
-                    return fw.failed(sock, x, "pool" if pool else "connect", 503 if pool else 502, why,
+                    return fw.failed(down, x, Failure.POOL if pool else Failure.CONNECT, why,
                                      keep and not has_body, tried)
                 held = held or budgeted
                 fw.retrying(x, backend, "connect", why, "connect", nxt, len(tried))   # as HTTP/1.1's connect retry
@@ -116,13 +118,13 @@ def forward(edge, x, backend, reader, sock, peer: bytes, trusted: bool) -> bool:
             else:
                 threading.Thread(target=_upload, args=(call, pieces, failed), daemon=True,
                                  name="h2c upload").start()
-        return _relay(edge, x, backend, call, sock, stream, deadline, failed, keep)
+        return _relay(edge, x, backend, call, down, stream, deadline, failed, keep)
     finally:
         uncount(x)
         budget.end(held)
 
 
-def _relay(edge, x, backend, call, sock, stream, deadline: float, failed: list, keep: bool) -> bool:
+def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, keep: bool) -> bool:
     cfg = edge.cfg
     fw = edge.forwarder
     req = x.req
@@ -145,7 +147,7 @@ def _relay(edge, x, backend, call, sock, stream, deadline: float, failed: list, 
                     "no response within the read timeout"
                 if status is None:
                     fw.observe(backend, False, why)
-                    return fw.failed(sock, x, "timeout", 504, why, keep and not failed)
+                    return fw.failed(down, x, Failure.TIMEOUT, why, keep and not failed)
                 raise _Cut(why)
             ev = call.get(min(left, _CHECK))
             if ev is None:
@@ -161,59 +163,46 @@ def _relay(edge, x, backend, call, sock, stream, deadline: float, failed: list, 
                 if not 200 <= status < 600:
                     call.reset(ErrorCodes.PROTOCOL_ERROR)
                     fw.observe(backend, False, "bad :status")
-                    return fw.failed(sock, x, "protocol", 502, "backend sent an invalid response", keep)
+                    return fw.failed(down, x, Failure.PROTOCOL, "bad :status", keep)
                 x.upstream_status = status
-                out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _phrase(status)))
-                for name, value in fields:
-                    if name[:1] == b":" or name in skip or (limiting and name[:12] == b"x-ratelimit-"):
-                        continue
-                    out += name + b": " + value + b"\r\n"
-                out += x.rid_header + x.rl + x.set_cookie
+                out = [(name, value) for name, value in fields
+                       if name[:1] != b":" and name not in skip and name not in _FRAMING
+                       and not (limiting and name[:12] == b"x-ratelimit-")]
+                out += _pairs(x.rid_header + x.rl + x.set_cookie)
                 if ev[2] or req.method == b"HEAD" or status in (204, 304):
-                    out += b"Content-Length: 0\r\n\r\n" if status not in (204, 304) else b"\r\n"
-                    sock.sendall(out)
-                    sent += len(out)
+                    down.start(x, status, _phrase(status), out, 0)
                     if not ev[2]:
                         call.reset(ErrorCodes.CANCEL)   # no body is relayed: nothing more is wanted
                     break
-                out += b"Transfer-Encoding: chunked\r\n\r\n"
-                sock.sendall(out)
-                sent += len(out)
+                down.start(x, status, _phrase(status), out, None)
             elif kind == "data":
                 data, n = ev[1], ev[2]
                 if data:
-                    piece = b"%x\r\n%s\r\n" % (len(data), data)
-                    sock.sendall(piece)          # blocks while the client is slow: its stream only
-                    sent += len(piece)
+                    down.send(data)              # blocks while the client is slow: its stream only
+                    sent += len(data)
                 if n:
                     call.ack(n)                  # the window back only once the client took it
             elif kind == "trailers":
-                out = bytearray(b"0\r\n")
-                for name, value in ev[1]:
-                    if name[:1] != b":" and name not in HOP_BY_HOP:
-                        out += name + b": " + value + b"\r\n"
-                out += b"\r\n"
-                sock.sendall(out)
-                sent += len(out)
+                down.finish([(name, value) for name, value in ev[1] if name[:1] != b":" and name not in HOP_BY_HOP])
                 break
             elif kind == "end":
-                sock.sendall(b"0\r\n\r\n")
-                sent += 5
+                down.finish(None)
                 break
             else:    # reset or closed
                 why = f"backend reset the stream ({ev[1]})" if kind == "reset" else str(ev[1])
                 if status is None:
                     fw.observe(backend, False, why)
-                    return fw.failed(sock, x, "reset", 502, why, keep and not failed)
+                    return fw.failed(down, x, Failure.RESET, why, keep and not failed)
                 raise _Cut(why)
-    except (OSError, ClientGone) as e:
+    except (_Cut, ClientGone) as e:
         call.reset(ErrorCodes.CANCEL)
         if isinstance(e, _Cut):
             fw.observe(backend, False, str(e))
             log.warning("backend %s %s mid-response: %s %s", backend.url, e, req.method.decode(),
                         req.target[:200].decode("latin-1"))
-            edge.metrics.upstream_error(backend.url, "reset", status, monotonic() - x.start)
-            edge._done(x, status)
+            edge.metrics.upstream_error(backend.url, Failure.RESET, status, monotonic() - x.start)
+            edge.record(x, status)
+            down.abort()                 # the client must see the answer cut short
             return False
         if x.status is None:
             edge.client_closed(x, reached=True)
@@ -227,7 +216,7 @@ def _relay(edge, x, backend, call, sock, stream, deadline: float, failed: list, 
     now = monotonic()
     x.upstream_seconds = now - x.upstream_start
     edge.metrics.backend_done(backend.url, status, now - x.start, x.upstream_seconds)
-    edge._done(x, status)
+    edge.record(x, status)
     return keep
 
 
@@ -242,6 +231,20 @@ def uncount(x) -> None:
 
 class _Cut(OSError):
     """The backend failed after the head went to the client: only a reset can show it."""
+
+
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"te", b"trailer",
+                      b"upgrade", b"proxy-connection"})     # the Downstream writes its own framing
+
+
+def _pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
+    """The exchange's own header lines (request id, rate-limit headers, Set-Cookie) as fields."""
+    out = []
+    for line in lines.split(b"\r\n"):
+        if line:
+            name, _, value = line.partition(b":")
+            out.append((name, value.strip()))
+    return out
 
 
 def _phrase(status: int) -> bytes:

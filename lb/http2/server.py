@@ -216,8 +216,6 @@ class Connection:
         now = monotonic()
         self.resets = Allowance(RESET_BURST, RESET_RATE, now)
         self.control = Allowance(CONTROL_BURST, CONTROL_RATE, now)
-        self.identifier = None
-        self.trusted = False
         cfg = edge.cfg
         self.max_streams = cfg.http2_max_concurrent_streams
         config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True)
@@ -597,12 +595,9 @@ class Connection:
         try:
             if st.reset:
                 return
-            if self.identifier is not edge.identifier:     # trust: once per connection and per reload
-                self.identifier = edge.identifier
-                self.trusted = self.identifier.trusted(self.peer_ip)
             reader = StreamReader(st, req.chunked)
             try:
-                edge.handle(req, reader, sock, self.peer_ip.encode(), self.trusted, self.peer_ip, self.over_tls)
+                edge.handle_stream(req, sock, reader, self.peer_ip, self.over_tls, self.cert, self.accepted)
             except ClientGone:
                 pass
             if sock.close_out():
