@@ -5,11 +5,14 @@ this stream), the end with or without trailers (finish), and the edge's own repl
 a gRPC client gets trailers-only (lb/http2/grpc.py). Field names go out lowercase and without the
 HTTP/1.1 connection-specific ones, which HTTP/2 forbids.
 
-Until Pipeline.run hands it over itself, lb/http2/bridge.py drives it from the HTTP/1.1 bytes today's
-pipeline writes.
+The pipeline reaches it through lb/proxy/h2stream.py (this room sits below the pipeline's, which lends
+it the replies builder); lb/http2/bridge.py drives it for the refusals of streams whose fields cannot
+make a Request.
 """
 
 from __future__ import annotations
+
+from h2.errors import ErrorCodes
 
 from lb.http.framing import HOP_BY_HOP
 from lb.http2 import grpc
@@ -42,6 +45,8 @@ class H2Downstream:
     def start(self, x, status: int, reason: bytes, headers, length: int | None) -> None:
         """A response head; length 0 (or a HEAD's, a 204's, a 304's) ends the stream on it."""
         out = fields(headers)
+        if length and not any(f[0] == b"content-length" for f in out):
+            out.append((b"content-length", b"%d" % length))   # the pipeline hands framing over apart
         end = length == 0 or self.head_only or status in (204, 304)
         if end and not self.head_only:
             out = [f for f in out if f[0] != b"content-length"]   # END_STREAM says it (and gRPC reads it as metadata)
@@ -78,9 +83,12 @@ class H2Downstream:
                 self.finish()
         return True
 
-    def read_body(self, x):
-        return b""                    # HTTP/2 passes the body to Pipeline.run
+    def abort(self) -> None:
+        """The answer cannot be completed (its backend failed after the head): the stream is reset."""
+        st = self.stream
+        with st.conn.cv:
+            st.conn.reset_stream(st, ErrorCodes.INTERNAL_ERROR)
 
-    def hold(self, delay: float) -> None:
-        import time
-        time.sleep(delay)
+    @property
+    def complete(self) -> bool:
+        return getattr(self, "ended", False)

@@ -64,7 +64,7 @@ def _upload(call, pieces, failed: list) -> None:
 def forward(edge, x, backend, conn, down) -> bool:
     """Forward x.req to the h2c backend and relay its answer to `down` (start, send, finish: any
     Downstream); True when the client connection may carry another request (HTTP/2 ignores it)."""
-    reader, sock, peer, trusted = conn.reader, conn.sock, conn.peer, conn.peer_trusted
+    reader, peer, trusted = conn.reader, conn.peer, conn.peer_trusted
     cfg = edge.cfg
     req = x.req
     fw = edge.forwarder
@@ -77,7 +77,7 @@ def forward(edge, x, backend, conn, down) -> bool:
             if t is not None:
                 deadline = min(deadline, monotonic() + t)
     x.upstream_start = monotonic()
-    stream = getattr(sock, "stream", None)      # an HTTP/2 client's stream: its reset cancels the call
+    stream = getattr(down, "stream", None)      # an HTTP/2 client's stream: its reset cancels the call
     budget = edge.retry_budget
     budget.start()
     held = False

@@ -40,6 +40,7 @@ from lb.errors import ClientGone, HttpError
 from lb.http.framing import MAX_HEAD, Reader, linger, request_from_fields
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
+from lb.http2.downstream import H2Downstream
 from lb.http2.guard import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, Allowance
 from lb.logs import client_fault
 
@@ -591,16 +592,16 @@ class Connection:
 
     def _serve_stream(self, st: Stream, req) -> None:
         edge = self.edge
-        sock = StreamSocket(st, req.method == b"HEAD")
+        codec = H2Downstream(st, edge, req.method == b"HEAD")
         try:
             if st.reset:
                 return
             reader = StreamReader(st, req.chunked)
             try:
-                edge.handle_stream(req, sock, reader, self.peer_ip, self.over_tls, self.cert, self.accepted)
+                edge.handle_stream(req, codec, reader, self.peer_ip, self.over_tls, self.cert, self.accepted)
             except ClientGone:
                 pass
-            if sock.close_out():
+            if codec.complete:
                 if st.drained():
                     edge.metrics.inc("lb_http2_streams_total", outcome="served")
             else:
@@ -613,7 +614,6 @@ class Connection:
             with self.cv:
                 self.reset_stream(st, ErrorCodes.INTERNAL_ERROR)
         finally:
-            sock.close()
             self._ended(st)
 
     def _ended(self, st: Stream) -> None:

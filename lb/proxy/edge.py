@@ -26,6 +26,7 @@ from lb.logs import client_fault
 from lb.proxy import replies
 from lb.proxy.conn import ClientConn
 from lb.proxy.downstream import H1Downstream
+from lb.proxy.h2stream import StreamDownstream
 from lb.proxy.exchange import Exchange
 from lb.proxy.forward import Forwarder
 from lb.proxy.pipeline import Pipeline, new_request_id
@@ -318,11 +319,11 @@ class Edge:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def handle_stream(self, req: Request, sock, reader, peer_ip: str, over_tls: bool, cert, accepted) -> bool:
-        """An HTTP/2 stream's request (lb/http2/server.py, which sits below this room): the HTTP/1.1 encoder
-        writes into the stream's bridge (lb/http2/bridge.py), until the stream is a Downstream itself."""
-        conn = ClientConn(sock, peer_ip, over_tls, reader, cert, accepted)
-        return self.handle(req, conn, H1Downstream(conn, self))
+    def handle_stream(self, req: Request, codec, reader, peer_ip: str, over_tls: bool, cert, accepted) -> bool:
+        """An HTTP/2 stream's request (lb/http2/server.py, which sits below this room), answered through its
+        codec as a Downstream (lb/proxy/h2stream.py)."""
+        conn = ClientConn(None, peer_ip, over_tls, reader, cert, accepted)
+        return self.handle(req, conn, StreamDownstream(conn, self, codec))
 
     def handle(self, req: Request, conn: ClientConn, down, body=None) -> bool:
         """Serve one request (lb/proxy/pipeline.py); True when the client connection may carry another.
