@@ -1,11 +1,9 @@
-"""Today's pipeline writes its answer as HTTP/1.1 bytes to a client socket; an HTTP/2 stream takes it here.
-
-StreamSocket stands where the pipeline expects the client's socket (Edge.handle(req, reader, sock, ...)),
-reads the HTTP/1.1 response written to it (the head, then a body framed by Content-Length, chunks or the
-end) and hands it to the stream as HTTP/2 (start, send, finish: the Downstream contract of PIPELINE.md).
-It is a socket.socket (an unconnected UDP one, never used for I/O) only so that the few places that
-call socket.socket's own methods on a client socket (a lingering close, the delay mode's watch) get a
-harmless answer. When Pipeline.run takes a Downstream, this module goes: the stream is the Downstream.
+"""A stream whose fields could not make a Request is refused by the listener's own refusal (Edge._refuse,
+which writes HTTP/1.1 to a socket, having no Exchange nor Downstream): StreamSocket stands where that
+socket would be, reads the HTTP/1.1 answer written to it and hands it to the stream's codec
+(lb/http2/downstream.py). It is a socket.socket (an unconnected UDP one, never used for I/O) so that
+socket.socket's own methods called on a client socket get a harmless answer. Every other answer goes
+through the pipeline's Downstream (lb/proxy/h2stream.py) and never comes here.
 """
 
 from __future__ import annotations

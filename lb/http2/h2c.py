@@ -6,9 +6,9 @@ body streams to it from the client as it arrives, on a thread of its own, while 
 answer -- both directions at once, as a gRPC bidirectional stream needs. grpc-timeout is the call's
 deadline (within response_timeout); a client that resets its stream cancels the backend's.
 
-Until Pipeline.run hands a Downstream over (PIPELINE.md), the answer is written as HTTP/1.1 to the
-client socket: chunked, its trailers (grpc-status, grpc-message, trailing metadata) in the last chunk,
-which an HTTP/2 client's StreamSocket (lb/http2/bridge.py) turns back into HEADERS with END_STREAM.
+The answer goes to the exchange's Downstream (start, send, finish with the backend's trailers --
+grpc-status, grpc-message, trailing metadata -- abort): an HTTP/2 stream's HEADERS, DATA and trailing
+HEADERS, or HTTP/1.1's chunks with the trailers in the last one.
 """
 
 from __future__ import annotations
