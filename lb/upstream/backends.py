@@ -236,6 +236,7 @@ class Backend:
     `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
     cluster: Any = None    # the Pool it belongs to (lb/upstream/pools.py); None: the default pool
+    h2 = None                     # an h2c:// backend's HTTP/2 calls (lb/upstream/h2pool.py), else None
 
     def __init__(self, spec: BackendSpec, pool: BackendPool):
         self.spec = spec
@@ -303,5 +304,8 @@ def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None, breaker
     pool.url = spec.url
     pool.pool.breaker = breaker
     b = Backend(spec, pool)
+    if spec.scheme == "h2c":         # HTTP/2 by prior knowledge: calls multiplexed (lb/upstream/h2pool.py)
+        from lb.upstream.h2pool import H2Upstream
+        b.h2 = H2Upstream(spec.address or spec.host, spec.port, cfg.connect_timeout, spec.url)
     b.joined_at = joined_at   # None at start: the whole pool starts together, nobody ramps
     return b
