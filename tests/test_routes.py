@@ -360,3 +360,21 @@ def test_header_edit_variables():
     assert e.render(X()) == b"X-A: 10.1.2.3 abc123 api.example.com $host\r\n"
     assert e.drop == {b"x-a", b"server"}
     assert HeaderEdit(HeaderRules(set=(("X-B", "a$$b"),))).render(X()) == b"X-B: a$b\r\n"
+
+
+def test_routes_over_http2_the_same(tmp_path, backends):
+    """An HTTP/2 stream goes through the same pipeline: its route and the route's header rules."""
+    from tests.h2client import H2Client
+    e, _ = _edge(tmp_path, backends)
+    c = H2Client(e.port)
+    try:
+        r = c.response(c.request("/echo/v2/x", headers=[("cookie", "a=b")]))
+        hdrs = dict(r["headers"])
+        assert hdrs[b":status"] == b"200" and hdrs[b"strict-transport-security"] == b"max-age=63072000"
+        assert b"server" not in hdrs
+        seen = {k.lower(): v for k, v in json.loads(r["data"])["headers"]}
+        assert seen["x-client"] == "127.0.0.1" and "cookie" not in seen
+        assert dict(c.response(c.request("/other"))["headers"])[b"server"]    # the default route: untouched
+    finally:
+        c.close()
+        e.stop()
