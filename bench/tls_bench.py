@@ -1,7 +1,7 @@
 """What TLS termination costs, measured side by side in one run against the same backend (nginx).
 
     python -m bench.tls_bench                  # ~2 minutes; --quick for ~40 s
-    python -m bench.tls_bench --out docs/bench-tls.md
+    python -m bench.tls_bench --out docs/journal/bench-tls.md
 
 Three edges on one backend: plain HTTP, TLS with an ECDSA P-256 certificate, TLS with RSA-2048.
 1. New connections per second: closed loop, 4 client threads, each connection does connect (+ a full

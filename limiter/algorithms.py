@@ -307,7 +307,7 @@ class SlidingCounter(_Algorithm):
         # Thresholds depend on the state alone (see _at), so they are memoised per (k, prev, cur, extra):
         # a hot key being rejected, or many keys in the same state, pay for the solver once.  Bounded;
         # dict get/set/clear are atomic under the GIL, and a lost race only recomputes.
-        self._memo = {}
+        self._memo: dict = {}
 
     def _at(self, k, prev, cur, extra):
         """The earliest float instant in window k or later at which extra + 1 requests in a row would be

@@ -79,8 +79,8 @@ class MemoryStore:
         self.full = 0  # new keys refused because no state in the table was reclaimable
         self._mask = stripes - 1
         self._locks = tuple(threading.Lock() for _ in range(stripes))
-        self._states = {}  # one dict: get/set are atomic; a key's entry changes only under its stripe lock
-        self._heap = []  # (instant <= the key's expiry, key): one entry per key in _states; guarded by _grow
+        self._states: dict = {}  # one dict: get/set are atomic; a key's entry changes only under its stripe lock
+        self._heap: list = []  # (instant <= the key's expiry, key): one entry per key in _states; guarded by _grow
         self._grow = threading.Lock()
         self._step = algorithm.step
         self._expires = algorithm.expires_at

@@ -245,7 +245,7 @@ class ShmStore:
                 if expires > now and digest != _EMPTY:
                     t = digest[14:]
                     counts[t] = counts.get(t, 0) + 1
-            census = a.census = (now, counts)
+            census = a.census = (now, counts)  # type: ignore[attr-defined]
         return census[1].get(self.tag, 0)
 
     def __repr__(self):
@@ -270,8 +270,9 @@ def allow_all_shm(checks, now: float | None = None):
             locked.append(st)
         if now is None:
             now = checks[0][0]._clock()  # under the locks
+        taken: set[int]
         admitted, trials, taken = True, [], set()
-        for (lim, key, enforce), (digest, _, base, homes) in zip(checks, where):
+        for (lim, _key, enforce), (digest, _, base, homes) in zip(checks, where):
             off, state = lim._find(digest, base, homes, now, taken)
             if off is None:
                 new, d = None, lim._full()

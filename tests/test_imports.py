@@ -15,6 +15,7 @@ module may import its own room and the rooms below it, never one above:
                        key file, a retry condition, a certificate pair is parsed and checked by its
                        own room), below everything that reads the Config
     lb.ops             admin, metrics, access log, dashboard, fanout
+    lb.http2           HTTP/2: the client connection driver, its streams' Downstream, the h2c:// calls
     lb.proxy           listener, pipeline, forward, tunnel, spool
     lb.process         app, serve, supervisor, signals, sdnotify
     edge               the entry point, on top
@@ -40,6 +41,7 @@ LAYERS = [
     ["lb.limiting"],
     ["lb.config"],
     ["lb.ops"],
+    ["lb.http2"],
     ["lb.proxy"],
     ["lb.process"],
     ["edge"],

@@ -27,7 +27,7 @@ def req(method="GET", path="/", host="api.example.com", **headers):
     return parse_request(head.encode()[:-2])
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
 def store(request):
     """{} for the memory store; the Redis options for a redis-server of this test's own."""
     if request.param == "memory":

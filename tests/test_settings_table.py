@@ -15,7 +15,7 @@ from lb.config.schema import SETTINGS, Config, file_keys
 from lb.errors import ConfigError
 from tests.support import PY, ROOT
 
-README = Path(ROOT) / "README.md"
+README = Path(ROOT) / "docs" / "reference" / "configuration.md"   # the generated table lives there
 
 # The flags and TOML keys of main before the table (DESIGN.md's contract, the README, tests and unit files use
 # them): a rename breaks someone. Add to these lists; never take a name out.
@@ -49,9 +49,9 @@ limits.ipv6_prefix limits.max_delay limits.max_delayed limits.max_in_flight limi
 
 def test_the_readme_table_is_the_one_the_schema_generates():
     table = docs.readme_table(README.read_text(encoding="utf-8"))
-    assert table is not None, f"README.md lost its markers {docs.BEGIN!r} ... {docs.END!r}"
-    assert table == docs.markdown(), ("README.md's configuration table and lb/config/schema.py disagree: "
-                                      "run `python3 -m lb.config.docs --write README.md`")
+    assert table is not None, f"docs/reference/configuration.md lost its markers {docs.BEGIN!r} ... {docs.END!r}"
+    assert table == docs.markdown(), ("docs/reference/configuration.md's table and lb/config/schema.py disagree: "
+                                      "run `python3 -m lb.config.docs --write docs/reference/configuration.md`")
 
 
 def test_a_changed_readme_row_is_caught():
@@ -129,5 +129,5 @@ def test_unknown_keys_are_named_with_the_known_ones(tmp_path):
     assert e.value.problems == [
         ("listn: unknown key (known at the top level: listen, admin, strategy, demo, access_log, access_log_format, "
          "sticky, backends, rules, keys, health, upstream, server, tls, limits)"),
-        ("health.intervall: unknown key (known in [health]: path, interval, timeout, unhealthy_threshold, "
+        ("health.intervall: unknown key (known in [health]: path, protocol, interval, timeout, unhealthy_threshold, "
          "healthy_threshold, eject_after, eject_for, max_ejected_percent, slow_start)")]

@@ -16,21 +16,6 @@ from tests.support import Edge, config_error, raw, request, wait_until
 trustme = pytest.importorskip("trustme", reason="trustme (requirements-dev.txt) makes the test certificates")
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A throwaway CA and two server certificates for 127.0.0.1, ::1 and localhost, as PEM files."""
-    d = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    files = {"ca": d / "ca.pem"}
-    ca.cert_pem.write_to_path(str(files["ca"]))
-    for n in ("1", "2"):
-        leaf = ca.issue_cert("127.0.0.1", "::1", "localhost")
-        files["cert" + n], files["key" + n] = d / f"cert{n}.pem", d / f"key{n}.pem"
-        leaf.cert_chain_pems[0].write_to_path(str(files["cert" + n]))
-        leaf.private_key_pem.write_to_path(str(files["key" + n]))
-    return {k: str(v) for k, v in files.items()}
-
-
 def client_ctx(pki, **versions) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=pki["ca"])
     ctx.set_alpn_protocols(["http/1.1"])
@@ -76,13 +61,23 @@ def test_https_in_keep_alive_alpn_and_forwarded_proto(backends, pki):
             trusted.stop()
         status = json.loads(request(e.admin_port, "GET", "/status").body)
         assert status["tls"] is True
-        # A client offering only h2 gets no ALPN agreement: we never claim to speak HTTP/2.
+        # With HTTP/2 on (the default) a client offering h2 gets it (tests/test_http2.py); with it off
+        # ([server] http2 = false) h2 is never claimed: HTTP/1.1 as before.
+        off = tls_edge(pki, backends, "--http2", "off")
+        try:
+            ctx = client_ctx(pki)
+            ctx.set_alpn_protocols(["h2", "http/1.1"])
+            c = https(off.port, pki, ctx)
+            assert request(off.port, "GET", "/", conn=c).status == 200
+            assert c.sock.selected_alpn_protocol() == "http/1.1"
+            c.close()
+        finally:
+            off.stop()
         ctx = client_ctx(pki)
         ctx.set_alpn_protocols(["h2", "http/1.1"])
-        c = https(e.port, pki, ctx)
-        assert request(e.port, "GET", "/", conn=c).status == 200
-        assert c.sock.selected_alpn_protocol() == "http/1.1"
-        c.close()
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+            with ctx.wrap_socket(s, server_hostname="127.0.0.1") as t:
+                assert t.selected_alpn_protocol() == "h2"
     finally:
         e.stop()
 

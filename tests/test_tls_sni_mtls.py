@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.support import PY, ROOT, Backend, Edge, wait_until
+from tests.support import PY, ROOT, Edge, wait_until
 
 trustme = pytest.importorskip("trustme", reason="trustme (requirements-dev.txt) makes the test certificates")
 x509 = pytest.importorskip("cryptography.x509", reason="cryptography (trustme's) makes the CRL")
@@ -75,13 +75,6 @@ def _crl(ca, serials, path):
         out.write(b.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
 
 
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("a")
-    yield b
-    b.stop()
-
-
 def toml_edge(tmp_path, backend, pki, tls_lines: str, *args, name="edge.toml"):
     conf = tmp_path / name
     conf.write_text(f'[[backends]]\nurl = "{backend.url}"\n\n[health]\ninterval = 30\n\n'
@@ -111,11 +104,11 @@ def test_sni_exact_before_wildcard_case_insensitive_default_for_unknown_and_abse
         assert served(e.port, "a.b.example.com") == "default"   # a wildcard covers one label only
         assert served(e.port, "other.test") == "default"
         assert served(e.port, None) == "default"
-        # ... and the chosen context still speaks HTTP (ALPN http/1.1 on every context)
+        # ... and the chosen context still speaks HTTP (ALPN h2 then http/1.1 on every context: HTTP/2 here)
         p = subprocess.run(["curl", "-sS", "--cacert", pki["ca"], "--resolve", f"api.example.com:{e.port}:127.0.0.1",
                             "-w", "%{http_version}", "-o", "/dev/null", f"https://api.example.com:{e.port}/"],
                            capture_output=True, text=True, timeout=20)
-        assert p.returncode == 0 and p.stdout == "1.1", p.stderr
+        assert p.returncode == 0 and p.stdout == "2", p.stderr
         # ... and a session from it resumes (the tickets are the listener's, whichever certificate served)
         import socket
         ctx, session, seen = ssl.create_default_context(cafile=pki["ca"]), None, []

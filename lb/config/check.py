@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 
-from lb.logs import redact
 from lb.netaddr import hostport
 
 

@@ -1,9 +1,9 @@
-"""The settings table (lb/config/schema.py) written out for people: --help's lines and the README's table.
+"""The settings table (lb/config/schema.py) written out for people: --help's lines and the configuration reference's table.
 
     python3 -m lb.config.docs --markdown          print the README's configuration table
-    python3 -m lb.config.docs --write README.md   rewrite it between the README's markers
+    python3 -m lb.config.docs --write docs/reference/configuration.md   rewrite it between its markers
 
-tests/test_settings_table.py fails when README.md's table and the schema disagree.
+tests/test_settings_table.py fails when docs/reference/configuration.md's table and the schema disagree.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def help_text(s: Setting) -> str:
     return f"{s.help} (default {shown})"
 
 
-# -------------------------------------------------------------------------- the README's table
+# -------------------------------------------------------------------------- the configuration reference's table
 
 def _marked(help: str) -> str:
     """--help's plain text as the README writes it: flags in backticks, arrows."""
@@ -70,12 +70,12 @@ def markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-BEGIN = "<!-- the settings table: generated from lb/config/schema.py by `python3 -m lb.config.docs --write README.md` -->"
+BEGIN = "<!-- the settings table: generated from lb/config/schema.py by `python3 -m lb.config.docs --write docs/reference/configuration.md` -->"
 END = "<!-- end of the settings table -->"
 
 
 def readme_table(text: str) -> str | None:
-    """The table between the README's markers (None: no markers)."""
+    """The table between its markers (None: no markers)."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         return None
@@ -99,11 +99,11 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--write"] and len(argv) == 2:
         write_readme(argv[1])
         return 0
-    print("usage: python3 -m lb.config.docs --markdown | --write README.md", file=sys.stderr)
+    print("usage: python3 -m lb.config.docs --markdown | --write docs/reference/configuration.md", file=sys.stderr)
     return 2
 
 
 
 
-if __name__ == "__main__":          # python3 -m lb.config.docs --markdown | --write README.md
+if __name__ == "__main__":          # python3 -m lb.config.docs --markdown | --write docs/reference/configuration.md
     sys.exit(main(sys.argv[1:]))

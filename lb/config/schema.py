@@ -4,7 +4,7 @@ Everything else is generated from it: the flags and their --help (lb/config/load
 the default appended to each help), the TOML keys the file may have and the unknown-key errors that
 list them (load.read_file), the per-value checks (the kind: type and range; `choices`), and the
 README's configuration table (`python3 -m lb.config.docs --markdown`; tests/test_settings_table.py
-fails when README.md's table and this one disagree, `--write README.md` rewrites it in place).
+fails when docs/reference/configuration.md's table and this one disagree, `--write docs/reference/configuration.md` rewrites it in place).
 Checks that span several keys (cert goes with key, health.timeout < interval, ...) are in
 lb/config/validate.py.
 
@@ -24,7 +24,7 @@ Adding a setting is one entry, in the class of its TOML table (UpstreamTable for
     doc: the README's meaning when it says more (markdown; else the help); shown: the default as the
     README writes it (markdown), when the value alone does not say it ("" shows none); env: a variable
     that sets it instead; choices: the words it takes (checked after flags and file are merged);
-  - then `python3 -m lb.config.docs --write README.md` (tests/test_settings_table.py insists), and the
+  - then `python3 -m lb.config.docs --write docs/reference/configuration.md` (tests/test_settings_table.py insists), and the
     key in conf/edge.toml (the test insists on that too).
 
   E.g. `[server] http2`: `http2: bool = setting(False, ONOFF, toml="server.http2", flag="--http2", help="...")` in
@@ -32,7 +32,7 @@ Adding a setting is one entry, in the class of its TOML table (UpstreamTable for
   list, with unknown keys refused like Backends.file; toml_shown() names it in the README) and then one
   entry like any other: `pools: tuple = setting((), POOLS, toml="pools", doc="...")` in TopLevel.
 
-The order here is the order of --help, the README's table and the "known:" lists of unknown-key errors
+The order here is the order of --help, the configuration reference's table and the "known:" lists of unknown-key errors
 (the top-level list's order is the top-level keys' order, then each [section] by its first key).
 Checks that span several keys are validate.py's.
 
@@ -125,7 +125,8 @@ class TopLevel:
     backends: tuple[BackendSpec, ...] = setting(
         (), BACKENDS, toml="backends", flag="--backends", metavar="URL[=W],...", shown="",
         help="URL[=WEIGHT],... e.g. http://127.0.0.1:9001=3,http://127.0.0.1:9002",
-        doc="the pool; weight a whole number ≥ 1; `http://[::1]:9001`, `https://...`")
+        doc="the pool; weight a whole number ≥ 1; `http://[::1]:9001`, `https://...`, `h2c://HOST:PORT` (HTTP/2 by "
+            "prior knowledge: gRPC services, see \"HTTP/2 from clients\")")
     rules: tuple = setting((), RULES, toml="rules",         # lb.limiting.rules.RuleSpec per [[rules]] table
                            doc="limit rules (name, key, limit, algorithm, match, dry_run, cost, max_in_flight): "
                                "[Limit rules](#limit-rules)")
@@ -149,6 +150,12 @@ class HealthTable(AdminTable):
     """[health]: active probes, passive ejection, slow start."""
     health_path: str = setting("/health", STR, toml="health.path", flag="--health-path",
                                help="GET, 2xx = pass")
+    health_protocol: str = setting(
+        "http", STR, toml="health.protocol", flag="--health-protocol", choices=("http", "grpc"),
+        help="grpc: h2c:// backends are probed with grpc.health.v1.Health/Check (SERVING passes) | http: GET the "
+             "health path (over HTTP/2 for an h2c:// backend)",
+        doc="`grpc`: an `h2c://` backend is probed with `grpc.health.v1.Health/Check` (service `\"\"`), SERVING = "
+            "pass; `http`: GET `path` (over HTTP/2 for an `h2c://` backend)")
     health_interval: float = setting(10.0, SECONDS, toml="health.interval", flag="--health-interval",
                                      help="seconds between probes (floats allowed)")
     health_timeout: float | None = setting(
@@ -240,6 +247,13 @@ class UpstreamTable(HealthTable):
         help="seconds one try waits for its response head (below --read-timeout)",
         doc="the most one try waits for its response head (below `--read-timeout`); a try past it is a `timeout` "
             "(retried with `--retry-on timeout`, else a 504)")
+    hedge_after: float = setting(
+        0.0, SECONDS0, toml="upstream.hedge_after", flag="--hedge-after", shown="`0`: off",
+        help="seconds without a response head after which an idempotent request with no or a small body is also "
+             "sent to another backend; the first head wins",
+        doc="hedged requests: an idempotent request with no body or a small one, still without a response head "
+            "after S, is also sent to another backend; the first head wins, the other exchange is closed; within "
+            "the retry budget (see Failover)")
     proxy_buffering: bool = setting(
         True, ONOFF, toml="upstream.proxy_buffering", flag="--proxy-buffering",
         help="on: read a response ahead of a slow client (memory, then a temp file) so the backend connection is "
@@ -306,6 +320,17 @@ class ServerTable(UpstreamTable):
         help="forward request header names containing '_' (off: dropped, as nginx's underscores_in_headers off)",
         doc="forward request header names with `_` (dropped by default, as nginx's `underscores_in_headers off`: "
             "CGI-style backends read `X_Forwarded_For` as `X-Forwarded-For`)")
+    http2: bool = setting(
+        True, ONOFF, toml="server.http2", flag="--http2",
+        help="on: HTTP/2 from clients too, on the same port (prior knowledge in cleartext, ALPN h2 then http/1.1 "
+             "over TLS) | off: HTTP/1.1 only",
+        doc="HTTP/2 from clients on the same port: cleartext by prior knowledge (the connection preface), ALPN "
+            "`h2` then `http/1.1` over TLS; `off`: HTTP/1.1 only (a preface gets 505, ALPN offers `http/1.1`)")
+    http2_max_concurrent_streams: int = setting(
+        100, Num(True, 1, 10_000), toml="server.http2_max_concurrent_streams",
+        doc="streams one HTTP/2 connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS); one past it is "
+             "refused alone (REFUSED_STREAM, counted), and streams the client reset that are still being served "
+             "count too")
     request_buffering: bool = setting(
         True, ONOFF, toml="server.request_buffering", flag="--request-buffering",
         help="on: a request body is read whole (memory, then a temp file) before a backend connection is taken "

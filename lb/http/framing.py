@@ -16,6 +16,7 @@ from http import HTTPStatus
 from time import monotonic, time
 
 from lb.errors import ClientGone, HttpError, UpstreamError
+from lb.http.chunked import CHUNK, END, NEED, TRAILER, ChunkedDecoder
 
 CRLF = b"\r\n"
 
@@ -53,7 +54,6 @@ def not_relayed(rl: bytes, rid: bytes = b"") -> frozenset:
 # What a Connection token may never remove (RFC 9112 6.1, 7.6.1 of 9110 notwithstanding): the message's
 # own framing, which the edge writes itself from what it parsed, and Host.
 NOT_NOMINABLE = frozenset({b"content-length", b"transfer-encoding", b"host"})
-_HEX = b"0123456789abcdefABCDEF"
 
 # tchar (RFC 9110 5.6.2): the bytes a method or header name may contain.
 _TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -243,6 +243,24 @@ class Request:
     __slots__ = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive",
                  "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie",
                  "request_id", "client_cert")
+    # (the types, for mypy: parse_request sets every one)
+    method: bytes
+    target: bytes
+    version: bytes
+    headers: list[tuple[bytes, bytes, bytes]]
+    content_length: int | None
+    chunked: bool
+    keep_alive: bool
+    host: bytes | None
+    expect_continue: bool
+    conn_tokens: set[bytes]
+    api_key: bytes | None
+    xff: bytes | None
+    proto: bytes | None
+    fwd_host: bytes | None
+    cookie: bytes | None
+    request_id: bytes | None
+    client_cert: object | None
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -311,7 +329,7 @@ def parse_request(head: bytes) -> Request:
     tokens: set[bytes] = set()
     te_seen = False
     keep_alive = version == b"HTTP/1.1"
-    for name, lname, value in headers:
+    for _name, lname, value in headers:
         if lname not in _REQUEST_FIELDS:
             continue                   # (most of a browser's headers: one set lookup, not eleven compares)
         if lname == b"host":
@@ -391,20 +409,97 @@ def parse_request(head: bytes) -> Request:
     return r
 
 
-def chunk_size(line: bytes) -> int:
-    """The size on a chunk-size line, or -1 when it is not strict hex (int(x, 16) alone would also take
-    '0x5', '+5', '-5', '5_0' and surrounding blanks: each a way for two parsers to disagree)."""
-    size_s = line.split(b";", 1)[0]
-    if not size_s or size_s.translate(None, _HEX) or len(size_s) > 15:
-        return -1
-    return int(size_s, 16)
+# A field value relayed into an HTTP/1.1 head: any CR, LF, NUL or other control but HTAB would split or cut
+# a line there (HTTP/2 carries values as length-prefixed strings, so nothing in its framing refuses them).
+_VALUE_BAD = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_LOWER_TCHAR = bytes(c for c in _TCHAR if not 65 <= c <= 90)
+
+
+def request_from_fields(method: bytes, target: bytes, authority: bytes | None,
+                        headers: list[tuple[bytes, bytes]], version: bytes = b"HTTP/2") -> Request:
+    """A Request from an HTTP/2 (or 3) stream's fields, checked by parse_request's rules: the same
+    Request, so every stage after it is the same. headers: the regular fields as (lowercase name,
+    value), pseudo-fields taken out. The caller sets chunked when a body follows without a length
+    (an HTTP/1.1 backend then gets it chunked). :authority is the Host (a Host field too must agree);
+    split cookie fields are one again (RFC 9113 8.2.3). HttpError as parse_request raises it."""
+    if not method or method.translate(None, _TCHAR) or method != method.upper():
+        raise HttpError(400, "invalid method")
+    if method == b"TRACE":
+        raise HttpError(405, "TRACE is not allowed")
+    if method == b"CONNECT":
+        raise HttpError(405, "CONNECT is not allowed")      # the edge is no tunnel for HTTP/2 streams
+    if not target or target[:1] != b"/" or _TARGET_BAD.search(target):
+        raise HttpError(400, "invalid request target")       # asterisk-form too, as parse_request
+    if len(headers) > MAX_HEADERS:
+        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
+    r = Request()
+    r.method, r.target, r.version = method, target, version
+    r.content_length = None
+    r.chunked = False
+    r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = r.client_cert = None
+    r.expect_continue = False
+    r.conn_tokens = set()
+    r.keep_alive = True
+    out = []
+    host_field = None
+    for lname, value in headers:
+        if not lname or lname.translate(None, _LOWER_TCHAR):
+            raise HttpError(400, "malformed header name")
+        if len(lname) + len(value) > MAX_HEADER_LINE:
+            raise HttpError(431, "header line too long")
+        if _VALUE_BAD.search(value):
+            raise HttpError(400, "control character in a header value")
+        value = value.strip(b" \t")
+        if lname in _REQUEST_FIELDS:
+            if lname == b"host":
+                if host_field is not None:
+                    raise HttpError(400, "duplicate Host header")
+                host_field = value
+                continue                      # written once below, from :authority when there is one
+            if lname == b"cookie":
+                r.cookie = value if r.cookie is None else r.cookie + b"; " + value
+                continue                      # one Cookie line below: HTTP/1.1 wants one (RFC 6265 5.4)
+            if lname == b"content-length":
+                if not value.isdigit() or len(value) > 15:
+                    raise HttpError(400, "invalid Content-Length")
+                if r.content_length is not None and int(value) != r.content_length:
+                    raise HttpError(400, "conflicting Content-Length headers")
+                r.content_length = int(value)
+            elif lname in (b"transfer-encoding", b"connection"):
+                raise HttpError(400, "connection-specific header in an HTTP/2 request")
+            elif lname == b"expect":
+                continue                      # 100-continue is implicit in HTTP/2's flow control
+            elif lname == b"x-api-key":
+                if r.api_key is not None:
+                    raise HttpError(400, "more than one X-Api-Key header")
+                r.api_key = value
+            elif lname == b"x-request-id":
+                r.request_id = value
+            elif lname == b"x-forwarded-for":
+                r.xff = value if r.xff is None else r.xff + b", " + value
+            elif lname == b"x-forwarded-proto":
+                r.proto = value
+            elif lname == b"x-forwarded-host":
+                r.fwd_host = value
+        out.append((lname, lname, value))
+    host = authority if authority else host_field
+    if authority and host_field is not None and host_field.lower() != authority.lower():
+        raise HttpError(400, "Host differs from :authority")
+    if not host or _HOST_BAD.search(host):
+        raise HttpError(400, "missing or invalid :authority")
+    r.host = host
+    out.insert(0, (b"Host", b"host", host))
+    if r.cookie is not None:
+        out.append((b"cookie", b"cookie", r.cookie))
+    r.headers = out
+    return r
 
 
 def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: int = 65536):
-    """Decode a chunked request body, yielding its data as it arrives: what one read brought is gathered
-    (many small chunks are one piece of at most `piece` bytes) and yielded before the next read would
-    wait, so a caller writes once per read, not once per chunk, and an interactive stream is not held
-    back. Trailers are read and dropped: at most MAX_TRAILERS lines.
+    """Decode a chunked request body (lb/http/chunked.py), yielding its data as it arrives: what one read
+    brought is gathered (many small chunks are one piece of at most `piece` bytes) and yielded before the
+    next read would wait, so a caller writes once per read, not once per chunk, and an interactive stream
+    is not held back. Trailers are read and dropped: at most MAX_TRAILERS lines.
 
     The body is paced from its first byte: the deadline (body_deadline) counts every byte on the wire,
     size lines and trailers included, and so does max_body (framing is bytes a client made us read).
@@ -412,60 +507,42 @@ def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: in
     (the caller knows whether that is a client gone or a timeout).
     """
     buf = reader.buf
-    got = 0                       # bytes of the body read so far, framing included
+    dec = ChunkedDecoder(_bad_chunk, MAX_CHUNK_LINE, MAX_HEADER_LINE, MAX_TRAILERS)
     out = bytearray()             # data gathered, not yet yielded
     t0 = monotonic()
     if min_rate:
         body_deadline(reader, t0, 0, min_rate)
     while True:
-        if out and not buf:       # the next read may wait: pass on what we have first
-            yield bytes(out)
-            out.clear()
-        line = reader.read_line(MAX_CHUNK_LINE)
-        got += len(line) + 2
-        size = chunk_size(line)
-        if size < 0:
-            raise HttpError(400, "invalid chunk size")
-        if size == 0:
-            break
-        if got + size + 2 > max_body:
-            raise HttpError(413, "request body too large")
-        while size > 0:
-            if out and (not buf or len(out) >= piece):
+        ev = dec.next(buf, piece - len(out))
+        if type(ev) is bytes:
+            out += ev
+            if len(out) >= piece:
                 yield bytes(out)
                 out.clear()
-            data = reader.read_some(min(size, piece - len(out)))
-            size -= len(data)
-            got += len(data)
-            out += data
+        elif ev == NEED:          # the next read may wait: pass on what we have first
+            if out:
+                yield bytes(out)
+                out.clear()
             if min_rate:
-                body_deadline(reader, t0, got, min_rate)
-        if out and not buf:
-            yield bytes(out)
-            out.clear()
-        if reader.read_exact(2) != CRLF:
-            raise HttpError(400, "chunk longer than its declared size")
-        got += 2
-        if min_rate:
-            body_deadline(reader, t0, got, min_rate)
-    if out:
-        yield bytes(out)
-    # The trailer section, up to its empty line: each line bounded by read_line, their number here, and
-    # their bytes by max_body (400 like any other bad framing of a body: the head was fine, a 431 would
-    # tell the client to shorten its header fields).
-    trailers = 0
-    while True:
-        if min_rate:
-            body_deadline(reader, t0, got, min_rate)
-        line = reader.read_line(MAX_HEADER_LINE)
-        got += len(line) + 2
-        if not line:
+                body_deadline(reader, t0, dec.consumed, min_rate)
+            if not reader.fill():
+                raise EOFError("closed inside a body")
+        elif ev == CHUNK:
+            if dec.consumed + dec.size + 2 > max_body:
+                raise HttpError(413, "request body too large")
+        elif ev == TRAILER:
+            # their bytes count too (400 like any other bad framing of a body past their number: the head
+            # was fine, a 431 would tell the client to shorten its header fields)
+            if dec.consumed > max_body:
+                raise HttpError(413, "request body too large")
+        elif ev == END:
+            if out:
+                yield bytes(out)
             return
-        trailers += 1
-        if trailers > MAX_TRAILERS:
-            raise HttpError(400, f"more than {MAX_TRAILERS} trailer fields")
-        if got > max_body:
-            raise HttpError(413, "request body too large")
+
+
+def _bad_chunk(reason: str) -> HttpError:
+    return HttpError(400, reason)
 
 
 def iter_fixed(reader: Reader, n: int, min_rate: float = 0.0, piece: int = 65536):
@@ -491,9 +568,19 @@ def body_deadline(reader: Reader, t0: float, received: int, min_rate: float) -> 
 class ResponseHead:
     __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "codings", "close", "early",
                  "conn_tokens")
+    # (the types, for mypy: parse_response sets every one)
+    status: int
+    status_line: bytes
+    headers: list[tuple[bytes, bytes, bytes]]
+    content_length: int | None
+    chunked: bool
+    codings: bytes
+    close: bool
+    early: bool
+    conn_tokens: frozenset[bytes]
 
 
-_NO_TOKENS = frozenset()
+_NO_TOKENS: frozenset[bytes] = frozenset()
 _KEEP_ALIVE = frozenset({b"keep-alive"})
 
 
@@ -533,7 +620,7 @@ def parse_response(head: bytes) -> ResponseHead:
     close = status_line[5:8] == b"1.0"
     te = None
     tokens = _NO_TOKENS
-    for name, lname, value in headers:
+    for _name, lname, value in headers:
         if lname == b"content-length":
             for v in value.split(b","):
                 v = v.strip()
@@ -572,7 +659,7 @@ def parse_response(head: bytes) -> ResponseHead:
 
 # ------------------------------------------------------------------------------ responses of our own
 
-_date_cache = [0, b""]
+_date_cache: list = [0, b""]
 
 
 def http_date() -> bytes:

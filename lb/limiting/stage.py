@@ -461,7 +461,7 @@ class LimitStage:
 
     def _verdict(self, v: Verdict, admitted: bool, checks, rules, decisions) -> None:
         rejected, dry, shown, unavailable = [], [], None, False
-        for (lim, key, enforce), name, d in zip(checks, rules, decisions):
+        for (_lim, _key, enforce), name, d in zip(checks, rules, decisions):
             if getattr(d, "degraded", False):
                 v.degraded = True
             if not enforce:

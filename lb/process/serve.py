@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 
-from lb.errors import StartError
+from lb.netaddr import migrate_req
 from lb.process import memory
 from lb.process import sdnotify
 from lb.process import signals
@@ -91,6 +91,9 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
         pending = early[:]
     if cpu is not None:
         log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
+    if cfg.takeover and not worker and migrate_req() == "0":
+        log.warning("--takeover: net.ipv4.tcp_migrate_req = 0: a connection that reaches the old edge in the "
+                    "instant its listener closes is reset by the kernel; set it to 1 (Linux 5.14+) for none")
     for signum in pending:
         on_signal(signum, None)
 

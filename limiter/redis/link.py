@@ -58,7 +58,7 @@ def _kernel_timeout(sock, seconds: float) -> None:
     """The socket stays blocking and its timeout lives in the kernel (SO_RCVTIMEO/SO_SNDTIMEO): each
     send and recv is then one system call. With redis-py's socket_timeout (Python's settimeout) each is
     a poll() and then the call, every one a point where the request thread gives up the GIL and must win
-    it back (lb/http/framing.py does the same for HTTP; docs/latency.md has the counts). TLS: left alone."""
+    it back (lb/http/framing.py does the same for HTTP; docs/journal/latency.md has the counts). TLS: left alone."""
     if type(sock) is not socket.socket:
         return
     sock.settimeout(None)

@@ -47,7 +47,7 @@ def _shaped_sl_state(raw):
     return [float(parts[3])] * m + [last] * (n - m)
 
 
-_shaped_sl_state.exact_after_admission = False
+_shaped_sl_state.exact_after_admission = False  # type: ignore[attr-defined]
 
 _PEEKS[ShapedSlidingLog] = PEEK_SLIDING_LOG
 

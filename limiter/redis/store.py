@@ -203,7 +203,7 @@ class RedisStore:
         # whichever store's call it was that found the server back (every store checks its own).
         self._locals: dict[RedisLink, MemoryStore] = {}
         self.deny_cache = deny_cache
-        self._denied = {}  # key -> (the state Redis holds while it can only deny, its server, its outages then)
+        self._denied: dict = {}  # key -> (the state Redis holds while it can only deny, its server, its outages then)
         self.answered_locally = 0  # denials answered from _denied, without a round trip
         self.degraded = 0  # decisions made by the failure policy
         self.drift = 0  # Lua and Python verdicts disagreed (must stay 0)
