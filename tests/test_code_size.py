@@ -25,8 +25,7 @@ EXEMPT = {
     "lb/process/supervisor.py:run": 165,
     # The request parser: one pass over the fields on the request path (its owner is reworking it: i31).
     "lb/http/framing.py:parse_request": 109,
-    # The rules' parser and the limit stage: the limiting room's, not split yet.
-    "lb/limiting/rules.py:parse_rules": 92,
+    # The limit stage: the limiting room's, not split yet.
     "lb/limiting/stage.py:LimitStage": 375,
     # The HTTP/2 codec, landed with the pipeline's split in one session: its connection driver (frames,
     # flow control, the attack guards) and the h2c relay are split next.
