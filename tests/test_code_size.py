@@ -31,7 +31,6 @@ EXEMPT = {
     # flow control, the attack guards) and the h2c relay are split next.
     "lb/http2/server.py:Connection": 438,
     "lb/http2/server.py:Connection.serve": 98,
-    "lb/http2/h2c.py:_relay": 94,
 }
 
 
