@@ -27,10 +27,6 @@ EXEMPT = {
     "lb/http/framing.py:parse_request": 109,
     # The limit stage: the limiting room's, not split yet.
     "lb/limiting/stage.py:LimitStage": 375,
-    # The HTTP/2 codec, landed with the pipeline's split in one session: its connection driver (frames,
-    # flow control, the attack guards) and the h2c relay are split next.
-    "lb/http2/server.py:Connection": 438,
-    "lb/http2/server.py:Connection.serve": 98,
 }
 
 
