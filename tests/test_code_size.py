@@ -23,8 +23,6 @@ EXEMPT = {
     "lb/process/app.py:App.reload": 95,
     # The request parser: one pass over the fields on the request path (its owner is reworking it: i31).
     "lb/http/framing.py:parse_request": 109,
-    # The limit stage: the limiting room's, not split yet.
-    "lb/limiting/stage.py:LimitStage": 375,
 }
 
 
