@@ -228,7 +228,7 @@ def _cut_short(edge, x, backend, down, status, e) -> bool:
     return False
 
 
-def _completed(edge, x, backend, status: int) -> None:
+def _completed(edge, x, backend, status) -> None:
     """A whole answer relayed: the backend's outcome to the balancer, and the exchange's timings and record."""
     edge.forwarder.observe(backend, status < 500, f"HTTP/2 {status}")
     now = monotonic()
