@@ -21,18 +21,8 @@ EXEMPT = {
     "lb/process/app.py:App": 643,
     "lb/process/app.py:App.__init__": 93,
     "lb/process/app.py:App.reload": 95,
-    # The supervisor's loop: signals, restarts and the drain in one function (issue 25 names it; not yet split).
-    "lb/process/supervisor.py:run": 165,
     # The request parser: one pass over the fields on the request path (its owner is reworking it: i31).
     "lb/http/framing.py:parse_request": 109,
-    # The rules' parser and the limit stage: the limiting room's, not split yet.
-    "lb/limiting/rules.py:parse_rules": 92,
-    "lb/limiting/stage.py:LimitStage": 375,
-    # The HTTP/2 codec, landed with the pipeline's split in one session: its connection driver (frames,
-    # flow control, the attack guards) and the h2c relay are split next.
-    "lb/http2/server.py:Connection": 438,
-    "lb/http2/server.py:Connection.serve": 98,
-    "lb/http2/h2c.py:_relay": 94,
 }
 
 

@@ -129,17 +129,12 @@ def forward(edge, x, backend, conn, down) -> bool:
 
 
 def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, keep: bool) -> bool:
-    cfg = edge.cfg
+    """The backend's events to `down` as they come, until the answer ends, fails or the client goes."""
     fw = edge.forwarder
     req = x.req
     status = None
     sent = 0
-    skip = not_relayed(x.rl, x.rid_header)
-    edit = x.route.response_edit if x.route is not None else None   # a route's header rules (lb/proxy/routes.py)
-    if edit is not None:
-        skip = skip | edit.drop
-    limiting = bool(x.rl)
-    idle = cfg.read_timeout
+    idle = edge.cfg.read_timeout
     last = monotonic()
     try:
         while True:
@@ -172,10 +167,7 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
                     fw.observe(backend, False, "bad :status")
                     return fw.failed(down, x, Failure.PROTOCOL, "bad :status", keep)
                 x.upstream_status = status
-                out = [(name, value) for name, value in fields
-                       if name[:1] != b":" and name not in skip and name not in _FRAMING
-                       and not (limiting and name[:12] == b"x-ratelimit-")]
-                out += _pairs((edit.render(x) if edit is not None else b"") + x.rid_header + x.rl + x.set_cookie)
+                out = _head_fields(x, fields)
                 if ev[2] or req.method == b"HEAD" or status in (204, 304):
                     down.start(x, status, _phrase(status), out, 0)
                     if not ev[2]:
@@ -204,13 +196,7 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
     except (_Cut, ClientGone) as e:
         call.reset(ErrorCodes.CANCEL)
         if isinstance(e, _Cut):
-            fw.observe(backend, False, str(e))
-            log.warning("backend %s %s mid-response: %s %s", backend.url, e, req.method.decode(),
-                        req.target[:200].decode("latin-1"))
-            edge.metrics.upstream_error(backend.url, Failure.RESET, status, monotonic() - x.start)
-            edge.record(x, status)
-            down.abort()                 # the client must see the answer cut short
-            return False
+            return _cut_short(edge, x, backend, down, status, e)
         if x.status is None:
             edge.client_closed(x, reached=True)
         raise ClientGone() from None
@@ -218,13 +204,44 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
         call.conn.finished(call)
     x.bytes_sent = sent
     if failed and isinstance(failed[0], HttpError):
-        keep = False
-    fw.observe(backend, status < 500, f"HTTP/2 {status}")
+        keep = False       # the upload failed on the client's side: its connection is not reusable
+    _completed(edge, x, backend, status)
+    return keep
+
+
+def _head_fields(x, fields) -> list:
+    """The backend's response fields as the client gets them: no pseudo-headers, no framing (the Downstream
+    writes its own), none the edge sets itself, and the edge's own lines (request id, rate limit, cookie)."""
+    skip = not_relayed(x.rl, x.rid_header)
+    edit = x.route.response_edit if x.route is not None else None   # a route's header rules (lb/proxy/routes.py)
+    if edit is not None:
+        skip = skip | edit.drop
+    limiting = bool(x.rl)
+    out = [(name, value) for name, value in fields
+           if name[:1] != b":" and name not in skip and name not in _FRAMING
+           and not (limiting and name[:12] == b"x-ratelimit-")]
+    return out + _pairs((edit.render(x) if edit is not None else b"") + x.rid_header + x.rl + x.set_cookie)
+
+
+def _cut_short(edge, x, backend, down, status, e) -> bool:
+    """The backend failed after the head went out: counted as its failure, and the client's stream aborted."""
+    req = x.req
+    edge.forwarder.observe(backend, False, str(e))
+    log.warning("backend %s %s mid-response: %s %s", backend.url, e, req.method.decode(),
+                req.target[:200].decode("latin-1"))
+    edge.metrics.upstream_error(backend.url, Failure.RESET, status, monotonic() - x.start)
+    edge.record(x, status)
+    down.abort()                 # the client must see the answer cut short
+    return False
+
+
+def _completed(edge, x, backend, status) -> None:
+    """A whole answer relayed: the backend's outcome to the balancer, and the exchange's timings and record."""
+    edge.forwarder.observe(backend, status < 500, f"HTTP/2 {status}")
     now = monotonic()
     x.upstream_seconds = now - x.upstream_start
     edge.metrics.backend_done(backend.url, status, now - x.start, x.upstream_seconds)
     edge.record(x, status)
-    return keep
 
 
 def uncount(x) -> None:

@@ -41,6 +41,7 @@ from lb.http.framing import MAX_HEAD, Reader, linger, request_from_fields
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
 from lb.http2.downstream import H2Downstream
+from lb.http2.writer import FrameWriter
 from lb.http2.guard import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, Allowance
 from lb.logs import client_fault
 
@@ -48,7 +49,6 @@ log = logging.getLogger("edge")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 STREAM_BUFFER = 256 * 1024     # response bytes one stream may have queued before its worker waits
-OUT_HIGH = 1 << 20             # bytes waiting for the socket past which no stream is pumped
 CONN_WINDOW = 1 << 24          # the connection's receive window: no stream's unread body blocks the others
 STREAM_WINDOW = 1 << 16        # each stream's receive window (a request body's back-pressure)
 WORKERS = 512                  # streams being served at once, over every connection of the process
@@ -210,7 +210,7 @@ class Connection:
         self.streams: dict[int, Stream] = {}
         self.ready: dict[int, Stream] = {}      # streams with output queued
         self.running = 0                        # streams whose worker has not returned (reset ones too)
-        self.outbuf = bytearray()
+        self.writer = FrameWriter(self)         # the frames on their way to the socket
         self.wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.goaway = False
         self._closed = False
@@ -219,18 +219,7 @@ class Connection:
         self.control = Allowance(CONTROL_BURST, CONTROL_RATE, now)
         cfg = edge.cfg
         self.max_streams = cfg.http2_max_concurrent_streams
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True)
-        self.h2 = h2.connection.H2Connection(config)
-        self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEAD,
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-        })
-        # Advertised max_concurrent_streams is ours to enforce: a stream past it is refused alone
-        # (REFUSED_STREAM, as nginx does) where h2 would end the whole connection. So h2's own bound is
-        # raised once the client acknowledged the advertised one (a pending local value applies on ACK).
-        self.h2.local_settings.max_concurrent_streams = 1 << 20
+        self.h2 = _state_machine(self.max_streams)
 
     # -- called by workers (and the connection thread), self.cv held where it says so ------------------
 
@@ -284,8 +273,8 @@ class Connection:
                 if not self._receive(self.first):
                     return
             while True:
-                self._pump()
-                if not self._write():
+                self.writer.pump()
+                if not self.writer.write():
                     return
                 now = monotonic()
                 with self.cv:
@@ -298,16 +287,16 @@ class Connection:
                     conns[sock] = False
                     if sock not in idle:
                         idle[sock] = (idle_since, self.accepted)   # at max_connections, closed first (evict_idle)
-                    if self.goaway and not self.outbuf:
+                    if self.goaway and not self.writer.buf:
                         return
                     if now - idle_since > idle_limit:
                         self._go_away(ErrorCodes.NO_ERROR)
-                        self._write()
+                        self.writer.write()
                         return
                 if edge.closing and not self.goaway:
                     self._go_away(ErrorCodes.NO_ERROR)      # SIGTERM: finish the streams open, take no more
                     continue
-                if self.outbuf:
+                if self.writer.buf:
                     stalled_since = stalled_since or now
                     if now - stalled_since > cfg.send_timeout:
                         client_fault("client %s: HTTP/2 connection not read for %gs; closed", self.peer_ip,
@@ -315,50 +304,44 @@ class Connection:
                         return
                 else:
                     stalled_since = None
-                want = select.POLLIN | (select.POLLOUT if self.outbuf else 0)
+                want = select.POLLIN | (select.POLLOUT if self.writer.buf else 0)
                 if want != writing:
                     poller.modify(sock, want)
                     writing = want
-                pending = self.over_tls and sock.pending()
-                events = [] if pending else poller.poll(TICK * 1000)
-                readable = pending
-                for fd, ev in events:
-                    if fd == self.wfd:
-                        try:
-                            os.eventfd_read(self.wfd)
-                        except OSError:
-                            pass
-                    elif ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                        readable = True
-                if readable:
+                if _wait(poller, sock, self.wfd, self.over_tls):
                     data = self._recv()
                     if data is None:
                         continue
                     if not data:
                         return
                     if not self._receive(data):
-                        self._write()
+                        self.writer.write()
                         return
                     if idle_limit != cfg.keepalive_timeout and self.streams:
                         idle_limit = cfg.keepalive_timeout
         except OSError:
             pass
         finally:
-            if self.goaway and not self.outbuf:
-                # What the peer sent after our GOAWAY is read and dropped for a moment: a close with
-                # unread bytes is a reset, which can destroy the GOAWAY before the peer reads it.
-                linger(sock, 1.0, 1 << 20)
-            conns.pop(sock, None)
-            idle.pop(sock, None)
-            with self.cv:
-                for st in list(self.streams.values()):
-                    st.reset = True
-                    st.cv.notify_all()
-                self.goaway = True
-                self._closed = True          # the last worker to end closes the wake-up fd
-                close_now = self.running == 0
-            if close_now:
-                os.close(self.wfd)
+            self._close()
+
+    def _close(self) -> None:
+        """(the connection thread, at its end) Every stream told, the socket out of the edge's tables."""
+        sock = self.sock
+        if self.goaway and not self.writer.buf:
+            # What the peer sent after our GOAWAY is read and dropped for a moment: a close with
+            # unread bytes is a reset, which can destroy the GOAWAY before the peer reads it.
+            linger(sock, 1.0, 1 << 20)
+        self.edge.conns.pop(sock, None)
+        self.edge.idle.pop(sock, None)
+        with self.cv:
+            for st in list(self.streams.values()):
+                st.reset = True
+                st.cv.notify_all()
+            self.goaway = True
+            self._closed = True          # the last worker to end closes the wake-up fd
+            close_now = self.running == 0
+        if close_now:
+            os.close(self.wfd)
 
     def _recv(self):
         """Bytes read, b"" at the end, None when there was nothing after all (a TLS record part)."""
@@ -368,22 +351,6 @@ class Connection:
             return None
         except OSError:
             return b""
-
-    def _write(self) -> bool:
-        with self.cv:
-            data = self.h2.data_to_send()
-        if data:
-            self.outbuf += data
-        while self.outbuf:
-            piece = self.outbuf[:16384] if self.over_tls else self.outbuf
-            try:
-                n = self.sock.send(piece)
-            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                return True
-            except OSError:
-                return False
-            del self.outbuf[:n]
-        return True
 
     def _go_away(self, code, why: str | None = None) -> None:
         """(the connection thread) GOAWAY. NO_ERROR is the graceful one (a drain, an idle connection): the
@@ -396,8 +363,8 @@ class Connection:
                     f = GoAwayFrame(0)
                     f.last_stream_id = self.h2.highest_inbound_stream_id
                     f.error_code = code
-                    self.outbuf += self.h2.data_to_send()
-                    self.outbuf += f.serialize()
+                    self.writer.buf += self.h2.data_to_send()
+                    self.writer.buf += f.serialize()
                     return
                 try:
                     self.h2.close_connection(code, additional_data=why.encode() if why else None)
@@ -405,65 +372,6 @@ class Connection:
                     pass
         if code == ErrorCodes.ENHANCE_YOUR_CALM:
             self.edge.metrics.inc("lb_http2_goaways_total", reason=why or "calm")
-
-    def _pump(self) -> None:
-        """Queued responses into frames, as far as each stream's window (and the socket) allows."""
-        if len(self.outbuf) > OUT_HIGH:
-            return
-        h = self.h2
-        now = monotonic()
-        budget = OUT_HIGH - len(self.outbuf)
-        with self.cv:
-            if not self.ready:
-                return
-            for sid, st in list(self.ready.items()):
-                try:
-                    while st.out:
-                        item = st.out[0]
-                        if type(item) is tuple:
-                            if item[0] == "h":
-                                h.send_headers(sid, item[1], end_stream=item[2])
-                                if item[2]:
-                                    st.sent_end = True
-                            elif item[0] == "t":
-                                h.send_headers(sid, item[1], end_stream=True)
-                                st.sent_end = True
-                            else:
-                                h.end_stream(sid)
-                                st.sent_end = True
-                            st.out.popleft()
-                            continue
-                        window = min(h.local_flow_control_window(sid), h.max_outbound_frame_size)
-                        if window <= 0:
-                            break
-                        n = min(window, len(item))
-                        if n == len(item):
-                            last = len(st.out) > 1 and st.out[1] == ("end",)    # END_STREAM on the last DATA
-                            h.send_data(sid, item, end_stream=last)
-                            st.out.popleft()
-                            if last:
-                                st.out.popleft()
-                                st.sent_end = True
-                        else:
-                            h.send_data(sid, item[:n])
-                            st.out[0] = item[n:]
-                        st.out_n -= n
-                        st.progress = now
-                        budget -= n
-                        if budget <= 0:
-                            break
-                except h2.exceptions.StreamClosedError:
-                    st.reset = True                  # the client reset it meanwhile
-                    st.out.clear()
-                    st.out_n = 0
-                except h2.exceptions.ProtocolError as e:
-                    log.error("HTTP/2 stream %d to %s: cannot send the response (%s): reset", sid, self.peer_ip, e)
-                    st.out.clear()
-                    st.out_n = 0
-                    self.reset_stream(st, ErrorCodes.INTERNAL_ERROR)
-                if not st.out or st.reset:
-                    self.ready.pop(sid, None)
-                st.cv.notify_all()
 
     def _receive(self, data: bytes) -> bool:
         """Feed the state machine; False when the connection is to end (after what was queued is sent)."""
@@ -544,21 +452,7 @@ class Connection:
             if not self.resets.take(monotonic()):
                 self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, "too many refused streams")
             return
-        method = path = authority = None
-        ctype = None
-        fields = []
-        for name, value in ev.headers:
-            if name[:1] == b":":
-                if name == b":method":
-                    method = value
-                elif name == b":path":
-                    path = value
-                elif name == b":authority":
-                    authority = value
-            else:
-                if name == b"content-type":
-                    ctype = value
-                fields.append((name, value))
+        method, path, authority, ctype, fields = _request_head(ev.headers)
         st.grpc = grpc.is_grpc(ctype)
         ended = ev.stream_ended is not None
         with self.cv:
@@ -569,52 +463,12 @@ class Connection:
         try:
             req = request_from_fields(method or b"", path or b"", authority, fields)
         except HttpError as e:
-            _workers().submit(self._refuse, st, e)
+            _workers().submit(_refuse_stream, self, st, e)
             return
         req.client_cert = self.cert
         if not ended and req.content_length is None:
             req.chunked = True
-        _workers().submit(self._serve_stream, st, req)
-
-    # -- a worker --------------------------------------------------------------------------------------
-
-    def _refuse(self, st: Stream, e: HttpError) -> None:
-        sock = StreamSocket(st, False)
-        try:
-            self.edge._refuse(sock, e.status, e.reason, self.peer_ip)
-            sock.close_out()
-            st.drained()
-        except OSError:
-            pass
-        finally:
-            sock.close()
-            self._ended(st)
-
-    def _serve_stream(self, st: Stream, req) -> None:
-        edge = self.edge
-        codec = H2Downstream(st, edge, req.method == b"HEAD")
-        try:
-            if st.reset:
-                return
-            reader = StreamReader(st, req.chunked)
-            try:
-                edge.handle_stream(req, codec, reader, self.peer_ip, self.over_tls, self.cert, self.accepted)
-            except ClientGone:
-                pass
-            if codec.complete:
-                if st.drained():
-                    edge.metrics.inc("lb_http2_streams_total", outcome="served")
-            else:
-                with self.cv:
-                    self.reset_stream(st, ErrorCodes.INTERNAL_ERROR if not st.reset else ErrorCodes.CANCEL)
-        except OSError:
-            pass
-        except Exception:
-            log.exception("HTTP/2 stream %d from %s: unexpected error", st.sid, self.peer_ip)
-            with self.cv:
-                self.reset_stream(st, ErrorCodes.INTERNAL_ERROR)
-        finally:
-            self._ended(st)
+        _workers().submit(_serve_stream, self, st, req)
 
     def _ended(self, st: Stream) -> None:
         with self.cv:
@@ -636,6 +490,105 @@ class Connection:
                 pass
         else:
             self.wake()
+
+
+def _wait(poller, sock, wfd: int, over_tls: bool) -> bool:
+    """The connection thread's sleep, at most TICK: True when the socket has bytes to read (a worker's
+    wake-up only ends the sleep, so queued output is pumped)."""
+    if over_tls and sock.pending():
+        return True               # decrypted bytes already inside the SSL object: poll would not see them
+    readable = False
+    for fd, ev in poller.poll(TICK * 1000):
+        if fd == wfd:
+            try:
+                os.eventfd_read(wfd)
+            except OSError:
+                pass
+        elif ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            readable = True
+    return readable
+
+
+def _state_machine(max_streams: int):
+    """h2's server side as the edge runs it: no push, bounded header lists, per-stream receive windows."""
+    config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True)
+    h = h2.connection.H2Connection(config)
+    h.local_settings = h2.settings.Settings(client=False, initial_values={
+        h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams,
+        h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEAD,
+        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+        h2.settings.SettingCodes.ENABLE_PUSH: 0,
+    })
+    # Advertised max_concurrent_streams is ours to enforce: a stream past it is refused alone
+    # (REFUSED_STREAM, as nginx does) where h2 would end the whole connection. So h2's own bound is
+    # raised once the client acknowledged the advertised one (a pending local value applies on ACK).
+    h.local_settings.max_concurrent_streams = 1 << 20
+    return h
+
+
+def _request_head(headers) -> tuple:
+    """A HEADERS block -> (method, path, authority, content-type, the regular fields in order)."""
+    method = path = authority = None
+    ctype = None
+    fields = []
+    for name, value in headers:
+        if name[:1] == b":":
+            if name == b":method":
+                method = value
+            elif name == b":path":
+                path = value
+            elif name == b":authority":
+                authority = value
+        else:
+            if name == b"content-type":
+                ctype = value
+            fields.append((name, value))
+    return method, path, authority, ctype, fields
+
+
+# -- a worker --------------------------------------------------------------------------------------
+
+
+def _refuse_stream(conn: Connection, st: Stream, e: HttpError) -> None:
+    """Fields that could not make a request: the edge's own refusal, written into the stream."""
+    sock = StreamSocket(st, False)
+    try:
+        conn.edge._refuse(sock, e.status, e.reason, conn.peer_ip)
+        sock.close_out()
+        st.drained()
+    except OSError:
+        pass
+    finally:
+        sock.close()
+        conn._ended(st)
+
+
+def _serve_stream(conn: Connection, st: Stream, req) -> None:
+    """One stream's request through the edge's pipeline; reset unless its answer went out whole."""
+    edge = conn.edge
+    codec = H2Downstream(st, edge, req.method == b"HEAD")
+    try:
+        if st.reset:
+            return
+        reader = StreamReader(st, req.chunked)
+        try:
+            edge.handle_stream(req, codec, reader, conn.peer_ip, conn.over_tls, conn.cert, conn.accepted)
+        except ClientGone:
+            pass
+        if codec.complete:
+            if st.drained():
+                edge.metrics.inc("lb_http2_streams_total", outcome="served")
+        else:
+            with conn.cv:
+                conn.reset_stream(st, ErrorCodes.INTERNAL_ERROR if not st.reset else ErrorCodes.CANCEL)
+    except OSError:
+        pass
+    except Exception:
+        log.exception("HTTP/2 stream %d from %s: unexpected error", st.sid, conn.peer_ip)
+        with conn.cv:
+            conn.reset_stream(st, ErrorCodes.INTERNAL_ERROR)
+    finally:
+        conn._ended(st)
 
 
 def serve(edge, sock, peer_ip: str, over_tls: bool, accepted=None, cert=None, first: bytes = b"") -> None:
