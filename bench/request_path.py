@@ -12,6 +12,10 @@ with a canned nginx response. Each request takes the real path -- Reader, parse,
 relay, metrics -- and its four system calls; what is timed is this thread's CPU (time.thread_time: the
 backend thread's is not in it), to a few percent from run to run. Variants run in separate processes
 (each imports its own checkout), alternating, best of `--rounds`.
+
+--routes N: N [[routes]] ahead of the request (path_prefix /rI/ and a host, none of which it matches:
+the worst case, every route tried before the default pool); --routes-hit: the last one matches instead.
+A variant may name its own count, interleaved with the others: --variant none=. --variant r100=.@100
 """
 
 from __future__ import annotations
@@ -35,7 +39,21 @@ RESPONSE = (b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 01 Dec 2026 
             b"Connection: keep-alive\r\nETag: \"63ce5b3c-267\"\r\nAccept-Ranges: bytes\r\n\r\n" + b"x" * 615)
 
 
-def measure(n: int, extra: list[str]) -> dict:
+def _routes_config(port: int, n: int, hit: bool) -> str:
+    """A config file with n routes the bench's request does not match (or, hit, matches only the last)."""
+    import tempfile
+    lines = [f'[[backends]]\nurl = "http://127.0.0.1:{port}"\n']
+    for i in range(n):
+        prefix = "/api/" if hit and i == n - 1 else f"/r{i}/"
+        lines.append(f'[[routes]]\nname = "r{i}"\nmatch = {{ path_prefix = "{prefix}", host = "api.example.com" }}\n'
+                     f'pool = "default"\n')
+    fd, path = tempfile.mkstemp(suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(lines))
+    return path
+
+
+def measure(n: int, extra: list[str], routes: int = 0, hit: bool = False) -> dict:
     """In this process (the checkout on sys.path): µs per request, best of 5 batches of n."""
     from lb.config import load as config
     from lb.process.app import App
@@ -43,8 +61,8 @@ def measure(n: int, extra: list[str]) -> dict:
 
     backend = socket.create_server(("127.0.0.1", 0))
     port = backend.getsockname()[1]
-    cfg = config.load(["--listen", "127.0.0.1:0", "--backends", f"http://127.0.0.1:{port}", "--limit",
-                       "1000000/s", "--health-interval", "3600", *extra])
+    where = ["--config", _routes_config(port, routes, hit)] if routes else ["--backends", f"http://127.0.0.1:{port}"]
+    cfg = config.load(["--listen", "127.0.0.1:0", *where, "--limit", "1000000/s", "--health-interval", "3600", *extra])
     app = App(cfg)
     edge = app.edge
     cs, cp = socket.socketpair()           # the client connection: the edge's end, ours
@@ -97,20 +115,24 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=5000, help="requests per batch")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--edge-arg", action="append", default=[], help="an extra edge flag (repeatable)")
+    ap.add_argument("--routes", type=int, default=0, help="[[routes]] the request is matched against (none matches)")
+    ap.add_argument("--routes-hit", action="store_true", help="with --routes: the last route matches")
     a = ap.parse_args()
     if a.child:
         sys.path.insert(0, a.child)
         os.chdir(a.child)
         import logging
         logging.disable(logging.CRITICAL)
-        print(json.dumps(measure(a.n, a.edge_arg)))
+        print(json.dumps(measure(a.n, a.edge_arg, a.routes, a.routes_hit)))
         return
     variants = [v.partition("=")[::2] for v in (a.variant or [f"this={Path.cwd()}"])]
     got: dict[str, list[float]] = {name: [] for name, _ in variants}
     for r in range(a.rounds):
         for name, d in variants:
+            d, _, routes = d.partition("@")
             out = subprocess.run([sys.executable, "-m", "bench.request_path", "--child", str(Path(d).resolve()),
-                                  "-n", str(a.n), *sum((["--edge-arg", x] for x in a.edge_arg), [])],
+                                  "-n", str(a.n), *sum((["--edge-arg", x] for x in a.edge_arg), []),
+                                  "--routes", routes or str(a.routes), *(["--routes-hit"] if a.routes_hit else [])],
                                  cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{name}: {out.stderr[-2000:]}")

@@ -117,7 +117,7 @@ def test_conf_edge_toml_shows_every_key(path):
         assert header or any(re.search(rf"(?m)^#? ?{key} =", b) for b in bodies), path
     else:
         top = re.split(r"(?m)^\[", text)[0]
-        assert re.search(rf"(?m)^#? ?\[\[?{key}\]\]?|^#? ?{key} =", text if key in ("backends", "rules", "keys")
+        assert re.search(rf"(?m)^#? ?\[\[?{key}\]\]?|^#? ?{key} =", text if key in ("backends", "rules", "keys", "pools", "routes")
                          else top), path
 
 
@@ -128,6 +128,6 @@ def test_unknown_keys_are_named_with_the_known_ones(tmp_path):
         config.load(["--config", str(f)])
     assert e.value.problems == [
         ("listn: unknown key (known at the top level: listen, admin, strategy, demo, access_log, access_log_format, "
-         "sticky, backends, rules, keys, health, upstream, server, tls, limits)"),
+         "sticky, backends, rules, pools, routes, keys, health, upstream, server, tls, limits)"),
         ("health.intervall: unknown key (known in [health]: path, protocol, interval, timeout, unhealthy_threshold, "
          "healthy_threshold, eject_after, eject_for, max_ejected_percent, slow_start)")]

@@ -136,6 +136,9 @@ def load(argv: list[str] | None = None) -> Config:
     if path:
         values.update(read_file(path, problems))
     values.update(_from_flags(ns, problems))
+    if values.get("pools"):     # a pool's own [health]/[upstream] keys, read with this table's kinds
+        from lb.config.routes import typed_overrides
+        values["pools"] = typed_overrides(values["pools"], _FILE, problems)
     try:
         values["keys"] = _known_keys(values)
     except ConfigError as e:

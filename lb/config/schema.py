@@ -46,6 +46,7 @@ from typing import Any
 
 from lb.config.kinds import (BACKENDS, BOOL, CERTIFICATES, HOSTPORT, KEYS, LIST, MS, ONOFF, PERCENT, RATES,
                              RETRY_ON, RULES, SECONDS, SECONDS0, STR, STREAK, BackendSpec, CertSpec, Kind, Num)
+from lb.config.routes import POOLS, ROUTES
 
 STRATEGIES = ("round-robin", "weighted", "least-request")
 STORE_ERROR_POLICIES = ("fail-open", "fail-closed", "local")
@@ -130,6 +131,14 @@ class TopLevel:
     rules: tuple = setting((), RULES, toml="rules",         # lb.limiting.rules.RuleSpec per [[rules]] table
                            doc="limit rules (name, key, limit, algorithm, match, dry_run, cost, max_in_flight): "
                                "[Limit rules](#limit-rules)")
+    pools: tuple = setting((), POOLS, toml="pools",         # lb.config.routes.PoolSpec per [[pools]] table
+                           doc="named pools (name, strategy, backends, health, upstream), each with its own balancer, "
+                               "health checks, ejection, slow start, connection pools and circuit breaker; "
+                               "`--backends` / `[[backends]]` are the pool `default`: [docs/routes.md](../routes.md)")
+    routes: tuple = setting((), ROUTES, toml="routes",      # lb.config.routes.RouteSpec per [[routes]] table
+                            doc="first match wins (match: path_prefix, host, methods, headers) → `pool` or a canary "
+                                "`split`; `request_headers` / `response_headers` {set, remove}; `allow` / `deny` "
+                                "CIDRs → 403: [docs/routes.md](../routes.md)")
     keys: tuple = setting((), KEYS, toml="keys",            # lb.limiting.keys.KeySpec: [[keys]], then api_keys_file's
                           doc="known API keys (name, key, tier) and their tiers (`[limits.tiers]`)")
 

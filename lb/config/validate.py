@@ -193,6 +193,9 @@ def validate(c: Config) -> list[str]:
         bad.append(f"server.temp_dir: not a writable directory: {c.temp_dir!r}")
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
+    if c.pools or c.routes or any(getattr(r, "route", None) for r in c.rules):
+        from lb.config import routes          # [[pools]], [[routes]] and a rule's match.route, across tables
+        bad += routes.validate(c)
     return bad
 
 

@@ -34,10 +34,14 @@ _CHECK = 1.0        # how often a wait for the backend looks at whether the clie
 def _fields(x, req, peer: bytes, trusted: bool, length) -> list:
     out = [(b":method", req.method), (b":scheme", b"http"), (b":path", req.target),
            (b":authority", req.host or b"")]
+    edit = x.route.request_edit if x.route is not None else None    # a route's header rules (lb/proxy/routes.py)
+    drop = edit.drop if edit is not None else ()
     for _, lname, value in req.headers:
-        if lname in _NOT_SENT or (x.rid_sent is not None and lname == b"x-request-id"):
+        if lname in _NOT_SENT or (x.rid_sent is not None and lname == b"x-request-id") or lname in drop:
             continue
         out.append((lname, value))
+    if edit is not None:
+        out += [(n.lower(), v) for n, v in _pairs(edit.render(x))]
     out.append((b"te", b"trailers"))         # gRPC servers require it; HTTP/2 allows no other TE
     out.append((b"x-forwarded-for", req.xff + b", " + peer if req.xff else peer))
     if not (trusted and req.proto):
@@ -209,11 +213,14 @@ def _head_fields(x, fields) -> list:
     """The backend's response fields as the client gets them: no pseudo-headers, no framing (the Downstream
     writes its own), none the edge sets itself, and the edge's own lines (request id, rate limit, cookie)."""
     skip = not_relayed(x.rl, x.rid_header)
+    edit = x.route.response_edit if x.route is not None else None   # a route's header rules (lb/proxy/routes.py)
+    if edit is not None:
+        skip = skip | edit.drop
     limiting = bool(x.rl)
     out = [(name, value) for name, value in fields
            if name[:1] != b":" and name not in skip and name not in _FRAMING
            and not (limiting and name[:12] == b"x-ratelimit-")]
-    return out + _pairs(x.rid_header + x.rl + x.set_cookie)
+    return out + _pairs((edit.render(x) if edit is not None else b"") + x.rid_header + x.rl + x.set_cookie)
 
 
 def _cut_short(edge, x, backend, down, status, e) -> bool:

@@ -9,6 +9,7 @@
     max_in_flight = 0             # concurrent matching requests per key (nginx's limit_conn); 0 off
     match = { path_prefix = "/login", methods = ["POST"], host = "api.example.com" }   # all ANDed
     # (and client_cert_subject = "CN=partner-a,O=Example" or a list: mutual TLS, the verified subject)
+    # (and route = "NAME": the request matched that [[routes]] table, lb/proxy/routes.py)
     dry_run = false               # true: decide and count, never reject
 
 The path is matched after normalisation (percent-encoded unreserved characters decoded, dot segments
@@ -44,6 +45,7 @@ class RuleSpec:
     cost: int = 1                             # units a matching request spends of limit
     max_in_flight: int = 0                    # concurrent requests per key; 0: no concurrency limit
     client_cert_subjects: tuple[str, ...] = ()   # any of these verified subjects (RFC 2253, lower-cased)
+    route: str | None = None                  # the [[routes]] table the request matched (lb/proxy/routes.py)
 
     @property
     def header(self) -> bytes | None:
@@ -88,7 +90,7 @@ def _parse_rule(r: dict, i: int, seen: set[str]) -> RuleSpec:
                     path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
                     methods=tuple(x.upper() for x in methods),
                     host=host.lower() if host else None, dry_run=dry,
-                    client_cert_subjects=tuple(x.lower() for x in subjects))
+                    client_cert_subjects=tuple(x.lower() for x in subjects), route=_rule_route(r.get("match", {}), where))
 
 
 def _rule_name(name, where: str, seen: set[str]) -> str:
@@ -140,14 +142,22 @@ def _rule_cost(r: dict, where: str) -> int:
     return cost
 
 
+def _rule_route(m, where: str) -> str | None:
+    """match.route: the name of a [[routes]] table (that it exists is validate's, across tables)."""
+    route = m.get("route") if isinstance(m, dict) else None
+    if route is not None and (not isinstance(route, str) or not _NAME.fullmatch(route)):
+        raise ValueError(f"{where}.match.route: expected a [[routes]] name, got {route!r}")
+    return route
+
+
 def _rule_match(m, where: str) -> tuple[str | None, list, str | None, list]:
     """The match table -> (path_prefix, methods, host, client_cert_subjects), each as written."""
     if not isinstance(m, dict):
         raise ValueError(f"{where}.match: expected a table like {{ path_prefix = \"/login\" }}")
-    unknown = set(m) - {"path_prefix", "methods", "host", "client_cert_subject"}
+    unknown = set(m) - {"path_prefix", "methods", "host", "client_cert_subject", "route"}
     if unknown:
         raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} "
-                         f"(known: path_prefix, methods, host, client_cert_subject)")
+                         f"(known: path_prefix, methods, host, client_cert_subject, route)")
     subjects = m.get("client_cert_subject", [])
     if isinstance(subjects, str):
         subjects = [subjects]
@@ -219,7 +229,7 @@ def normalize_path(target: bytes) -> bytes:
 class Matcher:
     """A compiled match table; an empty one matches every request."""
 
-    __slots__ = ("prefix", "methods", "host", "wildcard", "always", "subjects")
+    __slots__ = ("prefix", "methods", "host", "wildcard", "always", "subjects", "route")
 
     def __init__(self, spec: RuleSpec):
         self.prefix = spec.path_prefix.encode("latin-1") if spec.path_prefix else None
@@ -228,12 +238,17 @@ class Matcher:
         self.wildcard = h is not None and h.startswith(b"*.")
         self.host = h[1:] if self.wildcard else h       # "*.example.com" -> ".example.com"
         self.subjects = frozenset(spec.client_cert_subjects)
-        self.always = self.prefix is None and not self.methods and self.host is None and not self.subjects
+        self.route = spec.route
+        self.always = (self.prefix is None and not self.methods and self.host is None and not self.subjects
+                       and self.route is None)
 
-    def __call__(self, req, path) -> bool:
-        """path: a callable giving the request's normalised path (computed once per request)."""
+    def __call__(self, req, path, route: str | None = None) -> bool:
+        """path: a callable giving the request's normalised path (computed once per request); route: the
+        name of the [[routes]] table the request matched, None if none did."""
         if self.always:
             return True
+        if self.route is not None and route != self.route:
+            return False
         if self.methods and req.method not in self.methods:
             return False
         if self.host is not None:

@@ -236,7 +236,8 @@ class LimitStage:
         ident = ip_key(ip, self.ipv6_prefix)     # an unknown key is no key at all: limited by its IP
         return ident, ident, None
 
-    def check(self, req, ip: str, now: float | None = None) -> Verdict:
+    def check(self, req, ip: str, now: float | None = None, route: str | None = None) -> Verdict:
+        """route: the name of the [[routes]] table the request matched (a rule's match.route), or None."""
         try:
             ident, label, known = self.identify(req.api_key, ip)
         except ValueError as e:
@@ -267,7 +268,7 @@ class LimitStage:
         if self.rules:
             path = _Lazy(req.target)
             for r in self.rules:
-                if r.match(req, path):
+                if r.match(req, path, route):
                     key = self._rule_key(r, req, ip, ident)
                     if key is None:
                         v.status, v.reason = 400, f"more than one {r.header.decode()} header"

@@ -69,6 +69,11 @@ FAMILIES = {
     "lb_hedges_skipped_total": ("counter", "Hedges not sent though due, by reason (budget: the retry budget was "
                                            "spent; max_requests: the pool's circuit breaker was at its cap)."),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
+    "lb_route_requests_total": ("counter", "Requests a [[routes]] table matched, by route and the pool it chose "
+                                           "(configured names only)."),
+    "lb_route_denied_total": ("counter", "Requests refused 403 by a route's allow/deny, by route."),
+    "lb_route_unavailable_total": ("counter", "Requests answered 503 because none of the route's pools had anyone "
+                                              "in rotation, by route."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
     "lb_admin_actions_total": ("counter", "Admin API actions on a backend (drain, enable)."),
     "lb_health_probes_total": ("counter", "Active health probes of each backend, by result (pass, fail)."),
@@ -204,6 +209,7 @@ class Metrics:
         self.carry = Carry()          # with workers: the numbers of workers that restarted
         self.top = TopKeys()          # the most rejected clients (limit_outcome)
         self._admitted_keys: dict = {}  # rule name -> its admitted counter's key (made once)
+        self._route_keys: dict = {}     # (route, pool) -> its lb_route_requests_total key
 
     # -- recording (with self.lock held in the _ helpers) --------------------------------------------
 
@@ -304,6 +310,23 @@ class Metrics:
                 self._inc("lb_upstream_errors_total", (("backend", backend), ("kind", kind)))
             self._inc("lb_retries_total", b)
             self._inc("lb_retries_by_condition_total", (("condition", condition),))
+
+    def declare_routes(self, routes) -> None:
+        """The routes in force ((name, pool names)): their counters are shown from 0."""
+        with self.lock:
+            for name, pools in routes:
+                for p in pools:
+                    self.counters.setdefault(("lb_route_requests_total", _labels(route=name, pool=p)), 0)
+                for fam in ("lb_route_denied_total", "lb_route_unavailable_total"):
+                    self.counters.setdefault((fam, _labels(route=name)), 0)
+
+    def route_chosen(self, route: str, pool: str) -> None:
+        """lb_route_requests_total, once per routed request: its key made once per (route, pool)."""
+        k = self._route_keys.get((route, pool))
+        if k is None:
+            k = self._route_keys[(route, pool)] = ("lb_route_requests_total", _labels(route=route, pool=pool))
+        with self.lock:
+            self._inc(*k)
 
     def ejection(self, backend: str, returned: bool = False) -> None:
         self.inc("lb_ejection_returns_total" if returned else "lb_ejections_total", backend=backend)

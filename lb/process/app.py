@@ -46,6 +46,7 @@ from lb.proxy.tunnel import close_all as close_tunnels
 from lb.proxy import hedge
 from lb.proxy.edge import Edge, EdgeServer
 from lb.upstream.breaker import Breaker
+from lb.upstream import pools as pools_mod
 from lb.upstream.resolve import is_address, lookup
 from lb.upstream.retrybudget import RetryBudget
 
@@ -136,6 +137,8 @@ class App:
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
                          ejector=self.ejector, retry_budget=self.retry_budget, breaker=self.breaker)
+        self.pools: dict = {}            # the named pools, [[pools]] (lb/upstream/pools.py); "default" is the Edge's
+        self._set_routes(cfg)
         from lb.http import tls as tls_mod
         self.edge.tls = tls_mod.take_inherited() or self._tls_context(cfg)   # a worker: the supervisor's
         if worker is None:               # (workers: the supervisor checked, and its reserve socket holds the port)
@@ -262,6 +265,31 @@ class App:
                      ", ".join(addrs), len(added), len(removed))
         return ttl
 
+    def _set_routes(self, cfg: Config) -> None:
+        """[[pools]] and [[routes]]: named pools built, or updated in place (kept backends keep their state),
+        or retired (their backends drain); then the route table, in one assignment (a split's turn carried)."""
+        from lb.proxy.routes import Router
+        want = {p.name: p for p in cfg.pools}
+        for name, spec in want.items():
+            if name in self.pools:
+                pools_mod.update(self.pools[name], spec, cfg, self.metrics, self._state_changed)
+            else:
+                self.pools[name] = pools_mod.build(spec, cfg, self.metrics, self._state_changed)
+        every = {"default": self.edge.pool, **{n: self.pools[n] for n in want}}
+        self.edge.router = Router(cfg.routes, every, self.edge.router) if cfg.routes else None
+        self.metrics.declare_routes((r.name, r.pools) for r in cfg.routes)
+        for name in [n for n in self.pools if n not in want]:
+            gone = self.pools.pop(name)
+            for b in gone.backends:
+                b.drained = True       # a request that chose it under the old table goes nowhere new
+                b.refresh()
+                pools_mod.retire(gone, b)
+            log.info("pool %s removed (%d backends draining)", name, len(gone.backends))
+        if self.pools or cfg.routes:
+            log.info("%d routes; pools: %s", len(cfg.routes), "; ".join(
+                f"{p.name} ({p.balancer.strategy}): " + ", ".join(f"{b.url}={b.weight}" for b in p.backends)
+                for p in self.pools.values()) or "default only")
+
     def _watch(self, b) -> None:
         """Health checks for b, and its state changes counted (lb_backend_transitions_total)."""
         b.on_state = self._state_changed
@@ -336,6 +364,8 @@ class App:
 
     def status(self) -> dict:
         self.edge.sweep_ejections()     # an ejection whose time is up shows as over, traffic or not
+        for p in self.pools.values():
+            p.sweep_ejections(self.metrics)
         now = time.monotonic()
         return {
             "listen": hostport(*self.server.server_address[:2]),
@@ -360,6 +390,10 @@ class App:
             "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
             "known_keys": len(self.cfg.keys), "unknown_keys": self.cfg.unknown_keys,
             "backends": [self.backend_status(b, now) for b in self.balancer.backends],
+            "pools": {p.name: {"strategy": p.balancer.strategy, "breaker": p.breaker.status(),
+                               "backends": [self.backend_status(b, now, p.balancer) for b in p.backends]}
+                      for p in self.pools.values()},
+            "routes": self.edge.router.status() if self.edge.router is not None else [],
             **self._operator_status(),
         }
 
@@ -387,24 +421,35 @@ class App:
         return metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
                                   for i in range(self.cfg.workers) if i != self.worker)
 
-    def backend_status(self, b, now: float) -> dict:
+    def backend_status(self, b, now: float, balancer=None) -> dict:
+        balancer = balancer or self.balancer
         return {"url": b.url, "route": b.route, "weight": b.weight,
-                "effective_weight": round(self.balancer.effective_weight(b, now), 3),
+                "effective_weight": round(balancer.effective_weight(b, now), 3),
                 "state": b.state, "in_rotation": b.in_rotation, "health": "UP" if b.up else "DOWN",
                 "drained": b.drained, "ejected": b.ejected,
                 "ejected_for": round(max(0.0, b.ejected_until - now), 3) if b.ejected else 0,
                 "times_ejected": b.times_ejected, "fail_streak": b.fail_streak, "pass_streak": b.pass_streak,
                 "last_probe": b.last_probe, "inflight": b.inflight,
-                "resting_for": round(max(0.0, self.balancer.resting.get(b, 0.0) - self.balancer.clock()), 3),
+                "resting_for": round(max(0.0, balancer.resting.get(b, 0.0) - balancer.clock()), 3),
+                **({"pool": b.cluster.name} if b.cluster is not None and b.cluster.name != "default" else {}),
                 **({"name": b.spec.url, "address": b.spec.address} if b.spec.address else {})}
 
     # -- admin actions ------------------------------------------------------------------------------
 
     def find_backend(self, name: str):
-        """A backend by its route id (as in /status and the sticky cookie) or its HOST:PORT."""
-        for b in self.balancer.backends:
-            if name in (b.route, f"{b.spec.host}:{b.spec.port}", hostport(b.spec.host, b.spec.port)):
-                return b
+        """A backend by its route id (as in /status and the sticky cookie) or its HOST:PORT; POOL:ID or
+        POOL:HOST:PORT names one of a named pool's (a URL in two pools is two backends), else the default
+        pool's is found first."""
+        pool, sep, rest = name.partition(":")
+        if sep and pool in self.pools:
+            groups = [self.pools[pool].backends]
+            name = rest
+        else:
+            groups = [self.balancer.backends, *(p.backends for p in self.pools.values())]
+        for bs in groups:
+            for b in bs:
+                if name in (b.route, f"{b.spec.host}:{b.spec.port}", hostport(b.spec.host, b.spec.port)):
+                    return b
         return None
 
     def set_drained(self, b, drained: bool) -> dict:
@@ -422,9 +467,10 @@ class App:
         st = self.set_drained(b, drained)
         failed = {}
         if self.rundir is not None:
-            fanout.remember(self.rundir, b.route, drained)
+            name = f"{b.cluster.name}:{b.route}" if b.cluster is not None and b.cluster.name in self.pools else b.route
+            fanout.remember(self.rundir, name, drained)
             action = "drain" if drained else "enable"
-            failed = fanout.send(self.rundir, [i for i in range(self.cfg.workers) if i != self.worker], action, b.route)
+            failed = fanout.send(self.rundir, [i for i in range(self.cfg.workers) if i != self.worker], action, name)
             if failed:
                 log.error("backend %s: %s applied here but not by worker(s) %s", b.url, action,
                           "; ".join(f"{i}: {why}" for i, why in sorted(failed.items())))
@@ -457,6 +503,16 @@ class App:
             out[("lb_backend_drained", lab)] = 1 if b.drained else 0
             out[("lb_backend_inflight", lab)] = b.inflight
             out.setdefault(("lb_requests_total", lab), 0)
+        for p in self.pools.values():      # a URL in two pools: one backend label (lb/upstream/pools.py)
+            for b in p.backends:
+                lab = (("backend", b.url),)
+                out[("lb_backend_up", lab)] = max(out.get(("lb_backend_up", lab), 0), 1 if b.up else 0)
+                out[("lb_backend_in_rotation", lab)] = max(out.get(("lb_backend_in_rotation", lab), 0),
+                                                           1 if b.in_rotation else 0)
+                out.setdefault(("lb_backend_ejected", lab), 1 if b.ejected else 0)
+                out.setdefault(("lb_backend_drained", lab), 1 if b.drained else 0)
+                out[("lb_backend_inflight", lab)] = out.get(("lb_backend_inflight", lab), 0) + b.inflight
+                out.setdefault(("lb_requests_total", lab), 0)
         stage = self.edge.limiter
         self._key_tables(stage, out)
         for lim in (getattr(stage, "limiters", None) or {}).values():
@@ -630,6 +686,7 @@ class App:
             self.edge.identifier = Identifier(new.trusted_proxies)
             self.admin_token = token
             self.balancer.set_backends(keep, new.strategy, new.slow_start)
+            self._set_routes(new)
             old_log = None
             if access_log is not None:
                 access_log.set_redact(new.log_redact_params)
@@ -733,6 +790,8 @@ class App:
             log.warning("drain deadline (%gs) passed with %d requests in flight; closing", self.cfg.drain_timeout,
                         left)
         self.health.stop()
+        for p in self.pools.values():
+            p.health.stop()
         if self.admin:
             self.admin.shutdown()
         for sock in (self.published, self.published_ctl):

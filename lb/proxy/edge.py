@@ -36,6 +36,7 @@ from lb.limiting.rules import configured_subjects
 from lb.upstream.outlier import Ejector
 from lb.limiting.stage import Holds
 from lb.upstream.breaker import Breaker
+from lb.upstream.pools import Pool
 from lb.upstream.retrybudget import RetryBudget
 from lb.http.framing import Reader, Request, linger, own_response, parse_request, send_timeout
 from lb.errors import ClientGone, HttpError
@@ -148,6 +149,8 @@ class Edge:
         self.ejector = ejector or Ejector(0)          # passive health (lb/upstream/outlier.py)
         self.retry_budget = retry_budget or RetryBudget()
         self.breaker = breaker or Breaker()           # the pool's circuit breaker (lb/upstream/breaker.py)
+        self.pool = Pool("default", balancer, self.ejector, self.breaker)   # where no route sends elsewhere
+        self.router = None                  # lb/proxy/routes.py Router when [[routes]] are configured
         self.refused_connections = 0
         self.idle_closed = 0                # idle keep-alive connections closed to make room at the cap
         self.draining = False               # set after SIGTERM's grace: finish what is in flight, take nothing new
@@ -261,10 +264,7 @@ class Edge:
 
     def sweep_ejections(self) -> None:
         """Ejected backends whose time is up return to the rotation: one log line and a count each."""
-        for b in self.ejector.sweep(self.balancer.backends, monotonic()):
-            log.warning("backend %s returns from ejection (ejected %d times)%s", b.url, b.times_ejected,
-                        "" if b.in_rotation else f"; still out: {b.state}")
-            self.metrics.ejection(b.url, returned=True)
+        self.pool.sweep_ejections(self.metrics)
 
     def wake_idle(self) -> int:
         """Draining: end the connections waiting between requests (a busy one ends after its response)."""

@@ -16,7 +16,7 @@ class Exchange:
     __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
                  "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
                  "tunnel", "key_name", "rid_header", "counted", "slots", "admitted", "reader", "bytes_received", "upstream_status",
-                 "hedge")
+                 "hedge", "route", "pool")
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
         self.req, self.start = req, start
@@ -45,6 +45,8 @@ class Exchange:
         self.bytes_received = None
         self.upstream_status = None  # the backend's status code, when one answered
         self.hedge = None            # (won|lost|failed, the other backend's URL) when hedged (lb/proxy/hedge.py)
+        self.route = None            # the lb/proxy/routes.py Route it matched, None: no route (the default pool)
+        self.pool = None             # the lb/upstream/pools.py Pool chosen for it
 
     def extra_headers(self) -> bytes:
         """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""

@@ -72,7 +72,7 @@ class Forwarder:
             while True:
                 cfg = edge.cfg
                 head = upstream_head(req, backend, conn.peer, conn.peer_trusted, cfg.no_pool, x.proto, x.upgrade,
-                                     x.rid_sent, length, cfg.allow_underscores)
+                                     x.rid_sent, length, cfg.allow_underscores, x)
                 x.counted = backend      # uncount() takes back this count, whichever backend a retry names next
                 with backend.lock:
                     backend.inflight += 1
@@ -126,7 +126,7 @@ class Forwarder:
         if kind is Failure.GONE and not t.regone:
             # A reload removed this backend between the pick and now: another, once (not a failure of
             # anyone's, so no retry or budget is spent on it).
-            t.regone = self.edge.balancer.pick(exclude=t.tried)
+            t.regone = self.balancer(backend).pick(exclude=t.tried)
             if t.regone is not None:
                 x.backend = t.regone
                 return t.regone
@@ -175,8 +175,9 @@ class Forwarder:
         if ok and not backend.fail_run:
             return
         edge = self.edge
-        ej = edge.ejector
-        duration = ej.observe(backend, ok, monotonic(), edge.balancer.backends)
+        pool = backend.cluster or edge.pool
+        ej = pool.ejector
+        duration = ej.observe(backend, ok, monotonic(), pool.balancer.backends)
         if duration:
             if isinstance(why, bytes):
                 why = why[9:].decode("latin-1")
@@ -185,13 +186,17 @@ class Forwarder:
             edge.metrics.ejection(backend.url)
 
     def repick(self, x, backend: Backend) -> Backend:
-        nxt = self.edge.balancer.pick()
+        nxt = self.balancer(backend).pick()
         if nxt is None:
             return backend    # nobody else: try it anyway (it may be the one that answers)
         x.backend = nxt
         if x.set_cookie:
             x.set_cookie = route_set_cookie(nxt)
         return nxt
+
+    def balancer(self, backend: Backend):
+        """The balancer of the pool the backend is in (lb/upstream/pools.py): a retry stays in its pool."""
+        return (backend.cluster or self.edge.pool).balancer
 
     def policy(self) -> RetryPolicy:
         """The retry policy of the current configuration (rebuilt after a reload changed it)."""
@@ -205,7 +210,7 @@ class Forwarder:
         edge = self.edge
         if len(tried) > edge.cfg.retries:
             return None, False, ""
-        nxt = edge.balancer.pick(exclude=tried)
+        nxt = self.balancer(backend).pick(exclude=tried)
         # A backend already out of rotation (ejected by this failure or by those of requests picked
         # with this one, DOWN, drained) takes no new requests: this one goes elsewhere as forward()'s
         # repick would have sent it, free of the budget. Only the requests in flight to it when it left
@@ -222,7 +227,7 @@ class Forwarder:
             if lname == b"retry-after":
                 secs = retry_after(value)
                 if secs:
-                    self.edge.balancer.rest(backend, secs)
+                    self.balancer(backend).rest(backend, secs)
                     retry_log("backend %s answered 503 with Retry-After: %s: not picked for %gs", backend.url,
                               value.decode("latin-1"), secs)
                 return

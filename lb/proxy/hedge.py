@@ -198,7 +198,8 @@ class Race:
         """Pick another backend and send it the request on a thread of its own: False when the pool
         has nobody else to ask, or the retry budget or the breaker says no."""
         edge = self.fw.edge
-        budget, breaker = edge.retry_budget, edge.breaker
+        pool = self.first.cluster or edge.pool     # the hedge stays in the first try's pool (lb/upstream/pools.py)
+        budget, breaker = edge.retry_budget, pool.breaker
         # The caps first (a look, no lock): a hedge they refuse takes nobody's round-robin turn.
         if budget.retrying >= budget.allowed():
             edge.metrics.inc("lb_hedges_skipped_total", reason="budget")
@@ -206,7 +207,7 @@ class Race:
         if breaker.max_requests and breaker.requests >= breaker.max_requests:
             edge.metrics.inc("lb_hedges_skipped_total", reason="max_requests")
             return False
-        other = edge.balancer.pick(exclude=[self.first])
+        other = pool.balancer.pick(exclude=[self.first])
         if other is None or other is self.first or other.pool_full():
             return False
         try:

@@ -98,6 +98,16 @@ class Pipeline:
         x.client_ip = edge.identifier.client_ip(peer_ip, True, req.xff) if conn.peer_trusted else peer_ip
         if req.content_length is not None and req.content_length > cfg.max_body_size:
             return 413, "request body too large", False, _NONE
+        # The route (lb/proxy/routes.py), and its allow/deny here: after identify (it is the client IP as
+        # identified, trusted proxies honoured), before the limit (a refused request spends no token) and
+        # the choice (it takes no turn of a split or a balancer, and reaches no backend).
+        router = edge.router
+        if router is not None:
+            route = x.route = router.match(req)
+            if route is not None and route.acl and not route.admits(x.client_ip):
+                edge.metrics.inc("lb_route_denied_total", route=route.name)
+                return 403, f"forbidden (route {route.name})", \
+                    req.keep_alive and not (req.chunked or req.content_length), _NONE
         return None
 
     def limit(self, x, down, keep: bool):
@@ -110,7 +120,7 @@ class Pipeline:
             except ValueError as e:
                 return 400, str(e), False, _NONE
             return None
-        v = limiter.check(x.req, x.client_ip)
+        v = limiter.check(x.req, x.client_ip, route=x.route.name if x.route is not None else None)
         x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
         metrics = edge.metrics
         if v.degraded:                   # the store was unreachable: its failure policy decided
@@ -133,19 +143,28 @@ class Pipeline:
         round-robin turn, but has spent its token, as a 503 for "nobody healthy" has."""
         edge = self.edge
         cfg = edge.cfg
-        breaker = edge.breaker
+        req = x.req
+        # The pool: the route's (its split's turn, lb/proxy/routes.py), else the default.
+        sticky = route_cookie(req.cookie) if cfg.sticky and req.cookie else None
+        route = x.route
+        pool = x.pool = edge.pool if route is None else route.choose(sticky)
+        if pool is None:           # none of this route's pools has anyone in rotation: this route only
+            edge.metrics.inc("lb_route_unavailable_total", route=route.name)
+            return 503, f"no healthy backend (route {route.name})", keep, _UNAVAILABLE
+        if route is not None:
+            edge.metrics.route_chosen(route.name, pool.name)
+        breaker = pool.breaker
         if breaker.max_requests:
             if not breaker.enter():
                 return 503, f"overflow: {breaker.max_requests} requests in flight to the pool (max_requests)", \
                     keep, _NONE
             x.admitted = breaker
-        if edge.ejector.ejected:
-            edge.sweep_ejections()
-        balancer = edge.balancer
+        if pool.ejector.ejected:
+            pool.sweep_ejections(edge.metrics)
+        balancer = pool.balancer
         backend = None
-        req = x.req
-        if cfg.sticky and req.cookie:
-            backend = balancer.by_route(route_cookie(req.cookie))
+        if sticky:
+            backend = balancer.by_route(sticky)
         if backend is None:
             backend = balancer.pick()
             if backend is not None and backend.pool_full():
@@ -159,6 +178,8 @@ class Pipeline:
             if backend is not None and cfg.sticky:
                 x.set_cookie = route_set_cookie(backend)
         if backend is None:
+            if route is not None:
+                edge.metrics.inc("lb_route_unavailable_total", route=route.name)
             return 503, "no healthy backend", keep, _UNAVAILABLE
         x.backend = backend
         x.tries = 1

@@ -143,6 +143,9 @@ class Relay:
         tokens = rh.conn_tokens
         limiting = bool(x.rl)
         skip = not_relayed(x.rl, x.rid_header)
+        edit = x.route.response_edit if x.route is not None else None    # lb/proxy/routes.py
+        if edit is not None:
+            skip = skip | edit.drop
         # A 1xx or 204 has no body, whatever length it names: no Content-Length for it (RFC 9110 8.6)
         cl = rh.content_length if status >= 200 and status != 204 else None
         for name, lname, value in rh.headers:
@@ -152,6 +155,8 @@ class Relay:
                     cl = None
                 continue
             out += name + b": " + value + b"\r\n"
+        if edit is not None:
+            out += edit.render(x)
         if x.rid_header:         # --request-id-response: ours, in place of the backend's
             out += x.rid_header
         if limiting:
@@ -257,9 +262,12 @@ def relayed_fields(x, rh) -> list[tuple[bytes, bytes]]:
     tokens = rh.conn_tokens
     limiting = bool(x.rl)
     skip = not_relayed(x.rl, x.rid_header)
+    edit = x.route.response_edit if x.route is not None else None    # lb/proxy/routes.py
+    if edit is not None:
+        skip = skip | edit.drop
     out = [(name, value) for name, lname, value in rh.headers
            if not (lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"))]
-    out += _pairs(x.rid_header + x.rl + x.set_cookie)
+    out += _pairs((edit.render(x) if edit is not None else b"") + x.rid_header + x.rl + x.set_cookie)
     return out
 
 

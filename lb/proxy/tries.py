@@ -57,7 +57,7 @@ class UpstreamFailed(Exception):
 def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
                   close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
                   request_id: bytes | None = None, length: int | None = None,
-                  underscores: bool = False) -> bytearray:
+                  underscores: bool = False, x=None) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
     exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
 
@@ -75,6 +75,9 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
+    edit = x.route.request_edit if x is not None and x.route is not None else None   # lb/proxy/routes.py
+    if edit is not None:
+        replaced = replaced | edit.drop
     for name, lname, value in req.headers:
         if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
             if lname == b"content-length" and length is not None:
@@ -93,6 +96,8 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
         out += b"X-Request-Id: " + request_id + b"\r\n"
     if req.client_cert is not None:
         out += b"X-Forwarded-Client-Cert: " + req.client_cert.xfcc + b"\r\n"
+    if edit is not None:
+        out += edit.render(x)
     if length is not None:
         out += b"Content-Length: %d\r\n" % length
     elif req.chunked:

@@ -10,6 +10,8 @@ its last response) is closed instead of reused: those bytes would be read as the
 
 from __future__ import annotations
 
+from typing import Any
+
 import hashlib
 import logging
 import queue
@@ -233,6 +235,7 @@ class Backend:
     is passive health (lb/upstream/outlier.py); `drained` is the operator's (admin API). Pickers read only
     `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
+    cluster: Any = None    # the Pool it belongs to (lb/upstream/pools.py); None: the default pool
     h2 = None                     # an h2c:// backend's HTTP/2 calls (lb/upstream/h2pool.py), else None
 
     def __init__(self, spec: BackendSpec, pool: BackendPool):
