@@ -212,6 +212,7 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
     x.bytes_sent = sent
     if failed and isinstance(failed[0], HttpError):
         keep = False
+    assert status is not None      # the loop ends after the headers (h2 refuses DATA before them) or returns
     fw.observe(backend, status < 500, f"HTTP/2 {status}")
     now = monotonic()
     x.upstream_seconds = now - x.upstream_start

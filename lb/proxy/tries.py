@@ -108,7 +108,7 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
 def classify(e: BaseException, reused: bool) -> tuple[Failure, str]:
     """(kind, detail) for a failure before any response byte reached the client."""
     if isinstance(e, UpstreamError):
-        return Failure(e.kind), e.detail
+        return Failure(e.kind), e.detail   # type: ignore[call-arg]  # a lookup by value (EnumType.__call__), not __new__
     name = type(e).__name__
     if isinstance(e, ssl.SSLError) and not reused:   # an https:// backend's handshake or certificate
         if isinstance(e, ssl.SSLCertVerificationError):
