@@ -60,7 +60,7 @@ def eligible(x, body) -> bool:
     return type(body) is bytes and req.method in REPLAYABLE_METHODS and x.upgrade is None and bool(req.host)
 
 
-def attempt(fw, x, backend, head: bytes, body: bytes):
+def attempt(fw, x, backend, head: bytes | bytearray, body: bytes):
     """tries.attempt(cfg, x, backend, head, body), hedged after cfg.hedge_after: (conn, rh, ur, backend that
     answered). Raises UpstreamFailed as attempt() does when no side got a head (the first backend's
     failure, so forward()'s retry policy sees the try it made)."""

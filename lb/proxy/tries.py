@@ -123,7 +123,7 @@ def classify(e: BaseException, reused: bool) -> tuple[Failure, str]:
     return Failure.RESET, (e.strerror or name) if isinstance(e, OSError) else name
 
 
-def _send_streamed(up: socket.socket, head: bytes, body, chunked: bool) -> None:
+def _send_streamed(up: socket.socket, head: bytes | bytearray, body, chunked: bool) -> None:
     """Head, then the body as it arrives from the client (re-chunked when chunked). What fails while
     reading the client is the client's: HttpError (bad framing, 413; a silence is 408) or ClientGone;
     what fails while writing to the backend raises OSError as it is."""
@@ -156,7 +156,7 @@ def _acquire(pool, fresh: bool = False):
         raise UpstreamFailed(Failure.GONE, "removed by a reload") from None
 
 
-def attempt(cfg, x, backend: Backend, head: bytes, body, wait=None):
+def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     """One try on `backend`: (conn, response head, reader) once a final (or 101) head arrived.
     wait(ur): called once the request is sent, before its head is read (lb/proxy/hedge.py's race);
     what it raises fails the try as a read would.
@@ -232,7 +232,7 @@ def attempt(cfg, x, backend: Backend, head: bytes, body, wait=None):
         return conn, rh, ur
 
 
-def _send_request(up, head: bytes, body, replayable: bool, chunked: bool) -> None:
+def _send_request(up, head: bytes | bytearray, body, replayable: bool, chunked: bool) -> None:
     if type(body) is bytes:
         up.sendall(head + body if body else head)
     elif replayable:
