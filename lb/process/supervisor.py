@@ -105,8 +105,8 @@ def run(cfg, argv) -> int:
             tls.inherited = tls_listener(cfg)
         except ConfigError as e:
             raise StartError(str(e)) from None
-        for w in certificate_warnings(cfg):
-            log.warning("%s", w)
+        for warning in certificate_warnings(cfg):
+            log.warning("%s", warning)
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
     workers = [Worker(i) for i in range(cfg.workers)]
     by_pid: dict[int, Worker] = {}
@@ -199,9 +199,9 @@ def run(cfg, argv) -> int:
                     by_pid.clear()
                 if pid == 0:
                     break
-                w = by_pid.pop(pid, None)
-                if w is None:
+                if pid not in by_pid:
                     continue
+                w = by_pid.pop(pid)
                 _read_pipes([w], 0)
                 os.close(w.fd)
                 w.fd = -1
