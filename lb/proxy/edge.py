@@ -58,6 +58,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
     daemon_threads = True
     block_on_close = False
+    server_address: tuple[str, int]     # an IP listener's (host, port, ...): the host a str, not bytes
     allow_reuse_address = True
     request_queue_size = 1024
 
