@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 from time import sleep
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from limiter import MemoryStore, build, parse_rate
 from limiter.compose import allow_all
@@ -33,7 +33,7 @@ from limiter.shaping import Delayed
 
 from lb import netaddr
 from lb.limiting.identity import MAX_KEY, ip_key, kind_name
-from lb.limiting.keys import KeyRegistry, key_label
+from lb.limiting.keys import KeyRegistry, KeySpec, key_label
 from lb.limiting.rules import BUILTIN, Matcher, normalize_path
 
 log = logging.getLogger("edge")
@@ -50,14 +50,14 @@ class Verdict:
         self.reason = ""
         self.headers = b""           # X-RateLimit-* (and Retry-After), RateLimit-* when enabled
         self.label = label           # the identity as logs may show it: never a raw API key
-        self.key_name = None         # a known key's configured name
+        self.key_name: str | None = None       # a known key's configured name
         self.limited_by = ""         # "rule,rule:dry_run" -- the access log's limited_by
-        self.rejected = ()           # names of enforcing rules that rejected
-        self.dry = ()                # names of dry-run rules that would have rejected
+        self.rejected: tuple[str, ...] = ()    # names of enforcing rules that rejected
+        self.dry: tuple[str, ...] = ()         # names of dry-run rules that would have rejected
         self.degraded = False        # a store failure policy decided
         self.exempt = False
         self.delay = 0.0             # admitted, to be held this long first (delay mode)
-        self.slots = None            # in-flight slots taken: [(table, slot)], given back by release()
+        self.slots: list | None = None         # in-flight slots taken: [(table, slot)], given back by release()
         self.admitted = ()           # names of the rules that applied to an admitted request
 
 
@@ -137,7 +137,7 @@ class LimitStage:
         self.store = store
         self.options = tuple(sorted(store_options.items()))
         old = reuse or {}
-        cache: dict[str, object] = {}
+        cache: dict[str, Any] = {}      # limiters of several kinds (memory, Redis, shm) and in-flight tables
 
         def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN, cost: int = 1, delay: float = max_delay):
             n, period = parse_rate(rate)
@@ -147,10 +147,10 @@ class LimitStage:
             if key not in cache and key in old:
                 cache[key] = old[key]
             if key not in cache:
+                prefix: dict[str, Any] = ({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
+                                          if store != "memory" else {})
                 cache[key] = build(algo, limit=n, window=period, store=store, cost=cost, max_delay=delay,
-                                   **({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
-                                      if store != "memory" else {}),
-                                   **store_options)
+                                   **prefix, **store_options)
             return cache[key]
 
         def inflight_for(n: int, rule: str = BUILTIN):
@@ -264,7 +264,7 @@ class LimitStage:
         else:
             return 400, {"error": "ask for /limits/ip:ADDR, /limits/key:NAME (a known key) or /limits/key with "
                                   "the key in an X-Api-Key header"}
-        out = {"key": label, "exempt": ident in self.exempt_names or (ident.startswith("ip:") and
+        out: dict[str, Any] = {"key": label, "exempt": ident in self.exempt_names or (ident.startswith("ip:") and
                                                                        self._ip_exempt(ident[3:].split("/")[0])),
                "rules": []}
         lim = self.overrides.get(ident)
@@ -303,7 +303,7 @@ class LimitStage:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, object]:
+    def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, KeySpec | None]:
         """(identity or None when refused, label for logs, the known key's spec or None)."""
         if api_key is None:
             ident = ip_key(ip, self.ipv6_prefix)
@@ -511,6 +511,7 @@ class _Lazy:
     """The request's normalised path, computed at most once and only if a rule asks for it."""
 
     __slots__ = ("target", "path")
+    path: bytes | None
 
     def __init__(self, target: bytes):
         self.target, self.path = target, None
