@@ -41,6 +41,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+from collections.abc import Sequence
 from time import monotonic
 from time import time as _time
 
@@ -218,7 +219,7 @@ def allow_all_memory(checks, now: float | None = None):
     held = sorted({id(lk): lk for lk in locks}.items())
     for _, lk in held:
         lk.acquire()
-    grows = ()
+    grows: Sequence[tuple[int, threading.Lock]] = ()    # the growth locks held (by id), when a key is new
     try:
         if now is None:
             now = checks[0][0]._clock()   # under the locks, as MemoryStore.allow reads it
@@ -229,7 +230,7 @@ def allow_all_memory(checks, now: float | None = None):
                 g.acquire()
         admitted = True
         trials = []
-        for (lim, key, enforce), lock, state in zip(checks, locks, states):
+        for (lim, _, enforce), lock, state in zip(checks, locks, states):
             if state is None:
                 new, d = lim._step(None, now)
                 if d[0]:

@@ -47,6 +47,7 @@ class Delayed(Decision):
     """Admitted, to be forwarded only after `delay` seconds (its slot is already reserved)."""
 
     # not __slots__ = (): an instance carries .delay (made only on the held path)
+    delay: float
 
 
 def _held(limit, reset, delay):

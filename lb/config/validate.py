@@ -109,6 +109,7 @@ def check_tls(c: Config) -> None:
 def tls_listener(c: Config):
     """The listener's SSLContext for this configuration, read from disk (ConfigError when it cannot serve)."""
     from lb.http.tls import listener_context
+    assert c.tls_cert is not None and c.tls_key is not None    # called with [tls] cert set; validate() pairs the key
     return listener_context(CertSpec(c.tls_cert, c.tls_key), c.tls_certificates, c.tls_strict_sni,
                             ciphers=c.tls_ciphers, min_version=c.tls_min_version, client_ca=c.tls_client_ca,
                             client_auth=c.tls_client_auth, client_crl=c.tls_client_crl, http2=c.http2)
@@ -222,15 +223,15 @@ def _validate_limits(c: Config) -> None:
         if c.keys and ident.startswith("key:") and ident[4:] not in names:
             raise ConfigError(f"limits.keys: {k!r}: with known keys, an override names a key in [[keys]] "
                               f"or api_keys_file (known: {', '.join(sorted(names))})")
-    for e in c.exempt:
-        if not isinstance(e, str):
-            raise ConfigError(f"limits.exempt: expected strings like \"10.0.0.0/8\" or \"key:NAME\", got {e!r}")
-        if e.startswith("key:"):
-            if e[4:] not in names:
-                raise ConfigError(f"limits.exempt: {e!r} is not a known key (exempt keys must be listed in "
+    for entry in c.exempt:
+        if not isinstance(entry, str):
+            raise ConfigError(f"limits.exempt: expected strings like \"10.0.0.0/8\" or \"key:NAME\", got {entry!r}")
+        if entry.startswith("key:"):
+            if entry[4:] not in names:
+                raise ConfigError(f"limits.exempt: {entry!r} is not a known key (exempt keys must be listed in "
                                   f"[[keys]] or api_keys_file, or anyone could claim the name)")
         else:
-            check_cidrs([e[3:] if e.startswith("ip:") else e], "limits.exempt")
+            check_cidrs([entry[3:] if entry.startswith("ip:") else entry], "limits.exempt")
     for r in c.rules:
         if r.limit is not None:
             check_rate(r.limit, f"rules ({r.name}).limit")

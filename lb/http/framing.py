@@ -14,9 +14,13 @@ import struct
 from email.utils import formatdate
 from http import HTTPStatus
 from time import monotonic, time
+from typing import TYPE_CHECKING
 
 from lb.errors import ClientGone, HttpError, UpstreamError
 from lb.http.chunked import CHUNK, END, NEED, TRAILER, ChunkedDecoder
+
+if TYPE_CHECKING:
+    from lb.http.tls import ClientCert
 
 CRLF = b"\r\n"
 
@@ -260,7 +264,7 @@ class Request:
     fwd_host: bytes | None
     cookie: bytes | None
     request_id: bytes | None
-    client_cert: object | None
+    client_cert: ClientCert | None
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"

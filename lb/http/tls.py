@@ -20,6 +20,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from time import monotonic
+from typing import Any
 
 from lb.errors import ConfigError
 
@@ -105,7 +106,8 @@ def _load_verify(ctx: ssl.SSLContext, path: str, key: str) -> None:
 def cert_info(path: str) -> dict:
     """The first certificate in a PEM file, decoded by OpenSSL (subject, subjectAltName, notAfter)."""
     try:
-        return ssl._ssl._test_decode_cert(path)   # CPython's own tests' decoder: no third-party parser
+        # CPython's own tests' decoder: no third-party parser (private, so typeshed does not list it)
+        return ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
     except (OSError, ssl.SSLError) as e:
         raise ConfigError(f"tls: cannot read a certificate in {path}: {getattr(e, 'strerror', None) or e}") from None
 
@@ -190,12 +192,12 @@ def _rfc2253(value: str) -> str:
             out.append(c)
         else:
             out.append("".join(f"\\{b:02X}" for b in c.encode()))
-    out = "".join(out)
-    if out[:1] in ("#", " "):
-        out = "\\" + out
-    if out.endswith(" "):
-        out = out[:-1] + "\\ "
-    return out
+    s = "".join(out)
+    if s[:1] in ("#", " "):
+        s = "\\" + s
+    if s.endswith(" "):
+        s = s[:-1] + "\\ "
+    return s
 
 
 def _element(v: str) -> str:
@@ -235,7 +237,7 @@ def client_cert(tsock: ssl.SSLSocket) -> ClientCert | None:
     der = tsock.getpeercert(binary_form=True)
     if not der:
         return None
-    info = tsock.getpeercert() or {}
+    info: dict[str, Any] = tsock.getpeercert() or {}     # each key's value has its own shape
     subject = ",".join("+".join(f"{_RDN.get(k, k)}={_rfc2253(v)}" for k, v in rdn)
                        for rdn in reversed(info.get("subject", ())))
     san = info.get("subjectAltName", ())
@@ -284,8 +286,9 @@ def accept(ctx: ssl.SSLContext, sock: socket.socket, deadline: float) -> tuple[s
         why = "TLS handshake not completed in time"
     except ssl.SSLError as e:
         why = "TLS handshake failed: " + (e.reason or str(e)).replace("_", " ").lower()
-        if getattr(e, "verify_message", None):       # a client certificate: expired, revoked, unknown CA
-            why += f" ({e.verify_message})"
+        verify = getattr(e, "verify_message", None)
+        if verify:                                   # a client certificate: expired, revoked, unknown CA
+            why += f" ({verify})"
     except OSError as e:
         why = "TLS handshake failed: " + (e.strerror or type(e).__name__)
     tls.close()

@@ -150,7 +150,7 @@ class StreamReader(Reader):
     __slots__ = ("stream", "chunked", "ended")
 
     def __init__(self, stream: Stream, chunked: bool):
-        Reader.__init__(self, None)
+        Reader.__init__(self, None)  # type: ignore[arg-type]  # no socket: fill() and apply() are a stream's
         self.stream, self.chunked, self.ended = stream, chunked, False
 
     def apply(self, t) -> None:
@@ -169,10 +169,10 @@ class StreamReader(Reader):
             end_at = None if t is None else monotonic() + t
             with c.cv:
                 while not st.body and not st.body_end and not st.reset:
-                    left = None if end_at is None else end_at - monotonic()
-                    if left is not None and left <= 0:
+                    rest = None if end_at is None else end_at - monotonic()
+                    if rest is not None and rest <= 0:
                         raise socket.timeout("timed out")
-                    st.cv.wait(TICK if left is None else min(left, TICK))
+                    st.cv.wait(TICK if rest is None else min(rest, TICK))
                 if st.reset:
                     raise ConnectionResetError("stream reset")
                 data = b"".join(st.body)
@@ -267,7 +267,7 @@ class Connection:
         idle_since = monotonic()
         idle_limit = cfg.header_timeout        # the first stream within header_timeout, then keepalive_timeout
         stalled_since = None
-        writing = False
+        writing = 0             # the poll mask last registered
         try:
             if self.first:
                 if not self._receive(self.first):
@@ -378,7 +378,7 @@ class Connection:
         now = monotonic()
         with self.cv:
             try:
-                events = self.h2.receive_data(data)
+                events: list = self.h2.receive_data(data)     # (of Any: dispatched on type(ev) below)
             except h2.exceptions.ProtocolError as e:
                 # h2 queued the GOAWAY (its code: PROTOCOL_ERROR, FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM for
                 # an oversized header list...); we only say why.

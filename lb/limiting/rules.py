@@ -236,7 +236,7 @@ class Matcher:
         self.methods = frozenset(m.encode() for m in spec.methods)
         h = spec.host.encode() if spec.host else None
         self.wildcard = h is not None and h.startswith(b"*.")
-        self.host = h[1:] if self.wildcard else h       # "*.example.com" -> ".example.com"
+        self.host = h[1:] if h and self.wildcard else h       # "*.example.com" -> ".example.com"
         self.subjects = frozenset(spec.client_cert_subjects)
         self.route = spec.route
         self.always = (self.prefix is None and not self.methods and self.host is None and not self.subjects

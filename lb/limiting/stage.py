@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 from time import sleep
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from limiter import build, parse_rate
 from limiter.compose import allow_all
@@ -34,7 +34,7 @@ from limiter.shaping import Delayed
 from lb import netaddr
 from lb.limiting.identity import MAX_KEY, ip_key, kind_name
 from lb.limiting import views
-from lb.limiting.keys import KeyRegistry, key_label
+from lb.limiting.keys import KeyRegistry, KeySpec, key_label
 from lb.limiting.rules import BUILTIN, Matcher, normalize_path
 
 log = logging.getLogger("edge")
@@ -51,14 +51,14 @@ class Verdict:
         self.reason = ""
         self.headers = b""           # X-RateLimit-* (and Retry-After), RateLimit-* when enabled
         self.label = label           # the identity as logs may show it: never a raw API key
-        self.key_name = None         # a known key's configured name
+        self.key_name: str | None = None       # a known key's configured name
         self.limited_by = ""         # "rule,rule:dry_run" -- the access log's limited_by
-        self.rejected = ()           # names of enforcing rules that rejected
-        self.dry = ()                # names of dry-run rules that would have rejected
+        self.rejected: tuple[str, ...] = ()    # names of enforcing rules that rejected
+        self.dry: tuple[str, ...] = ()         # names of dry-run rules that would have rejected
         self.degraded = False        # a store failure policy decided
         self.exempt = False
         self.delay = 0.0             # admitted, to be held this long first (delay mode)
-        self.slots = None            # in-flight slots taken: [(table, slot)], given back by release()
+        self.slots: list | None = None         # in-flight slots taken: [(table, slot)], given back by release()
         self.admitted = ()           # names of the rules that applied to an admitted request
 
 
@@ -138,7 +138,7 @@ class LimitStage:
         self.store = store
         self.options = tuple(sorted(store_options.items()))
         old = reuse or {}
-        cache: dict[str, object] = {}
+        cache: dict[str, Any] = {}      # limiters of several kinds (memory, Redis, shm) and in-flight tables
 
         def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN, cost: int = 1, delay: float = max_delay):
             n, period = parse_rate(rate)
@@ -148,10 +148,10 @@ class LimitStage:
             if key not in cache and key in old:
                 cache[key] = old[key]
             if key not in cache:
+                prefix: dict[str, Any] = ({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
+                                          if store != "memory" else {})
                 cache[key] = build(algo, limit=n, window=period, store=store, cost=cost, max_delay=delay,
-                                   **({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
-                                      if store != "memory" else {}),
-                                   **store_options)
+                                   **prefix, **store_options)
             return cache[key]
 
         def inflight_for(n: int, rule: str = BUILTIN):
@@ -213,7 +213,7 @@ class LimitStage:
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, object]:
+    def identify(self, api_key: bytes | None, ip: str) -> tuple[str | None, str, KeySpec | None]:
         """(identity or None when refused, label for logs, the known key's spec or None)."""
         if api_key is None:
             ident = ip_key(ip, self.ipv6_prefix)
@@ -422,6 +422,7 @@ class _Lazy:
     """The request's normalised path, computed at most once and only if a rule asks for it."""
 
     __slots__ = ("target", "path")
+    path: bytes | None
 
     def __init__(self, target: bytes):
         self.target, self.path = target, None

@@ -57,7 +57,7 @@ def _servers(cfg, target, timeout: float) -> list[tuple[str | None, int | None, 
             continue
         finally:
             c.close()
-        if addr:
+        if isinstance(addr, (tuple, list)) and addr:     # (host, port); None when it knows no master
             host = addr[0].decode() if isinstance(addr[0], bytes) else addr[0]
             return [(host, int(addr[1]), f" master {host}:{int(addr[1])}")]
     return []

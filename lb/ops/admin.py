@@ -119,6 +119,7 @@ class AdminServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     allow_reuse_address = True
     request_queue_size = 128      # socketserver's 5 would pace a burst by SYN retransmits, not refuse it
     reuse_port = False
+    server_address: tuple[str, int]     # an IP listener's (host, port, ...): the host a str, not bytes
 
     def __init__(self, addr, app):
         self.app = app

@@ -145,7 +145,7 @@ _EDGE_CODES = ("400", "413", "429", "499", "502", "503", "504")
 TRANSITIONS = ("UP", "DOWN", "EJECTED", "DRAINED")
 
 
-def _duration(status: int) -> tuple:
+def _duration(status: int) -> tuple[str, tuple]:
     return _DURATION.get(status // 100) or ("lb_request_duration_seconds", (("code", f"{status // 100}xx"),))
 
 
@@ -243,7 +243,7 @@ class Metrics:
 
     def backend_done(self, backend: str, status: int, seconds: float, upstream: float | None = None) -> None:
         # Once per proxied request: the four records' keys are made once per (backend, status class).
-        keys = self._done_keys.get((backend, status // 100))
+        keys: tuple[tuple[str, tuple], ...] | None = self._done_keys.get((backend, status // 100))
         if keys is None:
             b = (("backend", backend),)
             keys = self._done_keys[(backend, status // 100)] = (
@@ -511,7 +511,7 @@ def _num(v) -> str:
 
 
 def render(m: dict) -> str:
-    out = []
+    out: list[str] = []
     w = out.append
     for name, (kind, help_) in FAMILIES.items():
         src = m["h"] if kind == "histogram" else m["c"] if kind == "counter" else m["g"]

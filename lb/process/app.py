@@ -120,7 +120,7 @@ class App:
         self.resolved: dict[str, list[str]] = {}   # a DNS-named backend's URL -> its addresses (lb/upstream/resolve.py)
         self.resolve_failing: dict[str, str] = {}  # ... -> why its last resolution failed (logged once)
         self.resolutions = {"ok": 0, "failed": 0}
-        self._resolving = None                     # the re-resolution thread, once a resolver is set
+        self._resolving: threading.Thread | None = None    # the re-resolution thread, once a resolver is set
         try:
             specs = self._concrete(cfg.backends, cfg)
         except ConfigError as e:
@@ -167,6 +167,7 @@ class App:
         if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
             self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
                                                  lambda: self.metrics.snapshot(self._live(), worker))
+            assert worker is not None    # a rundir is given to workers only (lb/process/supervisor.py), with their index
             self.published_ctl = fanout.listen(fanout.ctl_path(rundir, worker), self._apply_forwarded)
             for route in fanout.drained_routes(rundir):     # drained before this worker (re)started
                 b = self.find_backend(route)
@@ -301,6 +302,7 @@ class App:
     @staticmethod
     def _admin_addr(cfg: Config, worker: int | None):
         addr = cfg.admin
+        assert addr is not None          # asked only with --admin set
         if worker and addr[1]:
             addr = (addr[0], addr[1] + worker)   # worker i on PORT + i: its /status and drain; any /metrics sums
         return addr
@@ -485,7 +487,7 @@ class App:
 
     def _live(self) -> dict:
         """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
-        out = {("lb_client_connections", ()): self.server.active,
+        out: dict[tuple[str, tuple], float] = {("lb_client_connections", ()): self.server.active,
                ("lb_refused_connections_total", ()): self.edge.refused_connections,
                ("lb_idle_connections_closed_total", ()): self.edge.idle_closed,
                ("lb_buffer_memory_bytes", ()): self.edge.buffers.used,

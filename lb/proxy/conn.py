@@ -23,7 +23,7 @@ class ClientConn:
     __slots__ = ("sock", "reader", "peer", "peer_ip", "peer_trusted", "over_tls", "scheme", "cert", "accepted",
                  "identifier")
 
-    def __init__(self, sock: socket.socket, peer_ip: str, over_tls: bool = False, reader=None, cert=None,
+    def __init__(self, sock: socket.socket | None, peer_ip: str, over_tls: bool = False, reader=None, cert=None,
                  accepted: socket.socket | None = None, peer_trusted: bool = False):
         self.sock = sock
         self.reader = reader

@@ -48,7 +48,7 @@ class Downstream:
     the outcome is known and before the last byte leaves (Edge.record)."""
 
     proto = b"HTTP/1.1"
-    sock = None          # HTTP/1.1's raw path (lb/proxy/relay.py); None: responses go through start/send/finish
+    sock: socket.socket | None = None    # HTTP/1.1's raw path (lb/proxy/relay.py); None: responses go through start/send/finish
 
     def local_reply(self, x, status: int, reason: str, keep: bool, linger: bool = False) -> bool:
         raise NotImplementedError
@@ -78,6 +78,7 @@ class H1Downstream(Downstream):
 
     __slots__ = ("conn", "edge", "sock", "chunked")
     proto = b"HTTP/1.1"
+    sock: socket.socket          # always: the raw path is HTTP/1.1's
 
     def __init__(self, conn, edge):
         self.conn, self.edge, self.sock = conn, edge, conn.sock

@@ -59,6 +59,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
     daemon_threads = True
     block_on_close = False
+    server_address: tuple[str, int]     # an IP listener's (host, port, ...): the host a str, not bytes
     allow_reuse_address = True
     request_queue_size = 1024
 
@@ -71,7 +72,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.evicted: set = set()
         self.address_family = netaddr.family(addr[0])
         self._fd_warned = 0.0
-        super().__init__(addr, None)
+        super().__init__(addr, None)  # type: ignore[arg-type]  # no handler class: finish_request() serves
 
     def server_bind(self):
         netaddr.bind_options(self.socket, self.server_address[0])

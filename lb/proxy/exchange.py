@@ -35,7 +35,7 @@ class Exchange:
         self.rid_sent = None         # the id the backend must get instead of the client's (generated)
         self.rid_header = b""        # its X-Request-Id line for the client (--request-id-response), else empty
         self.client_ip = None
-        self.status = None           # set once the access-log line is written
+        self.status: int | None = None     # set once the access-log line is written
         self.bytes_sent = None       # bytes written to the client (head and body)
         self.upstream_start = 0.0
         self.upstream_seconds = None

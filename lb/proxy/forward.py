@@ -84,11 +84,12 @@ class Forwarder:
                             uc, rh, ur = attempt(cfg, x, backend, head, body)
                     except UpstreamFailed as f:
                         t = t or _Tries()
-                        backend = self.after_failure(x, t, backend, f, policy, streamed)
-                        if backend is None:
+                        nxt = self.after_failure(x, t, backend, f, policy, streamed)
+                        if nxt is None:
                             # a streamed body may be half read: close, lingering
                             return self.failed(down, x, f.kind, f.detail, req.keep_alive and not streamed, t.tried,
                                                linger=streamed)
+                        backend = nxt
                         continue
                     except HttpError as e:
                         return self.client_failed(down, x, e.status, e.reason)

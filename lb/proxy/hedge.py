@@ -35,11 +35,16 @@ import select
 import socket
 import threading
 from time import monotonic
+from typing import TYPE_CHECKING, Any
 
 from lb.http.framing import UpstreamError
 from lb.logs import ClientFaults
 from lb.proxy.tries import attempt as try_once
 from lb.upstream.retrypolicy import REPLAYABLE_METHODS
+
+if TYPE_CHECKING:
+    from lb.upstream.backends import Backend
+    from lb.upstream.breaker import Breaker
 
 log = logging.getLogger("edge")
 hedge_log = ClientFaults(log, what="hedge failures")     # one WARNING per window under an outage, then a count
@@ -55,7 +60,7 @@ def eligible(x, body) -> bool:
     return type(body) is bytes and req.method in REPLAYABLE_METHODS and x.upgrade is None and bool(req.host)
 
 
-def attempt(fw, x, backend, head: bytes, body: bytes):
+def attempt(fw, x, backend, head: bytes | bytearray, body: bytes):
     """tries.attempt(cfg, x, backend, head, body), hedged after cfg.hedge_after: (conn, rh, ur, backend that
     answered). Raises UpstreamFailed as attempt() does when no side got a head (the first backend's
     failure, so forward()'s retry policy sees the try it made)."""
@@ -90,18 +95,19 @@ class Race:
     def __init__(self, fw, x, backend, head, body, after: float):
         self.fw, self.x, self.first, self.head, self.body = fw, x, backend, head, body
         self.after = after
-        self.started = None          # when the first try's request was sent (its first wait)
+        # What fire() makes is None until then: once self.fired, other, done, lock and pipe are set.
+        self.started: float | None = None     # when the first try's request was sent (its first wait)
         self.fired = False           # the hedge was sent
-        self.other = None            # the hedge's backend
-        self.winner = None           # "first" | "hedge", once a side claimed the race
-        self.result = None           # the hedge's (conn, rh, ur) when it won
-        self.failure = None          # the hedge's UpstreamFailed, when it failed
-        self.done = None             # threading.Event: the hedge's thread is over (made when it starts)
-        self.lock = None             # made with the hedge: a request that is never hedged pays for neither
-        self.pipe = None             # (r, w): a byte on it once somebody claimed the race
+        self.other: Backend | None = None     # the hedge's backend
+        self.winner: str | None = None        # "first" | "hedge", once a side claimed the race
+        self.result: tuple | None = None      # the hedge's (conn, rh, ur) when it won
+        self.failure: Any = None     # the hedge's UpstreamFailed (or _Failed), when it failed: .kind, .detail
+        self.done: threading.Event | None = None   # the hedge's thread is over (made when it starts)
+        self.lock: threading.Lock | None = None    # made with the hedge: a request never hedged pays for neither
+        self.pipe: tuple[int, int] | None = None   # (r, w): a byte on it once somebody claimed the race
         self.users = 1               # who still needs the pipe (this request; the hedge's thread)
         self.slot = False            # a retry budget slot and a breaker place are held for the hedge
-        self.breaker = None
+        self.breaker: Breaker | None = None
         self.taken = False           # the hedge's winning exchange became the request's (hedge_won)
 
     # -- the request's own thread -------------------------------------------------------------------
@@ -174,10 +180,12 @@ class Race:
         if not self.fired or self.claim("nobody"):
             return
         if self.winner == "hedge" and not self.taken:
+            other, result = self.other, self.result
+            assert other is not None and result is not None    # fired, then the hedge's claim() set its result
             self.taken = True
-            self.other.pool.release(self.result[0], False)
-            with self.other.lock:
-                self.other.inflight -= 1
+            other.pool.release(result[0], False)
+            with other.lock:
+                other.inflight -= 1
             self.give_back()
 
     def first_abandoned(self, failure) -> None:
@@ -249,7 +257,8 @@ class Race:
         return True
 
     def _hedge(self) -> None:
-        other, won = self.other, False
+        other, done, won = self.other, self.done, False
+        assert other is not None and done is not None    # this thread is fire()'s, started once both were set
         t = _Try(self.x.req)
         try:
             conn, rh, ur = try_once(self.fw.edge.cfg, t, other, self.head, self.body, wait=self.wait_hedge)
@@ -270,7 +279,7 @@ class Race:
                 if not won:
                     self.hedge_over()
             finally:
-                self.done.set()
+                done.set()
                 self.leave()
 
     def wait_hedge(self, ur) -> None:
@@ -279,6 +288,7 @@ class Race:
     def hedge_over(self) -> None:
         """The hedge lost or failed: its count, its budget slot and breaker place back; counted."""
         other, m, f = self.other, self.fw.edge.metrics, self.failure
+        assert other is not None                 # only a hedge that was sent is over
         with other.lock:
             other.inflight -= 1
         self.give_back()
@@ -301,6 +311,7 @@ class Race:
         Bounded by ur.timeout from when this side's request was sent (so a per-try timeout means the
         same hedged or not) and by ur.deadline."""
         sock = ur.sock
+        assert self.pipe is not None             # a race is run only once fire() sent the hedge
         wake = self.pipe[0]
         p = select.poll()
         p.register(sock, select.POLLIN)
@@ -329,19 +340,22 @@ class Race:
 
     def claim(self, me: str, result=None) -> bool:
         """The first to claim wins; the other side is woken to give up."""
-        with self.lock:
+        lock, pipe = self.lock, self.pipe
+        assert lock is not None and pipe is not None    # claimed only once the hedge was sent
+        with lock:
             if self.winner is not None:
                 return False
             self.winner = me
             self.result = result
             try:
-                os.write(self.pipe[1], b"x")
+                os.write(pipe[1], b"x")
             except OSError:
                 pass
             return True
 
     def give_back(self) -> None:
         """The loser's connection is closed: the budget slot and the breaker place go back, once."""
+        assert self.lock is not None             # given back only once the hedge was sent
         with self.lock:
             if not self.slot:
                 return

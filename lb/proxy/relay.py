@@ -43,7 +43,6 @@ class Relay:
         sock = down.sock
         if sock is None:                  # a Downstream without HTTP/1.1's raw path (HTTP/2)
             return self.relay_fields(x, rh, ur, uc, down, in_sync)
-        edge = self.edge
         req, backend = x.req, x.backend
         out, mode, client_keep = self.response_head(x, rh, in_sync)
         if mode == "length" and rh.content_length <= SMALL_BODY:
@@ -399,12 +398,13 @@ class _Buffered(_Client):
     def __init__(self, sock, spool: Spool, send_timeout: float, url: str):
         super().__init__(sock)
         self.spool = spool
-        self.piece = b""          # bytes being written; after a TLS want-write, retried exactly as they are
+        # bytes being written; after a TLS want-write, retried exactly as they are
+        self.piece: bytes | memoryview = b""
         self.streaming = False
         self.tls = type(sock) is not socket.socket
         self.send_timeout = send_timeout
         self.last = monotonic()   # when the client last took a byte (it gets send_timeout between two)
-        self.poll = None
+        self.poll: select.poll | None = None
         self.url = url
         self.partial = False
         self.nb = self.tls            # an SSLSocket takes no MSG_DONTWAIT: non-blocking until _blocking()
@@ -478,7 +478,7 @@ class _Buffered(_Client):
                     raise ClientGone()
                 raise socket.timeout("timed out")
             readable = False
-            for fd, ev in p.poll(wait * 1000):
+            for fd, _ev in p.poll(wait * 1000):
                 if fd == ufd:
                     readable = True
                 else:
@@ -526,6 +526,8 @@ class _PumpReader(Reader):
     """A backend Reader whose every wait for bytes also feeds a buffered client (_Buffered.pump)."""
 
     __slots__ = ("client", "origin")
+    client: _Buffered
+    origin: Reader              # the connection's own reader (the same buffer)
 
     def fill(self) -> bool:
         c = self.client
@@ -545,6 +547,7 @@ def _relay_body(mode: str, http10: bool, length: int | None, out: bytearray, ur:
     """A body that does not leave with its head, as it arrives; True when the backend's connection ended
     in step (reusable), False when the body was delimited by its close."""
     if mode == "length":
+        assert length is not None         # "length": the head had a Content-Length (_body_mode)
         return _relay_length(length, out, ur, c)
     if mode == "chunked":
         return _relay_chunked(http10, out, ur, c)

@@ -113,7 +113,7 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
 def classify(e: BaseException, reused: bool) -> tuple[Failure, str]:
     """(kind, detail) for a failure before any response byte reached the client."""
     if isinstance(e, UpstreamError):
-        return Failure(e.kind), e.detail
+        return Failure(e.kind), e.detail   # type: ignore[call-arg]  # a lookup by value (EnumType.__call__), not __new__
     name = type(e).__name__
     if isinstance(e, ssl.SSLError) and not reused:   # an https:// backend's handshake or certificate
         if isinstance(e, ssl.SSLCertVerificationError):
@@ -128,7 +128,7 @@ def classify(e: BaseException, reused: bool) -> tuple[Failure, str]:
     return Failure.RESET, (e.strerror or name) if isinstance(e, OSError) else name
 
 
-def _send_streamed(up: socket.socket, head: bytes, body, chunked: bool) -> None:
+def _send_streamed(up: socket.socket, head: bytes | bytearray, body, chunked: bool) -> None:
     """Head, then the body as it arrives from the client (re-chunked when chunked). What fails while
     reading the client is the client's: HttpError (bad framing, 413; a silence is 408) or ClientGone;
     what fails while writing to the backend raises OSError as it is."""
@@ -161,7 +161,7 @@ def _acquire(pool, fresh: bool = False):
         raise UpstreamFailed(Failure.GONE, "removed by a reload") from None
 
 
-def attempt(cfg, x, backend: Backend, head: bytes, body, wait=None):
+def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     """One try on `backend`: (conn, response head, reader) once a final (or 101) head arrived.
     wait(ur): called once the request is sent, before its head is read (lb/proxy/hedge.py's race);
     what it raises fails the try as a read would.
@@ -237,7 +237,7 @@ def attempt(cfg, x, backend: Backend, head: bytes, body, wait=None):
         return conn, rh, ur
 
 
-def _send_request(up, head: bytes, body, replayable: bool, chunked: bool) -> None:
+def _send_request(up, head: bytes | bytearray, body, replayable: bool, chunked: bool) -> None:
     if type(body) is bytes:
         up.sendall(head + body if body else head)
     elif replayable:

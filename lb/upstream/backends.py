@@ -22,11 +22,15 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from time import monotonic
+from typing import TYPE_CHECKING
 
 import urllib3
 from urllib3.exceptions import ClosedPoolError, EmptyPoolError
 
 from lb.errors import PoolExhausted
+
+if TYPE_CHECKING:
+    from lb.upstream.h2pool import H2Upstream
 
 log = logging.getLogger("edge")
 
@@ -130,7 +134,8 @@ class LifoSlots:
             if breaker is not None and not breaker.wait():
                 self.waiting -= 1
                 raise PendingFull
-            gate, box = threading.Lock(), []
+            gate = threading.Lock()
+            box: list = []                   # the connection put() hands over
             gate.acquire()
             self.waiters.append((gate, box))
         try:
@@ -152,7 +157,9 @@ class PendingFull(queue.Empty):
 
 
 class BackendPool(urllib3.HTTPConnectionPool):
-    QueueCls = LifoSlots
+    # urllib3 uses its queue's get/put/qsize only; its stubs say LifoQueue (LifoSlots is none, on purpose)
+    QueueCls = LifoSlots  # type: ignore[assignment]
+    pool: LifoSlots | None  # type: ignore[assignment]
 
     def __init__(self, host: str, port: int, *, maxsize: int, pool_timeout: float,
                  connect_timeout: float, read_timeout: float, idle_timeout: float, reuse: bool = True,
@@ -236,7 +243,7 @@ class Backend:
     `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
     cluster: Any = None    # the Pool it belongs to (lb/upstream/pools.py); None: the default pool
-    h2 = None                     # an h2c:// backend's HTTP/2 calls (lb/upstream/h2pool.py), else None
+    h2: H2Upstream | None = None  # an h2c:// backend's HTTP/2 calls (lb/upstream/h2pool.py), else None
 
     def __init__(self, spec: BackendSpec, pool: BackendPool):
         self.spec = spec
@@ -253,7 +260,7 @@ class Backend:
         self.fail_run = 0         # consecutive failed requests (connect failures, timeouts, 5xx)
         self.drained = False      # the operator took it out (POST /backends/<route>/drain)
         self.in_rotation = True
-        self.joined_at = None     # when it last (re)joined the rotation: slow start ramps from here
+        self.joined_at: float | None = None     # when it last (re)joined the rotation: slow start ramps from here
         self.fail_streak = 0
         self.pass_streak = 0
         self.last_probe = ""      # why the last probe passed or failed
@@ -302,7 +309,9 @@ def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None, breaker
                connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool, **tls)
     pool.url = spec.url
-    pool.pool.breaker = breaker
+    slots = pool.pool
+    assert slots is not None     # urllib3 made it (None only once closed)
+    slots.breaker = breaker
     b = Backend(spec, pool)
     if spec.scheme == "h2c":         # HTTP/2 by prior knowledge: calls multiplexed (lb/upstream/h2pool.py)
         from lb.upstream.h2pool import H2Upstream

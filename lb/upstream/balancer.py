@@ -109,11 +109,11 @@ class Balancer:
         now = self.clock() if ramp else 0.0
         with self._lock:
             best = None
-            total = 0
+            total: float = 0
             for b in self.backends:
                 if not b.in_rotation or b in exclude:
                     continue
-                w = 1 if unit else b.weight
+                w: float = 1 if unit else b.weight
                 if ramp and b.joined_at is not None and now - b.joined_at < self.slow_start:
                     w = w * max(SLOW_START_MIN, (now - b.joined_at) / self.slow_start)
                 b.current += w

@@ -19,6 +19,9 @@ class Failure(StrEnum):
     GONE = "gone", 502, "backend removed"                     # its pool closed by a reload
     HEDGED = "hedged", 502, "answered by another backend"     # lost a hedge race (lb/proxy/hedge.py): never answered
 
+    status: int          # what the client gets (set by __new__; annotations alone are not members)
+    reason: str
+
     def __new__(cls, value: str, status: int, reason: str):
         m = str.__new__(cls, value)
         m._value_ = value

@@ -17,7 +17,6 @@ import logging
 import queue
 import socket
 import threading
-from time import monotonic
 
 import h2.config
 import h2.connection
@@ -42,6 +41,7 @@ class Call:
     ("trailers", fields) | ("end",) | ("reset", code) | ("closed", why)."""
 
     __slots__ = ("conn", "sid", "q", "done")
+    q: queue.SimpleQueue[tuple]     # the events, as the connection's reader puts them
 
     def __init__(self, conn: "H2UpConn", sid: int):
         self.conn, self.sid, self.q, self.done = conn, sid, queue.SimpleQueue(), False
@@ -197,12 +197,12 @@ class H2UpConn:
         if t is h2.events.ConnectionTerminated:
             self.goaway = True
             last = ev.last_stream_id or 0
-            for sid, c in list(self.calls.items()):
-                if sid > last:           # never processed: the caller may try it elsewhere
-                    self.calls.pop(sid, None)
-                    c.q.put(("closed", "GOAWAY before it was processed"))
+            for lost_sid, lost in list(self.calls.items()):
+                if lost_sid > last:      # never processed: the caller may try it elsewhere
+                    self.calls.pop(lost_sid, None)
+                    lost.q.put(("closed", "GOAWAY before it was processed"))
             return
-        sid = getattr(ev, "stream_id", None)
+        sid: int = getattr(ev, "stream_id", 0)     # 0 (or none): a connection's event
         c = self.calls.get(sid) if sid else None
         if c is None:
             if t is h2.events.DataReceived and ev.flow_controlled_length:

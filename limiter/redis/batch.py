@@ -18,6 +18,7 @@ the failure policy as a single call would).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -31,15 +32,15 @@ class Call:
     def __init__(self, script, cmd: bytes):
         self.script = script
         self.cmd = cmd
-        self.reply = None
+        self.reply: Any = None      # the script's reply as RESP gives it (bytes, an int, a list)
         self.error: Exception | None = None
         self.lead = False  # woken to lead the next flight rather than with a result
         self.asking = False  # cmd starts with ASKING (a cluster slot in migration): its +OK comes first
-        self.done = None  # a held Lock, only for a call that queues (a leader never sleeps on it)
+        self.done: Any = None  # a held Lock, only for a call that queues (a leader never sleeps on it)
 
     def queue(self) -> None:
-        self.done = threading.Lock()
-        self.done.acquire()
+        done = self.done = threading.Lock()
+        done.acquire()
 
 
 class Batcher:

@@ -306,7 +306,8 @@ class RedisLink:
         kwargs = self.connection_kwargs
         cls = (redis.UnixDomainSocketConnection if self.target.socket else
                redis.SSLConnection if self.target.tls else redis.Connection)
-        return _Pool(lambda: cls(**kwargs), self.pool_size, self.timeout)
+        # (redis's stubs leave UnixDomainSocketConnection's host abstract; it takes a path instead)
+        return _Pool(lambda: cls(**kwargs), self.pool_size, self.timeout)  # type: ignore[abstract]
 
     def _after_fork(self) -> None:
         # The parent's sockets (and possibly a held lock) came along: start with nothing shared.

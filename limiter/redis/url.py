@@ -51,8 +51,9 @@ class Target:
             return f"{scheme}://{hosts}"
         return f"{scheme}://{hosts}/{self.db}"
 
-    def connection_kwargs(self, host: str, port: int) -> dict:
-        """redis-py Connection / SSLConnection keyword arguments for one server of this target."""
+    def connection_kwargs(self, host: str | None, port: int | None) -> dict:
+        """redis-py Connection / SSLConnection keyword arguments for one server of this target (a unix
+        socket's target has no host nor port)."""
         if self.socket:
             return dict(path=self.socket, db=self.db, username=self.username, password=self.password)
         kw = dict(host=host, port=port, db=self.db, username=self.username, password=self.password)
