@@ -29,6 +29,7 @@ from lb.logs import ClientFaults, client_fault
 from lb.upstream.retrypolicy import RetryPolicy, retry_after
 from lb.proxy.spool import Spool, SpooledBody
 from lb.netaddr import hostport
+from lb.http.plan import request_fields, response_plan
 from lb.http.framing import (HOP_BY_HOP, ClientGone, HttpError, Reader, Request, UpstreamError, chunk_size, linger,
                      not_relayed, own_response, parse_response, send)
 
@@ -84,17 +85,11 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     dashed twin (parse_request matches exact names).
     """
     out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
-    tokens = req.conn_tokens   # never names Host or the framing (httpio.NOT_NOMINABLE)
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
-    for name, lname, value in req.headers:
-        if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
-            if lname == b"content-length" and length is not None:
-                out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
-                length = None
-            continue
-        out += name + b": " + value + b"\r\n"
+    fields, length = request_fields(req, replaced, underscores, length)   # Connection's tokens never name Host
+    out += fields                                                          # or the framing (NOT_NOMINABLE)
     if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
         out += b"Host: " + hostport(backend.spec.host, backend.spec.port).encode() + b"\r\n"
     out += b"X-Forwarded-For: " + (req.xff + b", " + peer if req.xff else peer) + b"\r\n"
@@ -493,56 +488,12 @@ class Forwarder:
         edge = self.edge
         req, backend, start = x.req, x.backend, x.start
         status = rh.status
-        out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
-        tokens = rh.conn_tokens
-        limiting = bool(x.rl)
-        skip = not_relayed(x.rl, x.rid_header)
-        # A 1xx or 204 has no body, whatever length it names: no Content-Length for it (RFC 9110 8.6)
-        cl = rh.content_length if status >= 200 and status != 204 else None
-        for name, lname, value in rh.headers:
-            if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
-                if lname == b"content-length" and cl is not None:
-                    out += b"Content-Length: %d\r\n" % cl     # in its place, once, as the edge parsed it
-                    cl = None
-                continue
-            out += name + b": " + value + b"\r\n"
-        if x.rid_header:         # --request-id-response: ours, in place of the backend's
-            out += x.rid_header
-        if limiting:
-            out += x.rl
-        if x.set_cookie:
-            out += x.set_cookie
-
         client_keep = req.keep_alive and in_sync and not edge.closing
         http10 = req.version == b"HTTP/1.0"
+        out, mode, client_keep = response_plan(rh, req.method, http10, client_keep, not_relayed(x.rl, x.rid_header),
+                                               bool(x.rl), x.rid_header + x.rl + x.set_cookie)
         if status == 101:
-            # No tunnel here (the upgrade path is its own): this connection speaks something else now.
-            client_keep = False
-            rh.close = True
-        if req.method == b"HEAD" or status in _NO_BODY_STATUS or status < 200:
-            mode = "none"
-        elif rh.content_length is not None:
-            mode = "length"
-        elif rh.chunked:
-            mode = "chunked"
-        else:
-            mode = "eof"      # delimited by the backend closing
-        if mode == "eof" and rh.codings:
-            # A transfer coding we do not decode: relayed as it is, delimited by the close, as it came.
-            mode = "raw"
-            client_keep = False
-            if not http10:
-                out += b"Transfer-Encoding: " + rh.codings + b"\r\n"
-        elif mode in ("chunked", "eof"):
-            if http10:
-                client_keep = False   # an HTTP/1.0 client reads to EOF
-            else:
-                out += b"Transfer-Encoding: " + (rh.codings + b", chunked\r\n" if rh.codings else b"chunked\r\n")
-        if not client_keep:
-            out += b"Connection: close\r\n"
-        elif http10:
-            out += b"Connection: keep-alive\r\n"
-        out += b"\r\n"
+            rh.close = True      # no tunnel here (the upgrade path is its own): the backend's side is done too
 
         if mode == "length" and rh.content_length <= SMALL_BODY:
             # Read a small body before anything goes to the client: if the backend fails now, the
