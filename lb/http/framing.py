@@ -15,6 +15,8 @@ from email.utils import formatdate
 from http import HTTPStatus
 from time import monotonic, time
 
+from lb.http import gate
+
 CRLF = b"\r\n"
 
 # Limits (nginx: large_client_header_buffers 4 8k; HAProxy: tune.bufsize 16k, 101 headers).
@@ -174,7 +176,7 @@ class Reader:
     value holds request after request, and setting it is a system call. Whoever else sets the socket's
     timeout (a send with another bound) goes through apply() so the two agree."""
 
-    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound", "got", "mark")
+    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound", "got", "mark", "new_work")
 
     def __init__(self, sock: socket.socket, send_bound: float | None = None):
         self.sock = sock
@@ -188,6 +190,9 @@ class Reader:
         # read fill() puts this back -- else a write inherits what the read left of a deadline (a head
         # completed near header_timeout: ~0 s to write the response). Plain sockets: send_timeout().
         self.send_bound = send_bound if type(sock) is not socket.socket else None
+        # A client connection's reader, whose bytes may start a new request: its waits rejoin the gate
+        # behind the requests under way (lb/http/gate.py); a backend's reader's go first.
+        self.new_work = False
 
     def apply(self, t: float | None) -> None:
         if t != self.applied:
@@ -205,11 +210,15 @@ class Reader:
         if t != self.applied:
             kernel_timeout(self.sock, t, send=False)   # the send bound is apply()'s or send_timeout()'s
             self.applied = t
+        g = gate.current
+        gated = g is not None and g.leave()     # a connection thread gives its slot up while it waits
         try:
             data = self.sock.recv(65536)
         except BlockingIOError:
             raise socket.timeout("timed out") from None   # SO_RCVTIMEO expired
         finally:
+            if gated:
+                g.enter(not self.new_work or bool(self.buf))   # (more of a head already begun: under way)
             if self.send_bound is not None and self.applied != self.send_bound:
                 self.sock.settimeout(self.send_bound)       # TLS: the next write's bound
                 self.applied = self.send_bound
