@@ -95,7 +95,7 @@ class Config:
     drain_timeout: float = 30.0              # SIGTERM: in-flight requests may finish within this
     grace: float = 0.0                       # SIGTERM: /readyz fails at once, accepting stops this much later
     max_connections: int = 1024
-    running_threads: int = 32                # connection threads at work at once, the rest wait in order (0: no bound)
+    running_threads: int = 0                 # connection threads at work at once, the rest wait in order (0: no bound)
     header_timeout: float = 10.0             # whole request head, slowloris or not
     body_timeout: float = 30.0               # between body reads
     body_min_rate: float = 8192.0            # bytes/s a request body must average after body_timeout; 0 off
@@ -535,9 +535,9 @@ def build_argparser() -> argparse.ArgumentParser:
     a("--grace", help="seconds between SIGTERM (/readyz fails at once) and closing the listener (default 0)")
     a("--max-connections", help="concurrent client connections (default 1024); at the cap the longest-idle "
                                 "keep-alive one is closed for a new one")
-    a("--running-threads", help="connection threads doing work at once (default 32; 0: no bound); the others "
-                                "wait in arrival order, out of the GIL's crowd (a thread blocked elsewhere "
-                                "over 50 ms gives its place up)")
+    a("--running-threads", help="connection threads doing work at once, e.g. 32 for hundreds of connections "
+                                "(default 0: no bound); the others wait in arrival order, out of the GIL's "
+                                "crowd (a thread blocked elsewhere over 50 ms gives its place up)")
     a("--allow-underscores", action="store_true",
       help="forward request header names containing '_' (default: dropped, as nginx does)")
     a("--header-timeout", help="seconds to receive a request head (default 10) -> 408")
