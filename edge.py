@@ -18,7 +18,8 @@ from __future__ import annotations
 import sys
 
 from lb import logs
-from lb.config.load import ConfigError, load
+from lb.config.load import load
+from lb.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"listen {hostport(*cfg.listen)}{', tls' if cfg.tls_cert else ''}"
                   f"{', limit ' + cfg.limit if cfg.limit else ''})")
         return 2 if found else 0
-    from lb.process.serve import StartError
+    from lb.errors import StartError
     try:
         if cfg.workers > 1:
             from lb.process import supervisor

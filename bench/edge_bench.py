@@ -1,7 +1,7 @@
 """What the edge costs, measured side by side in one run against the same fast backend (nginx).
 
     python -m bench.edge_bench                 # ~3 minutes; --quick for a ~1 minute look
-    python -m bench.edge_bench --out docs/bench-edge.md
+    python -m bench.edge_bench --out docs/journal/bench-edge.md
 
 1. Max throughput (closed loop: wrk when installed, else our generator with -R 0) and CPU ms per
    request, of the edge and of the 40-line ThreadingHTTPServer + urlopen proxy (bench/urlopen_proxy.py).

@@ -1,6 +1,6 @@
 """Round robin vs least-request with one of three backends 10x slower: latency and the slow one's share.
 
-    python -m bench.failover_bench [--seconds 10] [--rates 0,100,300] [--delay-ms 5] [--out docs/bench-failover.md]
+    python -m bench.failover_bench [--seconds 10] [--rates 0,100,300] [--delay-ms 5] [--out docs/journal/bench-failover.md]
 
 Three identity backends (demo/backends.py) answer after --delay-ms, the third after 10x that. Two edges over
 them, --strategy round-robin and --strategy least-request, are driven in turn (A B A B: this machine is

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 from lb.ops.accesslog import AccessLog
 from lb.ops.metrics import Metrics
-from lb.proxy.edge import _REQUEST_ID, new_request_id
+from lb.proxy.pipeline import _REQUEST_ID, new_request_id
 
 N = 100_000
 

@@ -50,14 +50,22 @@ def measure(n: int, extra: list[str]) -> dict:
     cs, cp = socket.socketpair()           # the client connection: the edge's end, ours
     cs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
     reader = Reader(cs, cfg.send_timeout) if hasattr(cfg, "send_timeout") else Reader(cs)
-    # (client ip, trusted, over TLS): as many as this checkout's handle() takes (older ones take fewer)
-    args = (b"127.0.0.1", False, "127.0.0.1", False)[:len(inspect.signature(edge.handle).parameters) - 3]
+    try:          # a checkout with the per-connection object (lb/proxy/conn.py): made once, as a connection does
+        from lb.proxy.conn import ClientConn
+        from lb.proxy.downstream import H1Downstream
+        conn = ClientConn(cs, "127.0.0.1", False, reader)
+        args = (conn, H1Downstream(conn, edge))
+        handle = edge.handle
+    except ImportError:
+        # (client ip, trusted, over TLS): as many as this checkout's handle() takes (older ones take fewer)
+        args = (reader, cs) + (b"127.0.0.1", False, "127.0.0.1", False)[:len(inspect.signature(edge.handle).parameters) - 3]
+        handle = edge.handle
 
     def one() -> None:
         cp.sendall(REQUEST)
         reader.fill()
         req = parse_request(reader.read_head())
-        edge.handle(req, reader, cs, *args)
+        handle(req, *args)
 
     def serve_backend() -> None:
         while True:

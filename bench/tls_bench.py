@@ -1,7 +1,7 @@
 """What TLS termination costs, measured side by side in one run against the same backend (nginx).
 
     python -m bench.tls_bench                  # ~2 minutes; --quick for ~40 s
-    python -m bench.tls_bench --out docs/bench-tls.md
+    python -m bench.tls_bench --out docs/journal/bench-tls.md
 
 Three edges on one backend: plain HTTP, TLS with an ECDSA P-256 certificate, TLS with RSA-2048.
 1. New connections per second: closed loop, 4 client threads, each connection does connect (+ a full
@@ -108,8 +108,7 @@ def connections_per_second(port: int, ctx, pid: int, seconds: float, threads: in
 
 def sni_callback_cost(tmp: Path, ca: trustme.CA, certs: list[tuple[str, str]], rounds: int = 200_000) -> dict:
     """Microseconds per sni_callback call (in this process) and seconds to build the contexts."""
-    from lb.config.load import CertSpec
-    from lb.http.tls import listener_context
+    from lb.http.tls import CertSpec, listener_context
     t = time.perf_counter()
     ctx = listener_context(CertSpec(*certs[0]), tuple(CertSpec(*c) for c in certs[1:]))
     build = time.perf_counter() - t

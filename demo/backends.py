@@ -9,6 +9,8 @@ Routes (everything else answers 200 with the name, so any path can be balanced):
   POST /_ctl/delay?ms=N      every other request waits N ms first (also: --delay-ms N)
   ANY  /echo...              JSON of what arrived: method, raw target, headers in order, body sha256/len
   GET  /slow?ms=N            answers after N ms
+  GET  /hold                 answers once POST /_ctl/release is sent (a test decides when, not a clock);
+                             POST /_ctl/hold holds the next ones again
   GET  /big?bytes=N          N bytes, Content-Length, streamed
   GET  /chunked?parts=N      N chunks, Transfer-Encoding: chunked
   GET  /cookies              two Set-Cookie headers
@@ -97,6 +99,10 @@ class IdentityHandler(BaseHTTPRequestHandler):
                 srv.failing = False
             elif path == "/_ctl/delay":
                 srv.delay = int(q.get("ms", ["0"])[0]) / 1000
+            elif path == "/_ctl/release":
+                srv.released.set()
+            elif path == "/_ctl/hold":
+                srv.released.clear()
             with srv.lock:
                 stats = {"name": srv.name, "count": srv.count, "last": list(srv.last),
                          "methods": dict(srv.methods)}
@@ -165,6 +171,9 @@ class IdentityHandler(BaseHTTPRequestHandler):
             self._send(200, f"{srv.name}\n".encode())
             self.close_connection = True
             return
+        elif path == "/hold":
+            while not (srv.released.wait(0.5) or srv.stopping.is_set()):
+                pass
         elif path == "/hang":
             srv.stopping.wait()
             self.close_connection = True
@@ -180,6 +189,7 @@ class IdentityServer(ThreadingHTTPServer):
     def __init__(self, addr, name: str):
         self.address_family = family(addr[0])      # ::1 as well as 127.0.0.1
         self.stopping = threading.Event()
+        self.released = threading.Event()    # GET /hold answers from POST /_ctl/release on
         super().__init__(addr, IdentityHandler)
         self.name = name
         self.healthy = True

@@ -49,7 +49,7 @@ def redact(text: str) -> str:
 
 
 class Formatter(logging.Formatter):
-    converter = time.gmtime
+    converter = time.gmtime  # type: ignore[assignment]  # (called with the record's time, as the base's is)
 
     def __init__(self, worker: int | None = None):
         super().__init__("%(asctime)s.%(msecs)03dZ %(levelname)s edge: %(message)s", "%Y-%m-%dT%H:%M:%S")

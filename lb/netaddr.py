@@ -63,6 +63,16 @@ def held(host: str, port: int) -> bool:
         s.close()
 
 
+def migrate_req() -> str:
+    """The kernel's net.ipv4.tcp_migrate_req ("n/a" off Linux): 1 hands the connections queued on a closing
+    SO_REUSEPORT listener to another listener on the port; 0 resets them (a --takeover's last microseconds)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_migrate_req") as f:
+            return f.read().strip()
+    except OSError:
+        return "n/a"
+
+
 def client_ip(addr: str) -> str:
     """The peer as the client knows itself: an IPv4 client of a dual-stack listener is a.b.c.d."""
     if addr.startswith("::ffff:") and "." in addr:
@@ -73,7 +83,7 @@ def client_ip(addr: str) -> str:
 # An IPv4 client has two spellings, a.b.c.d and ::ffff:a.b.c.d (a dual-stack socket's peer, a dual-stack
 # proxy's X-Forwarded-For, an operator's config): every address and network the edge compares goes
 # through these two, so both spellings are one client, in one network, on either side of the comparison.
-_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 
 
 def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -86,6 +96,6 @@ def network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     """A CIDR (or one address), non-strict; one inside ::ffff:0:0/96 (`::ffff:10.0.0.0/104`) as the
     IPv4 network it maps (10.0.0.0/8), so it matches the IPv4 clients it names. ValueError if none."""
     n = ipaddress.ip_network(text, strict=False)
-    if n.version == 6 and n.prefixlen >= 96 and n.subnet_of(_MAPPED):
+    if isinstance(n, ipaddress.IPv6Network) and n.prefixlen >= 96 and n.subnet_of(_MAPPED):
         return ipaddress.IPv4Network((int(n.network_address) & 0xFFFFFFFF, n.prefixlen - 96))
     return n

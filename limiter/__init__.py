@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from limiter.algorithms import ALGORITHMS, MAX_COUNT, MIN_WINDOW, Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
+from limiter.algorithms import ALGORITHMS, MAX_COUNT, MIN_WINDOW, Decision, TokenBucket
 from limiter.memory import MemoryStore
 from limiter.shaping import shaped
 from limiter.redis.url import SCHEMES as REDIS_SCHEMES

@@ -251,7 +251,7 @@ class SlidingLog(_Algorithm):
       hidden from it entries still in its window (the Redis store admitted 112 of 100 that way).
       retry_after: the oldest entry still counted leaving; reset: log[-1] - now (the newest leaving)
     The list is updated in place and returned (the store owns it; step does no I/O).
-    The Redis script (limiter.redis_store.SLIDING_LOG) evaluates the same expressions.
+    The Redis script (limiter/redis/lua/sliding_log.lua) evaluates the same expressions.
     """
 
     name = "sliding-log"
@@ -307,7 +307,7 @@ class SlidingCounter(_Algorithm):
         # Thresholds depend on the state alone (see _at), so they are memoised per (k, prev, cur, extra):
         # a hot key being rejected, or many keys in the same state, pay for the solver once.  Bounded;
         # dict get/set/clear are atomic under the GIL, and a lost race only recomputes.
-        self._memo = {}
+        self._memo: dict = {}
 
     def _at(self, k, prev, cur, extra):
         """The earliest float instant in window k or later at which extra + 1 requests in a row would be

@@ -15,7 +15,7 @@ limits -- are decided and reported but never veto).  What is spent:
   rejecting limit then really is admitted at N: the limits that admitted are still unspent.
 
 Atomic across checks: the memory store holds every involved stripe lock at once (taken in one global
-order, so two requests can never deadlock), the shared-memory store the same with its cross-process
+order, so two requests can never deadlock: limiter.memory.allow_all_memory), the shared-memory store the same with its cross-process
 locks (limiter.shm.allow_all_shm); the Redis store runs all checks as ONE script
 (limiter.redis.multi).  One check goes straight to limiter.allow (the common case, no overhead).
 Other stores are decided one check after another (see the end of allow_all).
@@ -23,7 +23,7 @@ Other stores are decided one check after another (see the end of allow_all).
 
 from __future__ import annotations
 
-from limiter.memory import MemoryStore
+from limiter.memory import MemoryStore, allow_all_memory
 
 
 def allow_all(checks, now: float | None = None):
@@ -51,50 +51,3 @@ def allow_all(checks, now: float | None = None):
     ds = [lim.allow(key) if now is None else lim.allow(key, now) for lim, key, _ in checks]
     return all(d.allowed for d, (_, _, e) in zip(ds, checks) if e), ds
 
-
-def allow_all_memory(checks, now: float | None = None):
-    """Every check's stripe lock, then (when a key is new) its store's growth lock, each set in one
-    global order (id), held from the first look to the commit: no other decision interleaves, and no
-    two requests deadlock (MemoryStore.allow takes a stripe lock, then its growth lock, and only ever
-    tries other stripes' locks)."""
-    locks = [lim._locks[hash(key) & lim._mask] for lim, key, _ in checks]
-    held = sorted({id(lk): lk for lk in locks}.items())
-    for _, lk in held:
-        lk.acquire()
-    grows = ()
-    try:
-        if now is None:
-            now = checks[0][0]._clock()   # under the locks, as MemoryStore.allow reads it
-        states = [lim._states.get(key) for lim, key, _ in checks]
-        if None in states:
-            grows = sorted({id(lim._grow): lim._grow for (lim, _, _), st in zip(checks, states) if st is None}.items())
-            for _, g in grows:
-                g.acquire()
-        admitted = True
-        trials = []
-        for (lim, key, enforce), lock, state in zip(checks, locks, states):
-            if state is None:
-                new, d = lim._step(None, now)
-                if d[0]:
-                    full = lim._room(now, lock)     # a new key needs room under the global cap
-                    if full is not None:
-                        new, d = None, full
-            else:
-                # The sliding log steps its list in place: decide on a copy until we know we commit.
-                new, d = lim._step(state[:] if type(state) is list else state, now)
-            trials.append((new, d))
-            if enforce and not d[0]:
-                admitted = False
-        if admitted:
-            for (lim, key, _), state, (new, d) in zip(checks, states, trials):
-                if d[0]:                  # (a dry-run check that would have rejected stays unchanged)
-                    if state is None:
-                        lim._add(key, new)
-                    else:
-                        lim._states[key] = new
-        return admitted, [t[1] for t in trials]
-    finally:
-        for _, g in reversed(grows):
-            g.release()
-        for _, lk in reversed(held):
-            lk.release()

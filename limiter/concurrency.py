@@ -40,6 +40,8 @@ import tempfile
 import threading
 from time import time
 
+from limiter.redis.scripts import lua
+
 log = logging.getLogger("edge")
 
 
@@ -82,15 +84,8 @@ class InFlight:
         return len(self._counts)
 
 
-_ACQUIRE = """
-local now = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= LIMIT then return 0 end
-redis.call('ZADD', KEYS[1], now + TTL, ARGV[2])
-redis.call('PEXPIRE', KEYS[1], math.ceil(TTL * 1000) + 1000)
-return 1
-"""
-_RELEASE = "redis.call('ZREM', KEYS[1], ARGV[2])\nreturn 1\n"
+_ACQUIRE = lua("inflight_acquire.lua")
+_RELEASE = lua("inflight_release.lua")
 
 
 class _Script3:
@@ -116,7 +111,7 @@ class RedisInFlight:
                  password_file=None, ca_file=None, cert_file=None, key_file=None, clock=time, **_ignored):
         from redis.exceptions import RedisError   # limiter imports redis only when a Redis store is used
 
-        from limiter.redis.link import link_for
+        from limiter.redis.connect import link_for
         from limiter.redis.url import parse
         self._error = RedisError
         self.limit = _check_limit(limit)
@@ -200,15 +195,6 @@ class SharedTable:
         os.close(self.lock_fd)
 
 
-SHARED: SharedTable | None = None   # set by the supervisor before it forks the workers
-
-
-def share(rows: int) -> SharedTable:
-    global SHARED
-    SHARED = SharedTable(rows)
-    return SHARED
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -222,11 +208,9 @@ def _alive(pid: int) -> bool:
 class ShmInFlight:
     """Requests in flight per key, summed over the worker processes sharing a SharedTable."""
 
-    def __init__(self, limit: int, table: SharedTable | None = None, name: str = ""):
+    def __init__(self, limit: int, table: SharedTable, name: str = ""):
         self.limit = _check_limit(limit)
-        self.table = table or SHARED
-        if self.table is None:
-            raise ValueError("the shared in-flight table must be created before fork (limiter.concurrency.share)")
+        self.table = table
         self._id = name.encode() + b"\0"
         self.full = 0
 

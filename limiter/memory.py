@@ -79,8 +79,8 @@ class MemoryStore:
         self.full = 0  # new keys refused because no state in the table was reclaimable
         self._mask = stripes - 1
         self._locks = tuple(threading.Lock() for _ in range(stripes))
-        self._states = {}  # one dict: get/set are atomic; a key's entry changes only under its stripe lock
-        self._heap = []  # (instant <= the key's expiry, key): one entry per key in _states; guarded by _grow
+        self._states: dict = {}  # one dict: get/set are atomic; a key's entry changes only under its stripe lock
+        self._heap: list = []  # (instant <= the key's expiry, key): one entry per key in _states; guarded by _grow
         self._grow = threading.Lock()
         self._step = algorithm.step
         self._expires = algorithm.expires_at
@@ -207,3 +207,51 @@ class MemoryStore:
 
     def __repr__(self):
         return f"MemoryStore({self.algorithm!r}, max_keys={self.max_keys}, stripes={self._mask + 1})"
+
+
+def allow_all_memory(checks, now: float | None = None):
+    """Every check's stripe lock, then (when a key is new) its store's growth lock, each set in one
+    global order (id), held from the first look to the commit: no other decision interleaves, and no
+    two requests deadlock (MemoryStore.allow takes a stripe lock, then its growth lock, and only ever
+    tries other stripes' locks)."""
+    locks = [lim._locks[hash(key) & lim._mask] for lim, key, _ in checks]
+    held = sorted({id(lk): lk for lk in locks}.items())
+    for _, lk in held:
+        lk.acquire()
+    grows = ()
+    try:
+        if now is None:
+            now = checks[0][0]._clock()   # under the locks, as MemoryStore.allow reads it
+        states = [lim._states.get(key) for lim, key, _ in checks]
+        if None in states:
+            grows = sorted({id(lim._grow): lim._grow for (lim, _, _), st in zip(checks, states) if st is None}.items())
+            for _, g in grows:
+                g.acquire()
+        admitted = True
+        trials = []
+        for (lim, key, enforce), lock, state in zip(checks, locks, states):
+            if state is None:
+                new, d = lim._step(None, now)
+                if d[0]:
+                    full = lim._room(now, lock)     # a new key needs room under the global cap
+                    if full is not None:
+                        new, d = None, full
+            else:
+                # The sliding log steps its list in place: decide on a copy until we know we commit.
+                new, d = lim._step(state[:] if type(state) is list else state, now)
+            trials.append((new, d))
+            if enforce and not d[0]:
+                admitted = False
+        if admitted:
+            for (lim, key, _), state, (new, d) in zip(checks, states, trials):
+                if d[0]:                  # (a dry-run check that would have rejected stays unchanged)
+                    if state is None:
+                        lim._add(key, new)
+                    else:
+                        lim._states[key] = new
+        return admitted, [t[1] for t in trials]
+    finally:
+        for _, g in reversed(grows):
+            g.release()
+        for _, lk in reversed(held):
+            lk.release()

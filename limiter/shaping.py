@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right, insort
+from typing import Any
 
 from limiter.algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket, _delta
 
@@ -233,5 +234,5 @@ class ShapedSlidingCounter(_Shaped, SlidingCounter):
         return (sk, prev, cur), _new(Decision, (True, n, r, reset, 0.0))
 
 
-_SHAPED = {TokenBucket: ShapedTokenBucket, FixedWindow: ShapedFixedWindow, SlidingLog: ShapedSlidingLog,
-           SlidingCounter: ShapedSlidingCounter}
+_SHAPED: dict[type, Any] = {TokenBucket: ShapedTokenBucket, FixedWindow: ShapedFixedWindow,
+                            SlidingLog: ShapedSlidingLog, SlidingCounter: ShapedSlidingCounter}

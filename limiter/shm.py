@@ -118,22 +118,12 @@ class Arena:
         os.close(self.lock_fd)
 
 
-ARENA: Arena | None = None  # set by the supervisor before it forks the workers (lb/process/supervisor.py)
-
-
-def create(slots: int, state_bytes: int, stripes: int = 64) -> Arena:
-    global ARENA
-    ARENA = Arena(slots, state_bytes, stripes)
-    return ARENA
-
-
 class ShmStore:
     """allow(key, now=None) for one algorithm, with state in an Arena shared by forked processes."""
 
     def __init__(self, algorithm, arena: Arena | None = None, *, name: str | None = None, clock=_time):
-        arena = arena or ARENA
         if arena is None:
-            raise ValueError("the shared-memory store needs an Arena created before fork (limiter.shm.create)")
+            raise ValueError("the shared-memory store needs an Arena created before fork (limiter.shm.Arena)")
         codec = _codec(algorithm)
         if codec.size > arena.state_bytes:
             raise ValueError(f"{algorithm!r} needs {codec.size} bytes of state per key; the shared table "
@@ -255,7 +245,7 @@ class ShmStore:
                 if expires > now and digest != _EMPTY:
                     t = digest[14:]
                     counts[t] = counts.get(t, 0) + 1
-            census = a.census = (now, counts)
+            census = a.census = (now, counts)  # type: ignore[attr-defined]
         return census[1].get(self.tag, 0)
 
     def __repr__(self):
@@ -280,8 +270,9 @@ def allow_all_shm(checks, now: float | None = None):
             locked.append(st)
         if now is None:
             now = checks[0][0]._clock()  # under the locks
+        taken: set[int]
         admitted, trials, taken = True, [], set()
-        for (lim, key, enforce), (digest, _, base, homes) in zip(checks, where):
+        for (lim, _key, enforce), (digest, _, base, homes) in zip(checks, where):
             off, state = lim._find(digest, base, homes, now, taken)
             if off is None:
                 new, d = None, lim._full()

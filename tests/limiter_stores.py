@@ -42,6 +42,7 @@ STORES = {"memory": lambda request: _memory,
           "redis-nocache": lambda request: _redis(request.getfixturevalue("redis_server").url, deny_cache=0)}
 
 
-@pytest.fixture(params=sorted(STORES))
+# a real redis-server: the integration tier (tests/conftest.py cannot see through getfixturevalue)
+@pytest.fixture(params=[pytest.param(s, marks=[pytest.mark.integration] if s != "memory" else []) for s in sorted(STORES)])
 def make(request):
     return STORES[request.param](request)

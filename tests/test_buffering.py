@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 import threading
 import time
 
 import pytest
 
 from tests.rawserver import ConnReader, RawServer, read_request
-from tests.support import PY, Backend, Edge, Proc, request, wait_until
+from tests.support import PY, Edge, Proc, request, wait_until
 
 BIG = 8 << 20
 
@@ -124,13 +123,6 @@ class SlowUploader:
         return head.split(b"\r\n")[0] + b" " + rest
 
 
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("buf")
-    yield b
-    b.stop()
-
-
 def _timed_requests(port: int, n: int = 10) -> list[tuple[int, float]]:
     out = []
     for i in range(n):
@@ -187,21 +179,14 @@ def test_slow_readers_and_uploaders_hold_no_backend_connection(backend, tmp_path
         e.stop()
 
 
-def test_tls_clients_are_buffered_too(backend, tmp_path):
+def test_tls_clients_are_buffered_too(backend, pki):
     """The client socket is an SSLSocket (no MSG_DONTWAIT: non-blocking while buffered, then back to its
     send timeout): two slow TLS readers with a pool of 2 leave room for everyone else, and each gets all
     8 MiB; the connection then serves another request."""
-    trustme = pytest.importorskip("trustme", reason="trustme (requirements-dev.txt) makes the test certificates")
     import ssl
-    ca = trustme.CA()
-    leaf = ca.issue_cert("127.0.0.1")
-    cert, key, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    leaf.cert_chain_pems[0].write_to_path(str(cert))
-    leaf.private_key_pem.write_to_path(str(key))
-    ca.cert_pem.write_to_path(str(cafile))
-    ctx = ssl.create_default_context(cafile=str(cafile))
+    ctx = ssl.create_default_context(cafile=pki["ca"])
     e = Edge("--backends", backend.url, "--health-interval", "30", "--pool-maxsize", "2", "--pool-timeout", "1",
-             "--tls-cert", str(cert), "--tls-key", str(key))
+             "--tls-cert", pki["cert1"], "--tls-key", pki["key1"])
     try:
         readers = [SlowReader(e.port, f"/big?bytes={BIG}", ctx) for _ in range(2)]
         for i in range(5):

@@ -16,7 +16,6 @@ import pytest
 
 from tests.rawserver import ConnReader, RecordingBackend, read_request
 from tests.support import Edge, request, wait_until
-from tests.test_tls import pki  # noqa: F401 (a fixture)
 
 H = b"Host: h\r\n"
 

@@ -11,16 +11,8 @@ import time
 import uuid
 from collections import Counter
 
-import pytest
 
-from tests.support import Backend, Edge, request
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("r")
-    yield b
-    b.stop()
+from tests.support import Edge, request
 
 
 def paced_alternating(ports, key, rate, seconds):

@@ -13,9 +13,8 @@ import threading
 import time
 import uuid
 
-import pytest
 
-from tests.support import Backend, Edge, request
+from tests.support import Edge, request
 
 RULES = '''
 [limits]
@@ -37,13 +36,6 @@ name = "everyone"
 key = "global"
 limit = "50/s"
 '''
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("rr")
-    yield b
-    b.stop()
 
 
 def paced(ports, src, rate, seconds, headers, out, start):

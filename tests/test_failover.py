@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from tests.support import ADMIN_AUTH, ADMIN_ENV, Backend, Edge, request, wait_until
-from tests.test_ops import Traffic, write_config
+from tests.test_lifecycle import Traffic, write_config
 
 _held = []
 

@@ -13,7 +13,8 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lb.http.framing import HttpError, Reader, UpstreamError, iter_chunked, parse_request, parse_response
+from lb.http.framing import Reader, iter_chunked, parse_request, parse_response
+from lb.errors import HttpError, UpstreamError
 from tests.support import Backend, Edge, request
 
 CLEAN = [

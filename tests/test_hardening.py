@@ -4,19 +4,16 @@ Each case checks the status, that the backend received nothing, and that the edg
 clean request afterwards.
 """
 
+import ctypes
+import os
+import signal
 import socket
+import ssl
 import time
 
 import pytest
 
-from tests.support import Backend, Edge, raw, request, wait_until
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("h")
-    yield b
-    b.stop()
+from tests.support import Edge, raw, request, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -218,5 +215,176 @@ def test_many_slow_connections_hold_no_more_than_the_cap(backend):
             s.close()
         wait_until(lambda: status_of(raw(e.port, b"GET / HTTP/1.1\r\n" + H + b"Connection: close\r\n\r\n")) == 200,
                    timeout=5, what="service after the crowd left")
+    finally:
+        e.stop()
+
+
+# A response's send is bounded by send_timeout, not by what the request head's deadline left
+
+def _late_reader(s, size: int) -> int:
+    """The client's timing is the subject here (sleeps are its behaviour, not synchronisation): the
+    head's last piece is awaited with ~1.5 s of the 4 s header_timeout left, then the client starts
+    reading 8 s late. Before the fix the edge's send gave up well before (plain: after ~3 x 1.5 s, the
+    kernel's zero-window probes; TLS: after 1.5 s). The body bytes the client got."""
+    s.sendall(b"GET /big?bytes=%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" % size)
+    time.sleep(HEADER_TIMEOUT - 1.5)
+    s.sendall(b"X-A: 1\r\n")
+    time.sleep(0.05)
+    s.sendall(b"\r\n")
+    time.sleep(8.0)
+    n = 0
+    while True:
+        d = s.recv(1 << 20)
+        if not d:
+            break
+        n += len(d)
+    s.close()
+    return n
+
+
+def _small_window_socket(port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)   # no autotuning: a fixed window
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+SIZE = 32 * 1024 * 1024          # far more than both sockets' buffers hold
+
+
+HEADER_TIMEOUT = 4.0             # what matters is the ~1.5 s it leaves, and the client's 8 s late start
+
+
+def test_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend):
+    """The client socket's send timeout was whatever its last read had set: a head completed near the
+    header deadline left ~1.5 s to write a large response to a client that reads it a little late."""
+    e = Edge("--backends", backend.url, "--header-timeout", str(HEADER_TIMEOUT))
+    try:
+        n = _late_reader(_small_window_socket(e.port), SIZE)
+        assert n > SIZE, f"{n} of {SIZE} body bytes"
+    finally:
+        e.stop()
+
+
+def test_over_tls_too_a_response_is_not_cut_by_what_was_left_of_the_head_deadline(backend, pki):
+    """The same over TLS, where the socket has one timeout for both directions: after a read the edge
+    puts send_timeout back before it writes."""
+    e = Edge("--backends", backend.url, "--header-timeout", str(HEADER_TIMEOUT), "--tls-cert", pki["cert1"],
+             "--tls-key", pki["key1"])
+    try:
+        ctx = ssl.create_default_context(cafile=pki["ca"])
+        n = _late_reader(ctx.wrap_socket(_small_window_socket(e.port), server_hostname="127.0.0.1"), SIZE)
+        assert n > SIZE, f"{n} of {SIZE} body bytes"
+    finally:
+        e.stop()
+
+
+# Framing that must not wait for header_timeout, and deadlines that signals must not stretch
+
+def _exchange(port: int, data: bytes) -> bytes:
+    """One request in one send (one read for the edge, on loopback), Connection: close; all of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while d := s.recv(65536):
+            out += d
+        return out
+
+
+def _chunk_line(n: int) -> bytes:
+    """A chunk-size line of n bytes (before its CRLF): size 5 and an extension padding it out."""
+    return b"5;ext=" + b"x" * (n - 6)
+
+
+def test_a_chunk_line_over_1_kib_is_refused_even_when_it_arrives_in_one_read(backend):
+    """The 1 KiB bound on a chunk-size line held only when the line was split across reads: a 5 kB
+    extension arriving in one read was accepted (request side: forwarded; response side: relayed)."""
+    from tests.rawserver import ConnReader, RawServer
+
+    def answer(s, _server):           # a backend whose response's first chunk line is `line`, one write
+        r = ConnReader(s)
+        while (head := r.head()) is not None:
+            n = int(head.split(b" ", 2)[1].rsplit(b"/", 1)[1])
+            s.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%s\r\nhello\r\n0\r\n\r\n"
+                      % _chunk_line(n))
+
+    raw_backend = RawServer(answer)
+    e = Edge("--backends", backend.url, "--health-interval", "30")
+    r = Edge("--backends", raw_backend.url, "--health-interval", "30", "--health-path", "/health/1024")
+    try:
+        for n, want in ((1024, b"HTTP/1.1 200 "), (1025, b"HTTP/1.1 400 "), (5000, b"HTTP/1.1 400 ")):
+            body = b"%s\r\nhello\r\n0\r\n\r\n" % _chunk_line(n)
+            got = _exchange(e.port, b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                    b"Connection: close\r\n\r\n" + body)
+            assert got.startswith(want), (n, got[:200])
+        for n, want in ((1024, b"HTTP/1.1 200 "), (1025, b"HTTP/1.1 502 "), (5000, b"HTTP/1.1 502 ")):
+            got = _exchange(r.port, b"GET /line/%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % n)
+            assert got.startswith(want), (n, got[:200])
+        assert request(e.port).status == 200          # and it still serves
+    finally:
+        e.stop()
+        r.stop()
+        raw_backend.close()
+
+
+@pytest.mark.parametrize("head", [b"GET /lf HTTP/1.1\nHost: x\n\n", b"GET /lf HTTP/1.1\r\nHost: x\n\n",
+                                  b"GET /cr HTTP/1.1\rHost: x\r\r"], ids=["lf", "lf-after-crlf", "cr"])
+def test_a_head_with_bare_line_ends_is_answered_at_once_not_after_header_timeout(backend, head):
+    """The edge refuses a bare LF (or CR) in a request head, as HAProxy does (SECURITY.md: a line end
+    a backend may split differently). But a head with LF line ends never showed the CRLFCRLF the
+    reader waited for: the 400 came after header_timeout (30 s here). Now it comes at once."""
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--header-timeout", "30")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:   # << 30 s
+            s.sendall(head)                  # and the connection stays open: no EOF to end the wait
+            got = s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 400 ") and b"bare CR or LF" in got, got
+        # A CRLF split across reads is no bare CR: the head still completes and is served.
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for piece in (b"GET /split HTTP/1.1\r", b"\nHost: x\r", b"\n\r", b"\n"):
+                s.sendall(piece)
+                time.sleep(0.05)             # the client's pace (separate reads), not synchronisation
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        e.stop()
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+def _tgkill_all_but_main(pid: int, sig: int) -> None:
+    """sig to each thread of pid but its main one, as the kernel may pick any thread for a process's
+    signal (os.kill would always offer it to the main thread first)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if int(tid) != pid:
+            libc.syscall(_TGKILL, pid, int(tid), sig)
+
+
+@pytest.mark.skipif(_TGKILL is None, reason="tgkill's number is known here for x86_64 and aarch64 only")
+def test_a_signal_storm_does_not_stretch_a_read_deadline(backend):
+    """EINTR restarted a read with the socket's whole timeout again: a client that stopped inside its
+    head while the edge was sent a SIGUSR1 (log reopen) every 0.1 s was never given its 408
+    (header_timeout 2 s). Now every thread blocks the handled signals and one thread sigwait()s them."""
+    e = Edge("--backends", backend.url, "--health-interval", "0.5", "--header-timeout", "2")
+    try:
+        with socket.create_connection(("127.0.0.1", e.port), timeout=15) as s:
+            s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n")          # ... and nothing more
+            s.setblocking(False)
+            start = time.monotonic()
+            got = b""
+            while time.monotonic() - start < 12:        # the storm: 6x header_timeout at most
+                _tgkill_all_but_main(e.popen.pid, signal.SIGUSR1)
+                try:
+                    got = s.recv(65536)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.1)                     # the storm's period
+            took = time.monotonic() - start
+        assert got.startswith(b"HTTP/1.1 408 "), (round(took, 1), got, e.log()[-2000:])
+        assert took < 2 + 5, took                       # the deadline, plus scheduling on a busy machine
+        assert e.alive() and request(e.port).status == 200
     finally:
         e.stop()

@@ -525,7 +525,8 @@ def test_the_reply_reader_stays_in_step_across_reads_error_replies_and_every_rep
     reply (several recv()s), nested arrays with integers, nil and a status, a WRONGTYPE error reply, and
     scripts unknown to the server (NOSCRIPT: loaded, run again) -- every call gets its own answer, the
     error is its call's alone, and the same connection serves the next flight (it ended in step)."""
-    from limiter.redis.link import Call, _Script, link_for
+    from limiter.redis.connect import link_for
+    from limiter.redis.link import Call, _Script
     from limiter.redis.url import parse
     from redis.exceptions import ResponseError
     link = link_for(parse(redis_server.url), timeout=2.0)

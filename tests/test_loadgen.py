@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import PY, ROOT, Backend, free_port
-from wrk import loadgen
-from wrk import report
+from tests.support import PY, ROOT, free_port
+from wrk import loadgen, report
 from wrk.report import parse_output
 
 DATA = Path(__file__).parent / "data"
@@ -22,13 +21,6 @@ JSON_KEYS = {
     "errors", "admitted", "admitted_per_sec", "latency_ms", "send_lag_ms", "kept_up", "kept_up_rule",
     "reconnects", "bytes_read",
 }
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("lg")
-    yield b
-    b.stop()
 
 
 def cli(*args: str, script: bool = False, timeout: float = 30) -> subprocess.CompletedProcess:

@@ -36,3 +36,11 @@ def test_pip_install_gives_an_edge_command_that_runs_from_anywhere(tmp_path):
     check = subprocess.run([str(edge), "--check", "--backends", "http://127.0.0.1:9"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=20)
     assert check.returncode == 0 and "configuration OK" in check.stdout, check.stdout + check.stderr
+    # The Redis stores' Lua scripts are package data: the installed copy reads them from its own files.
+    probe = ("import limiter.redis.scripts as s, limiter.redis.shaping, limiter.redis.multi, limiter.concurrency;"
+             "print(s.__file__); print(len(list(s.files('limiter.redis').joinpath('lua').iterdir())))")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=20)
+    assert out.returncode == 0, out.stderr
+    where, count = out.stdout.split()
+    assert where.startswith(str(venv)) and int(count) == len(list((ROOT / "limiter/redis/lua").glob("*.lua"))), out.stdout

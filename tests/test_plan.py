@@ -8,7 +8,7 @@ import pytest
 
 from lb.http.framing import HttpError, NOT_RELAYED, UpstreamError, not_relayed, parse_request, parse_response
 from lb.http.plan import request_fields, response_fields, response_plan
-from lb.proxy.forward import _REPLACED, _REPLACED_TRUSTED
+from lb.proxy.tries import _REPLACED, _REPLACED_TRUSTED
 
 
 def slow(head):

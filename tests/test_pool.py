@@ -17,6 +17,18 @@ from lb.upstream.backends import LifoSlots
 from tests.support import Edge, request, wait_until
 
 
+def hold(*backends) -> None:
+    """From now on these backends answer GET /hold only when the test releases them (the backends are the
+    module's: a test arms them first)."""
+    for b in backends:
+        request(b.port, "POST", "/_ctl/hold")
+
+
+def release(*backends) -> None:
+    for b in backends:
+        request(b.port, "POST", "/_ctl/release")
+
+
 def test_slots_are_last_in_first_out_and_bounded():
     s = LifoSlots(2)
     s.put("a")
@@ -169,87 +181,92 @@ def test_a_backend_with_every_connection_busy_is_passed_over_for_a_free_one(back
     """nginx's max_conns: round robin would give every other request to the backend whose one connection
     a slow request holds; they wait --pool-timeout there and get 503 while the other backend idles."""
     a, b = backends[0], backends[1]
+    hold(a, b)
     e = Edge("--backends", f"{a.url},{b.url}", "--health-interval", "30", "--pool-maxsize", "1",
              "--pool-timeout", "0.3", name="edge-pool-pass-over")
     try:
         slow = []
-        t = threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/slow?ms=4321").status))
+        t = threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/hold").status))
         t.start()
-        at = wait_until(lambda: next((x for x in (a, b) if "/slow?ms=4321" in x.stats()["last"]), None),
-                        what="the slow request to reach its backend")
+        at = wait_until(lambda: next((x for x in (a, b) if "/hold" in x.stats()["last"]), None),
+                        what="the held request to reach its backend")
         other = b if at is a else a
         got = [request(e.port, "GET", "/") for _ in range(6)]
         assert [r.status for r in got] == [200] * 6
         assert {r.body.decode().strip() for r in got} == {other.name.removeprefix("backend-")}
+        release(a, b)
         t.join(30)
         assert slow == [200]
     finally:
+        release(a, b)
         e.stop()
 
 
 def test_the_pool_caps_connections_per_backend_and_answers_503_past_it(backends):
     b = backends[0]
+    hold(b)
     e = Edge("--backends", b.url, "--health-interval", "30", "--pool-maxsize", "2", "--pool-timeout", "0.2",
              name="edge-pool-cap")
     try:
         slow = []
-        threads = [threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/slow?ms=5000").status))
+        threads = [threading.Thread(target=lambda: slow.append(request(e.port, "GET", "/hold").status))
                    for _ in range(2)]
         for t in threads:
             t.start()
-        # Both slots busy (the backend is inside both requests): the next one waits 0.2 s, then 503.
+        # Both slots busy (the backend holds both requests): the next one waits 0.2 s, then 503.
         wait_until(lambda: request(e.port, "GET", "/health-of-edge-pool").status == 503, timeout=10,
                    what="a request past the cap to be refused")
+        release(b)
         for t in threads:
             t.join(30)
         assert slow == [200, 200]
         assert request(e.port, "GET", "/").status == 200      # the slots came back
     finally:
+        release(b)
         e.stop()
 
 
 @pytest.mark.parametrize("strategy,n", [("round-robin", 2), ("weighted", 3)])
 def test_when_every_backend_is_full_requests_still_take_turns(backends, strategy, n):
     """The pass-over must not move the rotation when there is nowhere to pass to: each backend busy
-    with one slow request, the next n requests wait one in each backend's line, as without the
+    with one held request, the next n requests wait one in each backend's line, as without the
     pass-over. (Picking "another" one at a time took that one's turn too: round robin over two sent
     every such request to the first, the weighted one over three never to the second -- a 503 after
-    --pool-timeout in the line of a backend busy for long, while the one that came free had nobody.)"""
+    --pool-timeout in the line of a backend busy for long, while the one that came free had nobody.)
+    The backends answer when the test releases them, not after a fixed time (a loaded machine once took
+    longer to queue the waiters than the busy backend stayed busy), and the line each waiter stood in is
+    read from who answered it: backend i's connection, once free, goes to the one waiting for it."""
     bs = backends[:n]
+    hold(*bs)
     e = Edge("--backends", ",".join(b.url for b in bs), "--strategy", strategy, "--health-interval", "30",
-             "--pool-maxsize", "1", "--pool-timeout", "5", "--admin", "127.0.0.1:0", name=f"edge-pool-turns-{n}")
+             "--pool-maxsize", "1", "--pool-timeout", "60", "--admin", "127.0.0.1:0", name=f"edge-pool-turns-{n}")
     in_flight = lambda: sum(x["inflight"] for x in
                             json.loads(request(e.admin_port, "GET", "/status").body)["backends"])
     out: dict = {}
 
     def send(i, path):
-        r = request(e.port, "GET", path, timeout=30)
+        r = request(e.port, "GET", path, timeout=90)
         out[i] = (r.status, r.body.decode().strip())
 
     threads = []
     try:
-        # One slow request per backend, in pick order; the second backend's ends well before the
-        # others' (3 s against 11 s) and well within --pool-timeout of the requests that wait for it.
-        for i, b in enumerate(bs):
-            ms = 3000 if i == 1 else 11000
-            threads.append(threading.Thread(target=send, args=(f"slow{i}", f"/slow?ms={ms}")))
+        for i, b in enumerate(bs):             # one held request per backend, in pick order
+            threads.append(threading.Thread(target=send, args=(f"held{i}", "/hold")))
             threads[-1].start()
-            wait_until(lambda: f"/slow?ms={ms}" in b.stats()["last"], what=f"slow request {i} at {b.name}")
+            wait_until(lambda: "/hold" in b.stats()["last"], what=f"held request {i} at {b.name}")
         for i in range(n):                     # every backend full: one at a time, into the lines
             threads.append(threading.Thread(target=send, args=(i, "/")))
             threads[-1].start()
             wait_until(lambda: in_flight() == n + i + 1, what=f"request {i} to wait in a line")
-        for t in threads[n:]:
-            t.join(30)
-        got = [out[i] for i in range(n)]
-        # The second in line waited at the second backend and got its connection at 3 s; the others
-        # waited at backends busy for 11 s and were refused after --pool-timeout.
-        assert [s for s, _ in got] == [503 if i != 1 else 200 for i in range(n)], got
-        assert got[1][1] == bs[1].name.removeprefix("backend-")
-        for t in threads[:n]:
-            t.join(30)
-        assert [out[f"slow{i}"][0] for i in range(n)] == [200] * n
+        release(*bs)
+        for t in threads:
+            t.join(60)
+        got = [out.get(i) for i in range(n)]
+        # Waiter i stood in backend i's line: one in each, none twice in one.
+        assert got == [(200, b.name.removeprefix("backend-")) for b in bs], got
+        assert [out[f"held{i}"][0] for i in range(n)] == [200] * n
     finally:
+        release(*bs)
         e.stop()
 
 
@@ -263,19 +280,22 @@ def test_a_request_in_flight_across_a_reload_that_makes_new_pools_gives_its_slot
     log = tmp_path / "access.log"
     base = f'access_log = "{log}"\n[[backends]]\nurl = "{backends[0].url}"\n[health]\ninterval = 30\n'
     cfg.write_text(base + "[upstream]\npool_maxsize = 2\n")
+    hold(backends[0])
     e = Edge("--config", str(cfg), name="edge-pool-reload")
     try:
         out = []
-        t = threading.Thread(target=lambda: out.append(request(e.port, "GET", "/slow?ms=2000", timeout=20).status))
+        t = threading.Thread(target=lambda: out.append(request(e.port, "GET", "/hold", timeout=20).status))
         t.start()
-        wait_until(lambda: "/slow?ms=2000" in backends[0].stats()["last"], what="the slow request at its backend")
+        wait_until(lambda: "/hold" in backends[0].stats()["last"], what="the held request at its backend")
         cfg.write_text(base + "[upstream]\npool_maxsize = 2\npool_timeout = 7\n")
         e.signal(signal.SIGHUP)
         e.wait_log(r"reloaded: 1 backends .*new connection pools")
+        release(backends[0])                   # it finishes on the old pool's connection
         t.join(20)
         assert out == [200]
-        wait_until(lambda: "/slow?ms=2000" in log.read_text(), what="the slow request's access-log line")
+        wait_until(lambda: "/hold" in log.read_text(), what="the held request's access-log line")
         assert "unexpected error" not in e.log()
         assert [request(e.port, "GET", "/").status for _ in range(3)] == [200] * 3
     finally:
+        release(backends[0])
         e.stop()

@@ -18,7 +18,7 @@ from redis.crc import key_slot
 
 from limiter import build
 from tests.redis_topologies import Cluster, SentinelSet
-from tests.support import Backend, Edge, request, wait_until
+from tests.support import Edge, request, wait_until
 
 LIMIT, DEMAND = 50, 100  # per key: 2x demand (requests 10 ms apart: a sliding log's admissions drift
 #                          by up to one gap per window, so the gap must be small against the window)
@@ -29,13 +29,6 @@ def cluster():
     c = Cluster(masters=3, replicas=1)
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("ha")
-    yield b
-    b.stop()
 
 
 def tagged(api_key: str) -> bytes:

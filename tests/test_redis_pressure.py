@@ -101,7 +101,8 @@ def test_when_lua_and_python_disagree_the_state_written_decides(redis_server):
                                          ("3/0.001ms", "at least 1ms"), ("1/0.5ms", "at least 1ms")])
 def test_rates_whose_arithmetic_is_not_exact_in_a_double_are_refused_naming_the_key(rate, words):
     from limiter import parse_rate
-    from lb.config.load import ConfigError, check_rate
+    from lb.config.load import check_rate
+    from lb.errors import ConfigError
     with pytest.raises(ValueError, match=re.escape(words)):
         parse_rate(rate)
     with pytest.raises(ConfigError, match=r"^limits\.keys\.acme: .*" + re.escape(words)):

@@ -14,8 +14,7 @@ import pytest
 from limiter import build
 from limiter.redis.url import parse
 from tests.redis_server import RedisServer
-from tests.support import Backend, Edge, request, wait_until
-
+from tests.support import Edge, request, wait_until
 
 # ------------------------------------------------------------------------------------ URL parsing
 
@@ -157,13 +156,6 @@ def test_rediss_with_the_right_ca_enforces_the_limit(tls):
     assert lim2.allow("k", 100.0).allowed and lim2.failures == 0
 
 
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("sec")
-    yield b
-    b.stop()
-
-
 def test_rediss_with_a_wrong_ca_fails_with_one_clear_line(tls, backend, tmp_path):
     conf = tmp_path / "edge.toml"
     conf.write_text(f'[limits]\nredis_ca_file = "{tls["other_ca"]}"\n')
@@ -230,3 +222,21 @@ def test_an_acl_user_from_the_url_works_and_a_wrong_password_is_one_line_without
     finally:
         e.stop()
 
+
+@pytest.mark.parametrize("secret", ["Sup3r/s3cret", "pa@s3cret", "pa ss3cret"], ids=["slash", "at", "space"])
+def test_a_redis_password_with_a_slash_an_at_sign_or_a_space_is_redacted_everywhere(backend, secret):
+    """The store URL's parser takes userinfo up to the last '@' (as urllib does), but the redaction of
+    log lines, /status and the metrics label stopped at the first '/' or '@': the start-up line showed
+    `redis://:Sup3r/s3cret@127.0.0.1:1` whole, and `pa@s3cret` as `:***@s3cret@`. A space stopped it
+    too (the pattern's \\S): `redis://:pa ss3cret@127.0.0.1:1` was shown whole; now the parser's own
+    redaction (limiter.redis_url.redact) writes the store, and the log hides the password's text."""
+    e = Edge("--backends", backend.url, "--limit", "5/s", "--store", f"redis://:{secret}@127.0.0.1:1",
+             "--on-store-error", "fail-open", "--admin", "127.0.0.1:0")
+    try:
+        assert request(e.port).status == 200          # fail-open: served, and a store error logged
+        seen = e.log() + request(e.admin_port, "GET", "/status").body.decode() + \
+            request(e.admin_port, "GET", "/metrics").body.decode()
+        assert "redis://:***@127.0.0.1:1" in seen
+        assert "s3cret" not in seen, [ln for ln in seen.splitlines() if "s3cret" in ln]
+    finally:
+        e.stop()

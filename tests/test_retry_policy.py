@@ -82,11 +82,12 @@ def test_retry_after_takes_seconds_or_a_date_and_is_bounded():
 
 def test_the_config_names_the_key_of_a_bad_condition(tmp_path):
     from lb.config import load as config
-    with pytest.raises(config.ConfigError, match=r"--retry-on: unknown retry condition '418'"):
+    from lb.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"--retry-on: unknown retry condition '418'"):
         config.load(["--backends", "http://127.0.0.1:1", "--retry-on", "connect,418"])
     f = tmp_path / "edge.toml"
     f.write_text('[[backends]]\nurl = "http://127.0.0.1:1"\n[upstream]\nretry_on = ["reset", "50x"]\nper_try_timeout = 1\n')
-    with pytest.raises(config.ConfigError, match=r"upstream.retry_on: unknown retry condition '50x'"):
+    with pytest.raises(ConfigError, match=r"upstream.retry_on: unknown retry condition '50x'"):
         config.load(["--config", str(f)])
     f.write_text('[[backends]]\nurl = "http://127.0.0.1:1"\n[upstream]\nretry_on = ["reset", "503"]\nper_try_timeout = 1\n')
     c = config.load(["--config", str(f)])

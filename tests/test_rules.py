@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from lb.config.load import ConfigError, load
+from lb.config.load import load
+from lb.errors import ConfigError
 from lb.http.framing import parse_request
 from lb.limiting.keys import parse_keys
 from lb.limiting.stage import LimitStage, release
@@ -26,7 +27,7 @@ def req(method="GET", path="/", host="api.example.com", **headers):
     return parse_request(head.encode()[:-2])
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
 def store(request):
     """{} for the memory store; the Redis options for a redis-server of this test's own."""
     if request.param == "memory":

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from bench.takeover import admin_ports, take_over
+from bench.takeover import admin_ports, in_private_netns, take_over
+from lb.netaddr import migrate_req
 from tests.support import PY, ROOT, Edge
 
 START_TIMEOUT = 30
@@ -53,9 +54,30 @@ def test_an_admin_port_another_edge_serves_refuses_the_start_too(backends):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_takeover_under_load_loses_no_request(backends, workers):
     """Keep-alive clients (told Connection: close from the old edge's SIGTERM on) and new-connection
-    clients the whole time; the old edge takes what is in its accept queue right before it closes (Linux
-    resets those when a SO_REUSEPORT listener closes, unless net.ipv4.tcp_migrate_req = 1)."""
+    clients the whole time. What the kernel guarantees decides what can be asserted: with
+    net.ipv4.tcp_migrate_req = 1 (Linux 5.14+) a closing SO_REUSEPORT listener hands its queued connections
+    (accepted or half-open) to another listener on the port, so none may be lost -- the round runs in a
+    network namespace of its own with that set (as root; the machine's setting is left alone). With 0 the
+    kernel resets them: the old edge accepts what is queued right before it closes, which leaves the
+    microseconds between its last accept and the close (1 in ~10,000 was reset there in a full run), so
+    where no such namespace can be made only those resets are allowed, and a handful at most."""
     args = ["--grace", "1"] + (["--workers", str(workers)] if workers > 1 else [])
-    r = take_over(backends[0].url, args)
+    rounds = in_private_netns(["--rounds", "1", *args])
+    r = rounds[0] if rounds else take_over(backends[0].url, args)
     assert r["requests"] > 100, r            # the traffic ran (no throughput asserted)
-    assert r["lost"] == 0, r
+    if rounds or migrate_req() == "1":
+        assert r["lost"] == 0, r
+    else:
+        assert r["lost"] <= 3 and all(w.startswith("ConnectionResetError") for w in r["why"]), r
+
+
+def test_a_takeover_says_when_the_kernel_can_reset_a_connection_in_the_handover(backends):
+    """The one gap a takeover leaves is the kernel's: with net.ipv4.tcp_migrate_req = 0 a connection that
+    reaches the old listener as it closes is reset. The new edge says so once, where the operator looks."""
+    e = Edge("--backends", backends[0].url, "--takeover")
+    try:
+        e.wait_log(r"INFO edge: ready", timeout=20)
+        warned = "tcp_migrate_req = 0" in e.log()
+        assert warned == (migrate_req() == "0"), e.log()[-2000:]
+    finally:
+        e.stop()

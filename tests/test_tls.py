@@ -16,21 +16,6 @@ from tests.support import Edge, config_error, raw, request, wait_until
 trustme = pytest.importorskip("trustme", reason="trustme (requirements-dev.txt) makes the test certificates")
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A throwaway CA and two server certificates for 127.0.0.1, ::1 and localhost, as PEM files."""
-    d = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    files = {"ca": d / "ca.pem"}
-    ca.cert_pem.write_to_path(str(files["ca"]))
-    for n in ("1", "2"):
-        leaf = ca.issue_cert("127.0.0.1", "::1", "localhost")
-        files["cert" + n], files["key" + n] = d / f"cert{n}.pem", d / f"key{n}.pem"
-        leaf.cert_chain_pems[0].write_to_path(str(files["cert" + n]))
-        leaf.private_key_pem.write_to_path(str(files["key" + n]))
-    return {k: str(v) for k, v in files.items()}
-
-
 def client_ctx(pki, **versions) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=pki["ca"])
     ctx.set_alpn_protocols(["http/1.1"])

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.support import PY, ROOT, Backend, Edge, wait_until
+from tests.support import PY, ROOT, Edge, wait_until
 
 trustme = pytest.importorskip("trustme", reason="trustme (requirements-dev.txt) makes the test certificates")
 x509 = pytest.importorskip("cryptography.x509", reason="cryptography (trustme's) makes the CRL")
@@ -73,13 +73,6 @@ def _crl(ca, serials, path):
                                       .revocation_date(now - datetime.timedelta(hours=1)).build())
     with open(path, "wb") as out:
         out.write(b.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("a")
-    yield b
-    b.stop()
 
 
 def toml_edge(tmp_path, backend, pki, tls_lines: str, *args, name="edge.toml"):

@@ -3,6 +3,7 @@ through the pipeline, the tunnel both ways, closes from either side, idle timeou
 and the backend's plain HTTP afterwards."""
 
 import asyncio
+import contextlib
 import re
 import signal
 import ssl
@@ -465,3 +466,39 @@ def test_a_tunnel_holds_its_in_flight_slot_until_it_closes(wsb):
         assert run(session()) == "again"
     finally:
         e.stop()
+
+
+def test_an_open_tunnel_does_not_keep_the_retry_slot_its_handshake_used(tmp_path):
+    """A WebSocket handshake retried past a dead backend held its retry-budget slot for the whole life
+    of the tunnel (hours): with the floor's slots all held by tunnels, every later connect failure was a
+    502 'retry budget exhausted' instead of a retry. The slot is the handshake's; the tunnel frees it."""
+    websockets = pytest.importorskip("websockets", reason="websockets (requirements-dev.txt) is the real client")
+    from websockets.sync.client import connect
+    from tests.test_failover import dead_url
+    from tests.test_websocket import WsBackend
+    wsb = WsBackend()
+    # The dead backend stays in rotation (no ejection, probes far apart), two retry slots in all: two
+    # tunnels whose handshakes were retried held both; after the fix a sequential request finds one
+    # free even while the previous request's thread, already answered, has yet to give its slot back.
+    e = Edge("--backends", f"{dead_url()},{wsb.url}", "--strategy", "round-robin", "--eject-after", "0",
+             "--health-interval", "60", "--unhealthy-threshold", "100",
+             "--retry-budget-min", "2", "--retry-budget-percent", "0")
+    tunnels = []
+    stack = contextlib.ExitStack()     # each client a context manager, as websockets wants it used
+    try:
+        for _ in range(8):      # round robin: about one handshake in two meets the dead backend first
+            tunnels.append(stack.enter_context(connect(f"ws://127.0.0.1:{e.port}/echo", proxy=None,
+                                                       open_timeout=10, compression=None)))
+            if e.log().count("GET /echo (NewConnectionError); retrying on") >= 2:
+                break
+        assert e.log().count("GET /echo (NewConnectionError); retrying on") >= 2, e.log()
+        for t in tunnels:
+            t.send("still open")
+            assert t.recv(timeout=10) == "still open"
+        got = [request(e.port).status for _ in range(4)]   # some meet the dead backend first
+        assert got == [200] * 4, e.log()[-3000:]
+        assert "retrying on" in e.log().split("GET /echo")[-1]      # ... and were retried
+    finally:
+        stack.close()
+        e.stop()
+        wsb.stop()

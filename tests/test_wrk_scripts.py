@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from tests.support import ROOT, Backend, Edge, request, wait_until
+from tests.support import ROOT, Edge, request, wait_until
 from wrk.protocol import detect_wrk2
 from wrk.report import parse_output
 
@@ -28,13 +28,6 @@ TOOLS = [
                  marks=pytest.mark.skipif(not os.environ.get("WRK2"), reason="set WRK2=/path/to/wrk2 to run under wrk2")),
 ]
 CONNS = 4
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = Backend("wrk-scripts")
-    yield b
-    b.stop()
 
 
 def run_wrk(exe: str, url: str, script: str, key: str | None) -> subprocess.CompletedProcess:

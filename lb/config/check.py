@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 
-from lb.logs import redact
 from lb.netaddr import hostport
 
 
@@ -33,7 +32,7 @@ def problems(cfg) -> list[str]:
         out += _writable(cfg.access_log, "access_log")
     if cfg.store != "memory":
         from limiter.redis import url as redis_url
-        from lb.config.load import redis_files
+        from lb.limiting.store import redis_files
         target = redis_url.parse(cfg.store, **redis_files(cfg))   # parsed already: it does not raise here
         if target.socket and not os.path.exists(target.socket):
             out.append(f"limits.store {target.display}: No such file or directory")
@@ -48,8 +47,7 @@ def problems(cfg) -> list[str]:
 
 
 def certificate_warnings(cfg) -> list[str]:
-    from lb.config.load import CertSpec
-    from lb.http.tls import cert_info, duplicate_names, expired
+    from lb.http.tls import CertSpec, cert_info, duplicate_names, expired
     specs = [CertSpec(cfg.tls_cert, cfg.tls_key), *cfg.tls_certificates]
     out = [f"tls: {s.cert}: expired {cert_info(s.cert)['notAfter']}" for s in specs if expired(cert_info(s.cert))]
     out += [f"tls: {d} both claim the name (the first serves it)" for d in duplicate_names(specs)]

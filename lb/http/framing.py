@@ -15,6 +15,8 @@ from email.utils import formatdate
 from http import HTTPStatus
 from time import monotonic, time
 
+from lb.errors import ClientGone, HttpError, UpstreamError
+from lb.http.chunked import CHUNK, END, NEED, TRAILER, ChunkedDecoder
 from lb.http import gate
 
 CRLF = b"\r\n"
@@ -53,7 +55,6 @@ def not_relayed(rl: bytes, rid: bytes = b"") -> frozenset:
 # What a Connection token may never remove (RFC 9112 6.1, 7.6.1 of 9110 notwithstanding): the message's
 # own framing, which the edge writes itself from what it parsed, and Host.
 NOT_NOMINABLE = frozenset({b"content-length", b"transfer-encoding", b"host"})
-_HEX = b"0123456789abcdefABCDEF"
 
 # tchar (RFC 9110 5.6.2): the bytes a method or header name may contain.
 _TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -109,26 +110,6 @@ def _spans(pattern: re.Pattern, head: bytes, start: int) -> list[tuple[int, int,
             e = len(head)
         out.append((m.start(), e, m.group(1), head[v:e]))
     return out
-
-
-class HttpError(Exception):
-    """A request the edge answers itself: status, short reason. close=True when framing is lost."""
-
-    def __init__(self, status: int, reason: str, close: bool = True):
-        super().__init__(reason)
-        self.status, self.reason, self.close = status, reason, close
-
-
-class UpstreamError(Exception):
-    """The backend failed us: kind is 'connect', 'reset', 'timeout' or 'protocol'."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(detail)
-        self.kind, self.detail = kind, detail
-
-
-class ClientGone(Exception):
-    """The client closed or reset its connection while we were answering."""
 
 
 _TIMEVAL = struct.Struct("@ll")
@@ -217,7 +198,7 @@ class Reader:
         except BlockingIOError:
             raise socket.timeout("timed out") from None   # SO_RCVTIMEO expired
         finally:
-            if gated:
+            if gated and g is not None:
                 g.enter(not self.new_work or bool(self.buf))   # (more of a head already begun: under way)
             if self.send_bound is not None and self.applied != self.send_bound:
                 self.sock.settimeout(self.send_bound)       # TLS: the next write's bound
@@ -316,11 +297,32 @@ class Request:
     __slots__ = ("method", "target", "version", "_headers", "content_length", "chunked", "keep_alive",
                  "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie",
                  "request_id", "client_cert", "raw", "spans")
+    # (the types, for mypy: parse_request sets every one)
+    method: bytes
+    target: bytes
+    version: bytes
+    _headers: list[tuple[bytes, bytes, bytes]] | None
+    raw: bytes | None
+    spans: list[tuple[int, int, bytes, bytes]] | None
+    content_length: int | None
+    chunked: bool
+    keep_alive: bool
+    host: bytes | None
+    expect_continue: bool
+    conn_tokens: set[bytes]
+    api_key: bytes | None
+    xff: bytes | None
+    proto: bytes | None
+    fwd_host: bytes | None
+    cookie: bytes | None
+    request_id: bytes | None
+    client_cert: object | None
 
     @property
     def headers(self) -> list[tuple[bytes, bytes, bytes]]:
         h = self._headers
         if h is None:
+            assert self.raw is not None     # (set together: one or the other is there)
             h = self._headers = _split_headers(self.raw.split(CRLF), 1)
         return h
 
@@ -494,20 +496,11 @@ def parse_request(head: bytes) -> Request:
     return r
 
 
-def chunk_size(line: bytes) -> int:
-    """The size on a chunk-size line, or -1 when it is not strict hex (int(x, 16) alone would also take
-    '0x5', '+5', '-5', '5_0' and surrounding blanks: each a way for two parsers to disagree)."""
-    size_s = line.split(b";", 1)[0]
-    if not size_s or size_s.translate(None, _HEX) or len(size_s) > 15:
-        return -1
-    return int(size_s, 16)
-
-
 def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: int = 65536):
-    """Decode a chunked request body, yielding its data as it arrives: what one read brought is gathered
-    (many small chunks are one piece of at most `piece` bytes) and yielded before the next read would
-    wait, so a caller writes once per read, not once per chunk, and an interactive stream is not held
-    back. Trailers are read and dropped: at most MAX_TRAILERS lines.
+    """Decode a chunked request body (lb/http/chunked.py), yielding its data as it arrives: what one read
+    brought is gathered (many small chunks are one piece of at most `piece` bytes) and yielded before the
+    next read would wait, so a caller writes once per read, not once per chunk, and an interactive stream
+    is not held back. Trailers are read and dropped: at most MAX_TRAILERS lines.
 
     The body is paced from its first byte: the deadline (body_deadline) counts every byte on the wire,
     size lines and trailers included, and so does max_body (framing is bytes a client made us read).
@@ -515,60 +508,42 @@ def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: in
     (the caller knows whether that is a client gone or a timeout).
     """
     buf = reader.buf
-    got = 0                       # bytes of the body read so far, framing included
+    dec = ChunkedDecoder(_bad_chunk, MAX_CHUNK_LINE, MAX_HEADER_LINE, MAX_TRAILERS)
     out = bytearray()             # data gathered, not yet yielded
     t0 = monotonic()
     if min_rate:
         body_deadline(reader, t0, 0, min_rate)
     while True:
-        if out and not buf:       # the next read may wait: pass on what we have first
-            yield bytes(out)
-            out.clear()
-        line = reader.read_line(MAX_CHUNK_LINE)
-        got += len(line) + 2
-        size = chunk_size(line)
-        if size < 0:
-            raise HttpError(400, "invalid chunk size")
-        if size == 0:
-            break
-        if got + size + 2 > max_body:
-            raise HttpError(413, "request body too large")
-        while size > 0:
-            if out and (not buf or len(out) >= piece):
+        ev = dec.next(buf, piece - len(out))
+        if type(ev) is bytes:
+            out += ev
+            if len(out) >= piece:
                 yield bytes(out)
                 out.clear()
-            data = reader.read_some(min(size, piece - len(out)))
-            size -= len(data)
-            got += len(data)
-            out += data
+        elif ev == NEED:          # the next read may wait: pass on what we have first
+            if out:
+                yield bytes(out)
+                out.clear()
             if min_rate:
-                body_deadline(reader, t0, got, min_rate)
-        if out and not buf:
-            yield bytes(out)
-            out.clear()
-        if reader.read_exact(2) != CRLF:
-            raise HttpError(400, "chunk longer than its declared size")
-        got += 2
-        if min_rate:
-            body_deadline(reader, t0, got, min_rate)
-    if out:
-        yield bytes(out)
-    # The trailer section, up to its empty line: each line bounded by read_line, their number here, and
-    # their bytes by max_body (400 like any other bad framing of a body: the head was fine, a 431 would
-    # tell the client to shorten its header fields).
-    trailers = 0
-    while True:
-        if min_rate:
-            body_deadline(reader, t0, got, min_rate)
-        line = reader.read_line(MAX_HEADER_LINE)
-        got += len(line) + 2
-        if not line:
+                body_deadline(reader, t0, dec.consumed, min_rate)
+            if not reader.fill():
+                raise EOFError("closed inside a body")
+        elif ev == CHUNK:
+            if dec.consumed + dec.size + 2 > max_body:
+                raise HttpError(413, "request body too large")
+        elif ev == TRAILER:
+            # their bytes count too (400 like any other bad framing of a body past their number: the head
+            # was fine, a 431 would tell the client to shorten its header fields)
+            if dec.consumed > max_body:
+                raise HttpError(413, "request body too large")
+        elif ev == END:
+            if out:
+                yield bytes(out)
             return
-        trailers += 1
-        if trailers > MAX_TRAILERS:
-            raise HttpError(400, f"more than {MAX_TRAILERS} trailer fields")
-        if got > max_body:
-            raise HttpError(413, "request body too large")
+
+
+def _bad_chunk(reason: str) -> HttpError:
+    return HttpError(400, reason)
 
 
 def iter_fixed(reader: Reader, n: int, min_rate: float = 0.0, piece: int = 65536):
@@ -595,11 +570,24 @@ class ResponseHead:
     """A parsed response head; `raw`, `spans` and the lazy `headers` as for Request."""
     __slots__ = ("status", "status_line", "_headers", "content_length", "chunked", "codings", "close", "early",
                  "conn_tokens", "raw", "spans")
+    # (the types, for mypy: parse_response sets every one)
+    status: int
+    status_line: bytes
+    _headers: list[tuple[bytes, bytes, bytes]] | None
+    raw: bytes | None
+    spans: list[tuple[int, int, bytes, bytes]] | None
+    content_length: int | None
+    chunked: bool
+    codings: bytes
+    close: bool
+    early: bool
+    conn_tokens: frozenset[bytes]
 
     @property
     def headers(self) -> list[tuple[bytes, bytes, bytes]]:
         h = self._headers
         if h is None:
+            assert self.raw is not None     # (set together: one or the other is there)
             h = self._headers = _split_headers(self.raw.split(CRLF), 1)
         return h
 
@@ -609,7 +597,7 @@ class ResponseHead:
         self.raw = self.spans = None
 
 
-_NO_TOKENS = frozenset()
+_NO_TOKENS: frozenset[bytes] = frozenset()
 _KEEP_ALIVE = frozenset({b"keep-alive"})
 
 
@@ -704,7 +692,7 @@ def parse_response(head: bytes) -> ResponseHead:
 
 # ------------------------------------------------------------------------------ responses of our own
 
-_date_cache = [0, b""]
+_date_cache: list = [0, b""]
 
 
 def http_date() -> bytes:

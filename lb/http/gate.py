@@ -38,7 +38,7 @@ class Gate:
         self.lock = threading.Lock()
         self.handoffs = 0                        # slots passed to a waiter (it had to wait)
         self.stolen = 0                          # slots taken from a holder blocked elsewhere
-        self.watchdog = None                     # the thread that frees stuck slots, started on the first wait
+        self.watchdog: threading.Thread | None = None   # frees stuck slots; started on the first wait
 
     def enter(self, urgent: bool = True) -> None:
         """Take a slot, waiting in order if none is free (urgent: among the requests under way, served

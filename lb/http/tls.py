@@ -21,13 +21,20 @@ import time
 from dataclasses import dataclass
 from time import monotonic
 
-from lb.config.load import CertSpec, ConfigError
+from lb.errors import ConfigError
 
 MIN_VERSIONS = {"TLSv1.2": ssl.TLSVersion.TLSv1_2, "TLSv1.3": ssl.TLSVersion.TLSv1_3}
 HANDSHAKE = 0x16        # the first byte of every TLS record carrying a ClientHello
 
 
 CLIENT_AUTH = ("require", "optional")
+
+
+@dataclass(frozen=True)
+class CertSpec:
+    """A certificate (chain) and its key: [tls] cert/key, or one [[tls.certificates]] table."""
+    cert: str
+    key: str
 
 
 def server_context(cert: str, key: str, ciphers: str | None = None, min_version: str = "TLSv1.2",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 import tomllib
 from dataclasses import dataclass, field
 
@@ -32,13 +33,26 @@ from limiter import parse_rate
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_HASH_KEY = hashlib.blake2b(os.environ.get("EDGE_KEY_HASH_SECRET", "").encode() or os.urandom(32),
-                            digest_size=32).digest()
+_label_secret: bytes | None = None      # drawn by draw_label_secret(), never at import
+_draw_lock = threading.Lock()
+
+
+def draw_label_secret() -> bytes:
+    """The secret key_label hashes with: EDGE_KEY_HASH_SECRET, or 32 random bytes; drawn once per process.
+
+    Called where it must be the same for everyone: the supervisor before it forks (every worker labels
+    a key alike, so their metrics and logs agree), the App before its serving threads start."""
+    global _label_secret
+    with _draw_lock:
+        if _label_secret is None:
+            _label_secret = hashlib.blake2b(os.environ.get("EDGE_KEY_HASH_SECRET", "").encode() or os.urandom(32),
+                                            digest_size=32).digest()
+        return _label_secret
 
 
 def key_label(api_key: bytes) -> str:
     """How an API key that is not a known key's appears in logs and metrics: never the key itself."""
-    return "key:#" + hashlib.blake2b(api_key, key=_HASH_KEY, digest_size=6).hexdigest()
+    return "key:#" + hashlib.blake2b(api_key, key=_label_secret or draw_label_secret(), digest_size=6).hexdigest()
 
 
 @dataclass(frozen=True)

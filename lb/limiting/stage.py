@@ -24,6 +24,7 @@ import logging
 import math
 import threading
 from time import sleep
+from typing import NamedTuple
 
 from limiter import MemoryStore, build, parse_rate
 from limiter.compose import allow_all
@@ -116,13 +117,22 @@ class Rule:
         self.inflight = inflight      # limiter.concurrency table (max_in_flight), or None
 
 
+class SharedTables(NamedTuple):
+    """What the workers of --workers N share with the memory store: created by the supervisor before it
+    forks (lb/process/supervisor.py), handed to each worker's App; empty in a single process."""
+    limits: object = None      # limiter.shm.Arena: every limit's counters (store "shm")
+    inflight: object = None    # limiter.concurrency.SharedTable: the requests in flight per key
+
+
 class LimitStage:
     def __init__(self, default: str | None, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
                  reuse: dict | None = None, *, rules=(), keys=(), unknown_keys: str = "as-ip", exempt=(),
                  ietf_headers: bool = False, ipv6_prefix: int = 64, max_delay: float = 0.0, max_delayed: int = 256,
-                 max_in_flight: int = 0, status: int = 429, inflight_ttl: float = 360.0, **store_options):
+                 max_in_flight: int = 0, status: int = 429, inflight_ttl: float = 360.0, inflight_table=None,
+                 **store_options):
         """reuse: the limiters of the stage this one replaces (reload): an unchanged limit keeps its state
-        (its in-flight tables too: a reload does not forget the requests in flight)."""
+        (its in-flight tables too: a reload does not forget the requests in flight). inflight_table: the
+        workers' shared one (SharedTables.inflight), for the memory store; None: this process counts alone."""
         self.algorithm = algorithm
         self.store = store
         self.options = tuple(sorted(store_options.items()))
@@ -150,8 +160,8 @@ class LimitStage:
             if key not in cache:
                 if store in ("memory", "shm"):
                     from limiter import concurrency  # --workers: the table the supervisor shared
-                    cache[key] = (concurrency.ShmInFlight(n, name=key) if concurrency.SHARED is not None
-                                  else InFlight(n))
+                    cache[key] = (concurrency.ShmInFlight(n, inflight_table, name=key)
+                                  if inflight_table is not None else InFlight(n))
                 else:
                     from limiter.concurrency import RedisInFlight
                     cache[key] = RedisInFlight(n, store, prefix=f"edge:inflight:{rule}:", ttl=inflight_ttl,
@@ -451,7 +461,7 @@ class LimitStage:
 
     def _verdict(self, v: Verdict, admitted: bool, checks, rules, decisions) -> None:
         rejected, dry, shown, unavailable = [], [], None, False
-        for (lim, key, enforce), name, d in zip(checks, rules, decisions):
+        for (_lim, _key, enforce), name, d in zip(checks, rules, decisions):
             if getattr(d, "degraded", False):
                 v.degraded = True
             if not enforce:

@@ -12,12 +12,19 @@ more on its way to the log (lb.logs).
 
 from __future__ import annotations
 
+import os
 from time import monotonic
 
 from limiter.redis import url as redis_url
 
-from lb.config.load import redis_files
 from lb.logs import redact
+
+
+def redis_files(c) -> dict:
+    """The [limits] redis_*_file settings, as limiter.redis_url.parse / RedisStore keyword arguments."""
+    pw_file = os.path.expandvars(c.redis_password_file) if c.redis_password_file else None   # ${CREDENTIALS_DIRECTORY}
+    return {"password_file": pw_file, "ca_file": c.redis_ca_file,
+            "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
 
 
 def _client(cfg, target, timeout: float, host=None, port=None):

@@ -24,7 +24,8 @@ request). `bytes_received` counts the request's head and body bytes as read from
 label; stable across restarts with EDGE_KEY_HASH_SECRET); null when the client is known by its address
 only. `limited_by`: the rules that rejected the request, and dry-run rules that would have
 ("NAME:dry_run"), comma-separated. Over mutual TLS, a request with a client certificate ends with its
-subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"). Absent values are
+subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"). A hedged request
+(lb/proxy/hedge.py) ends with `hedge=won|lost|failed other=URL` (JSON: "hedge"). Absent values are
 `-` in text and null in JSON. SIGUSR1/SIGHUP reopen
 the file (logrotate).
 """
@@ -145,14 +146,15 @@ class AccessLog:
                     req.method, req.target, status, getattr(x, "bytes_sent", None),
                     backend.url if backend is not None else None, getattr(x, "upstream_seconds", None), seconds,
                     getattr(x, "tries", 0), getattr(x, "limited_by", None), getattr(x, "tunnel", None),
-                    req, getattr(x, "bytes_received", None), getattr(x, "upstream_status", None)))
+                    req, getattr(x, "bytes_received", None), getattr(x, "upstream_status", None),
+                    getattr(x, "hedge", None)))
 
     def refusal(self, client_ip: str, status: int, reason: str, seconds: float = 0.0,
                 request_id: str | None = None) -> None:
         """A request the edge could not read (400, 408, 413, 414, 431, 499, 505): no method or path known,
         the reason stands in the path's place."""
         self.q.put((time.time(), request_id, client_ip, "", b"-", ("<" + reason + ">").encode(), status,
-                    None, None, None, seconds, 0, None, None, None, None, None))
+                    None, None, None, seconds, 0, None, None, None, None, None, None))
 
     def reopen(self) -> None:
         self.q.put(_REOPEN)
@@ -171,7 +173,7 @@ class AccessLog:
     def line(self, item) -> str:
         """One line from a queued tuple (in the writer thread: the request thread never formats)."""
         (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel,
-         req, received, up_status) = item
+         req, received, up_status, hedge) = item
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         host = ua = cert = None
         if req is not None:
@@ -192,6 +194,8 @@ class AccessLog:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
             if cert is not None:
                 d["client_cert"] = cert.subject
+            if hedge is not None:
+                d["hedge"] = {"result": hedge[0], "other": hedge[1]}
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
         return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
@@ -200,7 +204,8 @@ class AccessLog:
                 f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
                 f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
                 + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
-                + (f" cert={escape(cert.subject, 512)}" if cert is not None else ""))
+                + (f" cert={escape(cert.subject, 512)}" if cert is not None else "")
+                + (f" hedge={hedge[0]} other={hedge[1]}" if hedge is not None else ""))
 
     def _writer(self) -> None:
         while True:
@@ -255,6 +260,7 @@ class AccessLog:
             if self.atomic:                         # a regular file (O_APPEND): one write, whole lines
                 self.file.write("\n".join(lines) + "\n")
             else:                                   # a pipe or socket others write to (workers, "-"):
+                chunk: list[str]
                 chunk, size = [], 0                 # only a write of <= PIPE_BUF is never cut into
                 for line in lines:
                     n = len(line) + 1

@@ -37,8 +37,8 @@ from urllib.parse import unquote, urlsplit
 
 from lb.ops import dashboard
 from lb.ops.accesslog import escape
-from lb.http.framing import (ClientGone, HttpError, Reader, http_date, iter_chunked, own_response, parse_request, send,
-                     send_timeout)
+from lb.http.framing import Reader, http_date, iter_chunked, own_response, parse_request, send, send_timeout
+from lb.errors import ClientGone, HttpError
 from lb.netaddr import bind_options, family, ip
 
 log = logging.getLogger("edge")

@@ -64,6 +64,10 @@ FAMILIES = {
     "lb_retries_by_condition_total": ("counter", "Tries retried on another backend, by the --retry-on condition "
                                                  "they met (connect, reset, timeout, 5xx, 502, 503, 504)."),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
+    "lb_hedges_total": ("counter", "Hedged requests (--hedge-after): second copies sent, by result (won: the hedge "
+                                   "answered first; lost: the first backend did; failed: the hedge's try failed)."),
+    "lb_hedges_skipped_total": ("counter", "Hedges not sent though due, by reason (budget: the retry budget was "
+                                           "spent; max_requests: the pool's circuit breaker was at its cap)."),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
     "lb_admin_actions_total": ("counter", "Admin API actions on a backend (drain, enable)."),
@@ -375,11 +379,11 @@ class Metrics:
         """This process's samples; live: gauges read now {(name, labels): value}, plus counters kept
         elsewhere (refused connections) under the same form."""
         with self.lock:
-            c = [[n, list(map(list, l)), v] for (n, l), v in self.counters.items()]
-            g = [[n, list(map(list, l)), v] for (n, l), v in self.gauges.items()]
-            h = [[n, list(map(list, l)), list(x[0]), x[1], x[2]] for (n, l), x in self.hists.items()]
-        for (n, l), v in (live or {}).items():
-            (c if FAMILIES[n][0] == "counter" else g).append([n, list(map(list, l)), v])
+            c = [[n, list(map(list, labels)), v] for (n, labels), v in self.counters.items()]
+            g = [[n, list(map(list, labels)), v] for (n, labels), v in self.gauges.items()]
+            h = [[n, list(map(list, labels)), list(x[0]), x[1], x[2]] for (n, labels), x in self.hists.items()]
+        for (n, labels), v in (live or {}).items():
+            (c if FAMILIES[n][0] == "counter" else g).append([n, list(map(list, labels)), v])
         g += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "gauge"]
         c += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "counter"]
         build = [["version", __version__], ["python", sys.version.split()[0]]]
@@ -439,11 +443,11 @@ class Carry:
 def _add(acc: dict, s: dict) -> None:
     """Adds snapshot s's counters and histograms into acc ({"c": {key: v}, "h": {key: [buckets, sum, count]}})."""
     counters, hists = acc["c"], acc["h"]
-    for n, l, v in s["c"]:
-        k = (n, tuple(map(tuple, l)))
+    for n, labels, v in s["c"]:
+        k = (n, tuple(map(tuple, labels)))
         counters[k] = counters.get(k, 0) + v
-    for n, l, b, total, count in s["h"]:
-        k = (n, tuple(map(tuple, l)))
+    for n, labels, b, total, count in s["h"]:
+        k = (n, tuple(map(tuple, labels)))
         cur = hists.setdefault(k, [[0] * len(b), 0.0, 0])
         cur[0] = [x + y for x, y in zip(cur[0], b)]
         cur[1] += total
@@ -456,8 +460,8 @@ def merge(snaps: list[dict], carried: dict | None = None) -> dict:
     gauges: dict = {}
     for s in snaps:
         _add(acc, s)
-        for n, l, v in s["g"]:
-            k = (n, tuple(map(tuple, l)))
+        for n, labels, v in s["g"]:
+            k = (n, tuple(map(tuple, labels)))
             if k not in gauges:
                 gauges[k] = v
             elif n in _MERGE_MIN:
@@ -483,7 +487,7 @@ def render(m: dict) -> str:
     w = out.append
     for name, (kind, help_) in FAMILIES.items():
         src = m["h"] if kind == "histogram" else m["c"] if kind == "counter" else m["g"]
-        samples = sorted((l, v) for (n, l), v in src.items() if n == name)
+        samples = sorted((labels, v) for (n, labels), v in src.items() if n == name)
         w(f"# HELP {name} {help_}")
         w(f"# TYPE {name} {kind}")
         for labels, v in samples:

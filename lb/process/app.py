@@ -23,27 +23,31 @@ from dataclasses import replace
 from limiter.redis import url as redis_url
 from limiter.memory import MemoryStore
 
-from lb import __version__
+from lb import __version__, logs
 from lb.ops import fanout
 from lb.ops import metrics as metrics_mod
 from lb.process import sdnotify
 from lb.limiting import store
+from lb.limiting.store import redis_files
 from lb.ops.accesslog import AccessLog
 from lb.ops.admin import start_admin
-from lb.upstream.backends import make_backend
+from lb.upstream.backends import BackendSpec, make_backend
 from lb.upstream.balancer import Balancer
-from lb.config.load import BackendSpec, Config, ConfigError, admin_token, load, redis_files
+from lb.config.load import Config, admin_token, load
+from lb.errors import ConfigError, ResolveError, StartError
 from lb.upstream.health import HealthChecker
 from lb.limiting.identity import Identifier
+from lb.limiting.keys import draw_label_secret
+from lb.limiting.stage import SharedTables
 from lb.ops.metrics import Metrics
 from lb.netaddr import held, hostport
 from lb.upstream.outlier import Ejector
 from lb.proxy.tunnel import close_all as close_tunnels
+from lb.proxy import hedge
 from lb.proxy.edge import Edge, EdgeServer
 from lb.upstream.breaker import Breaker
-from lb.upstream.resolve import ResolveError, is_address, lookup
+from lb.upstream.resolve import is_address, lookup
 from lb.upstream.retrybudget import RetryBudget
-from lb.process.serve import StartError
 
 log = logging.getLogger("edge")
 
@@ -93,9 +97,11 @@ def make_server(addr, edge, takeover: bool = False) -> Server:
 
 class App:
     def __init__(self, cfg: Config, argv: list[str] | None = None, worker: int | None = None,
-                 rundir: str | None = None):
-        """Raises StartError naming what could not be opened or bound."""
+                 rundir: str | None = None, shared: SharedTables | None = None):
+        """Raises StartError naming what could not be opened or bound. shared: see serve()."""
         self.argv = argv
+        self.shared = shared or SharedTables()
+        draw_label_secret()              # before any serving thread (a worker: inherited, drawn before fork)
         self.worker = worker
         self.rundir = rundir
         self.ready = False               # serving, and the store answered when fail-closed asks for it
@@ -304,14 +310,14 @@ class App:
     def _limit_stage(self, cfg: Config, old):
         if not (cfg.limit or cfg.rules or cfg.keys or cfg.max_in_flight):
             return None
-        from limiter import shm
-
         from lb.limiting.stage import LimitStage
         opts = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error,
                 **{k: v for k, v in redis_files(cfg).items() if v is not None}} if cfg.store != "memory" else {}
         opts["max_keys"] = cfg.max_keys
         # A worker of --workers N with the memory store: the table the supervisor shared before forking
-        store = "shm" if cfg.store == "memory" and shm.ARENA is not None else cfg.store
+        store = "shm" if cfg.store == "memory" and self.shared.limits is not None else cfg.store
+        if store == "shm":
+            opts["shm_arena"] = self.shared.limits
         reuse = None
         if old is not None and (old.algorithm, old.store, old.options) == (
                 cfg.algorithm, store, tuple(sorted(opts.items()))):
@@ -321,7 +327,8 @@ class App:
                            ietf_headers=cfg.ietf_headers, ipv6_prefix=cfg.ipv6_prefix, max_delay=cfg.max_delay,
                            max_delayed=cfg.max_delayed, max_in_flight=cfg.max_in_flight, status=cfg.limit_status,
                            # a request in flight longer than this stops counting in Redis (its safety net)
-                           inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0, **opts)
+                           inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0,
+                           inflight_table=self.shared.inflight if cfg.store == "memory" else None, **opts)
         self.metrics.declare_rules(stage.declared)
         return stage
 
@@ -346,6 +353,7 @@ class App:
                         "on": list(self.cfg.retry_on), "per_try_timeout": self.cfg.per_try_timeout,
                         "by_condition": self.metrics.by_label("lb_retries_by_condition_total", "condition")},
             "breaker": self.breaker.status(),
+            "hedge": hedge.status(self.cfg, self.metrics),
             "resolver": self.cfg.resolver, "resolve_interval": self.cfg.resolve_interval,
             "resolved": {u: {"addresses": a, **({"failing": self.resolve_failing[u]} if u in self.resolve_failing else {})}
                          for u, a in self.resolved.items()},
@@ -537,8 +545,10 @@ class App:
             log.log(level, "%s", line)
 
     def reopen_logs(self) -> None:
-        from lb.process.serve import reopen_logs
-        reopen_logs(self.access_log)
+        """SIGUSR1/SIGHUP: a fresh access-log file and stderr (when it is a file) after logrotate moved them."""
+        if self.access_log is not None:
+            self.access_log.reopen()
+        logs.reopen_stderr()
         log.info("logs reopened")
 
     # -- reload -------------------------------------------------------------------------------------

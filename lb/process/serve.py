@@ -17,16 +17,12 @@ import signal
 import threading
 import time
 
-from lb import logs
+from lb.netaddr import migrate_req
 from lb.process import sdnotify
 from lb.process import signals
 from lb.process.signals import HANDLED
 
 log = logging.getLogger("edge")
-
-
-class StartError(Exception):
-    """The process could not start; the message names what failed (`--listen 1.2.3.4:80: ...`)."""
 
 
 def pin_to_one_cpu(setting: str, worker: int | None) -> int | None:
@@ -59,10 +55,11 @@ def watchdog_interval() -> float | None:
 
 
 def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
-          rundir: str | None = None) -> int:
+          rundir: str | None = None, shared=None) -> int:
     """Serve until told to stop, then drain; 0 on a clean stop. Raises StartError before serving.
 
-    channel: (workers) the pipe to the supervisor; rundir: where workers publish their metrics."""
+    channel: (workers) the pipe to the supervisor; rundir: where workers publish their metrics;
+    shared: (workers) the tables the supervisor created for them before forking (SharedTables)."""
     from lb.process.app import App
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
     early: list[int] = []     # a signal that came while the App was being built: acted on once it is
@@ -86,12 +83,15 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
     for s in HANDLED:
         signal.signal(s, on_signal)
     signals.route(lambda signum: on_signal(signum, None))   # before any thread: none of them reads with EINTR
-    built = App(cfg, argv, worker=worker, rundir=rundir)
+    built = App(cfg, argv, worker=worker, rundir=rundir, shared=shared)
     with lock:
         app = built
         pending = early[:]
     if cpu is not None:
         log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
+    if cfg.takeover and not worker and migrate_req() == "0":
+        log.warning("--takeover: net.ipv4.tcp_migrate_req = 0: a connection that reaches the old edge in the "
+                    "instant its listener closes is reset by the kernel; set it to 1 (Linux 5.14+) for none")
     for signum in pending:
         on_signal(signum, None)
 
@@ -131,10 +131,3 @@ def _watchdog(app, period: float, ping) -> None:
         if app.edge.draining or time.monotonic() - app.loop_seen < stale:
             ping()
         time.sleep(period)
-
-
-def reopen_logs(access_log) -> None:
-    """SIGUSR1/SIGHUP: a fresh access-log file and stderr (when it is a file) after logrotate moved them."""
-    if access_log is not None:
-        access_log.reopen()
-    logs.reopen_stderr()

@@ -32,7 +32,8 @@ from dataclasses import replace
 from lb import logs
 from lb.process import sdnotify
 from lb.netaddr import bind_options, family, hostport
-from lb.process.serve import StartError, watchdog_interval
+from lb.process.serve import watchdog_interval
+from lb.errors import StartError
 
 
 def exit_reason(status: int) -> str:
@@ -68,8 +69,10 @@ class Worker:
 
 
 def run(cfg, argv) -> int:
-    from lb.limiting import keys  # noqa: F401  (imported before fork: one key-hash secret for every worker)
+    from lb.limiting.keys import draw_label_secret
+    from lb.limiting.stage import SharedTables
     from lb.process.app import SHARED_ONLY, refuse_if_held
+    draw_label_secret()                # before any fork: one key-label secret for every worker
     refuse_if_held("--listen", cfg.listen, cfg)      # a second edge must not join this port unasked
     if cfg.admin and cfg.admin[1]:
         for i in range(cfg.workers):                  # here, one line, rather than a worker's crash loop
@@ -85,16 +88,19 @@ def run(cfg, argv) -> int:
     host, port = reserve.getsockname()[:2]
     cfg = replace(cfg, listen=(host, port))
     argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
+    shared = SharedTables()                # before any fork: the workers must inherit the same mappings
     if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
-        _share_limits(cfg)                 # before any fork: the workers must inherit the same mapping
+        shared = shared._replace(limits=_share_limits(cfg))
     if cfg.store == "memory":              # in-flight counts across workers (also for a reload that adds them)
-        from limiter import concurrency
-        concurrency.share(min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections)))
+        from limiter.concurrency import SharedTable
+        rows = min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections))
+        shared = shared._replace(inflight=SharedTable(rows))
     if cfg.tls_cert:
         # before any fork: every worker inherits one context, so one set of session-ticket keys (lb/http/tls.py)
         from lb.http import tls
         from lb.config.check import certificate_warnings
-        from lb.config.load import ConfigError, tls_listener
+        from lb.config.load import tls_listener
+        from lb.errors import ConfigError
         try:
             tls.inherited = tls_listener(cfg)
         except ConfigError as e:
@@ -127,7 +133,7 @@ def run(cfg, argv) -> int:
         r, wfd = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(w.index, wfd, [x.fd for x in workers if x.fd >= 0] + [r], reserve, cfg, argv, rundir)
+            _child(w.index, wfd, [x.fd for x in workers if x.fd >= 0] + [r], reserve, cfg, argv, rundir, shared)
         os.close(wfd)
         w.pid, w.fd, w.buf, w.ready, w.beat = pid, r, b"", False, 0.0
         by_pid[pid] = w
@@ -261,7 +267,7 @@ def _read_pipes(workers, timeout: float) -> None:
             pass
 
 
-def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir) -> None:
+def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir, shared) -> None:
     """In the forked worker: never returns."""
     code = 1
     try:
@@ -280,7 +286,7 @@ def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir) -> None:
         logs.setup(worker=index)
         from lb.process.serve import serve
         try:
-            code = serve(cfg, argv, worker=index, channel=wfd, rundir=rundir)
+            code = serve(cfg, argv, worker=index, channel=wfd, rundir=rundir, shared=shared)
         except StartError as e:
             _fail(wfd, f"cannot start: {e}")
         except Exception as e:
@@ -299,7 +305,7 @@ def _fail(wfd: int, line: str, logged: bool = False) -> None:
         pass
 
 
-def _share_limits(cfg) -> None:
+def _share_limits(cfg):
     """The memory store with N workers: one shared table (limiter.shm), nginx's limit_req_zone.  Slots
     for max_keys keys (at most 64 MiB), each sized for the largest state the configured limits need (the
     default, per-key limits, key tiers and every [[rules]] table, each with its algorithm; a sliding log
@@ -315,6 +321,7 @@ def _share_limits(cfg) -> None:
         n, period = parse_rate(rate)
         need = max(need, shm.state_size(shaped(ALGORITHMS[algorithm](n, period), cost, delay)))
     slots = max(1024, min(cfg.max_keys, (64 << 20) // (need + 24)))
-    arena = shm.create(slots, need)
+    arena = shm.Arena(slots, need)
     log.info("limits shared by %d workers in %d KiB of shared memory (%d keys, %d bytes of state each)",
              cfg.workers, arena.bytes >> 10, arena.slots, need)
+    return arena

@@ -1,8 +1,7 @@
-"""The proxy: a threaded server, one thread per client connection, HTTP/1.1 keep-alive on both sides.
-
-Per request: read and check the head -> (identify, rate limit: the composed edge) -> choose a backend
--> read the body -> forward on a pooled connection and relay the response as it arrives (lb/proxy/forward.py)
--> record.
+"""The proxy's HTTP/1.1 side: a threaded server (EdgeServer, one thread per client connection) and Edge,
+which owns what every request shares (configuration, balancer, limiter, metrics, the drain's state) and
+runs each connection's loop: read and check a head, then the stages (lb/proxy/pipeline.py: identify,
+limit, choose, forward, record) with its responses going to an H1Downstream (lb/proxy/downstream.py).
 
 The per-request path is budgeted: the request head and a small body leave in one sendall, the response
 head and a small body return in one sendall, and nothing is formatted for logging unless something
@@ -14,35 +13,31 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
-import os
-import random
-import re
-import select
 import socket
-import tempfile
 import ssl
 import time
 import socketserver
 import threading
-from itertools import chain
 from time import monotonic
 
 from lb import netaddr
 from lb.http import gate, tls
-from lb.proxy import tunnel
 from lb.logs import client_fault
-from lb.proxy.forward import SMALL_BODY, Forwarder
-from lb.proxy.spool import Budget, Spool, SpooledBody
+from lb.proxy import replies
+from lb.proxy.conn import ClientConn
+from lb.proxy.downstream import H1Downstream
+from lb.proxy.exchange import Exchange
+from lb.proxy.forward import Forwarder
+from lb.proxy.pipeline import Pipeline, new_request_id
+from lb.proxy.spool import Budget
 from lb.limiting.identity import Identifier
 from lb.limiting.rules import configured_subjects
 from lb.upstream.outlier import Ejector
 from lb.limiting.stage import Holds
-from lb.limiting.stage import release as release_slots
 from lb.upstream.breaker import Breaker
 from lb.upstream.retrybudget import RetryBudget
-from lb.http.framing import (ClientGone, HttpError, Reader, Request, body_deadline, iter_chunked, iter_fixed, linger,
-                     own_response, parse_request, send, send_timeout)
+from lb.http.framing import Reader, Request, linger, own_response, parse_request, send_timeout
+from lb.errors import ClientGone, HttpError
 
 log = logging.getLogger("edge")
 
@@ -51,27 +46,6 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 
 
 # ------------------------------------------------------------------------------------------- server
-
-def _watch_while_held(sock: socket.socket, delay: float) -> None:
-    """Delay mode's wait, watching the client (nginx's ngx_http_test_reading during limit_req's delay): a
-    client that closes or resets while held raises ClientGone (a 499), so its request never reaches a
-    backend. Bytes from it (a pipelined request, a TLS record) cannot say that: the rest is slept."""
-    end = monotonic() + delay
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    while (left := end - monotonic()) > 0:
-        if not poller.poll(left * 1000):
-            return
-        try:
-            if socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                raise ClientGone()
-        except BlockingIOError:
-            continue
-        except OSError:
-            raise ClientGone() from None
-        time.sleep(max(0.0, end - monotonic()))
-        return
-
 
 class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing.
@@ -193,6 +167,7 @@ class Edge:
         # accepted socket EdgeServer counts), the ones a new connection at the cap may close.
         self.idle: dict[socket.socket, tuple[float, socket.socket]] = {}
         self.forwarder = Forwarder(self)     # the upstream half: lb/proxy/forward.py
+        self.pipeline = Pipeline(self)       # the stages of every request: lb/proxy/pipeline.py
         self.buffers = Budget()             # memory of every request and response buffer (lb/proxy/spool.py)
         self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
         self.tunnels: dict = {}             # client socket -> backend socket, while upgraded (for the drain)
@@ -231,14 +206,14 @@ class Edge:
         send_timeout(sock, self.cfg.send_timeout)
         reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
         reader.new_work = True                          # (lb/http/gate.py: new requests wait behind those under way)
-        peer = peer_ip.encode()
-        identifier = None
+        conn = ClientConn(sock, peer_ip, over_tls, reader, cert, accepted)
+        down = H1Downstream(conn, self)
         conns = self.conns
         # Busy until its first request is answered: a drain waits for a connection it accepted (the last of
         # its accept queue, say) rather than closing it under a client about to send (wake_idle)
         conns[sock] = True
         idle = self.idle
-        accepted = accepted or sock
+        accepted = conn.accepted
         # A new connection has header_timeout for its whole first head, silence included; a kept-alive
         # one may idle keepalive_timeout between requests.
         first = monotonic() + self.cfg.header_timeout
@@ -268,9 +243,6 @@ class Edge:
                         return
                     req = parse_request(head)
                     req.client_cert = cert      # the connection's verified certificate (lb/http/tls.py), or None
-                    if identifier is not self.identifier:   # trust: once per connection and per reload
-                        identifier = self.identifier
-                        peer_trusted = identifier.trusted(peer_ip)
                 except HttpError as e:
                     self._refuse(sock, e.status, e.reason, peer_ip)
                     return
@@ -281,7 +253,7 @@ class Edge:
                 except OSError:
                     return
                 try:
-                    if not self.handle(req, reader, sock, peer, peer_trusted, peer_ip, over_tls):
+                    if not self.handle(req, conn, down):
                         return
                 except ClientGone:
                     return
@@ -343,211 +315,24 @@ class Edge:
         access_log = self.access_log       # once: a reload may turn it off between two reads
         if access_log is not None:
             access_log.refusal(peer_ip, status, reason, request_id=rid.decode())
+        extra = b"X-Request-Id: " + rid + b"\r\n" if self.cfg.request_id_response else b""
         try:
-            extra = b"X-Request-Id: " + rid + b"\r\n" if self.cfg.request_id_response else b""
-            sock.sendall(own_response(status, reason, close=True, extra=extra))
+            sock.sendall(replies.h1(replies.refusal(status, reason, extra)))
         except OSError:
             pass
 
     # -- one request ----------------------------------------------------------------------------------
 
-    def handle(self, req: Request, reader: Reader, sock: socket.socket, peer: bytes,
-               peer_trusted: bool = False, peer_ip: str = "", over_tls: bool = False) -> bool:
-        """Serve one request; True when the client connection may carry another.
+    def handle(self, req: Request, conn: ClientConn, down, body=None) -> bool:
+        """Serve one request (lb/proxy/pipeline.py); True when the client connection may carry another.
+        body: the request body when the codec has it (HTTP/2), else None: the downstream reads it."""
+        x = Exchange(req, monotonic(), conn.scheme)
+        x.reader = conn.reader
+        if conn.identifier is not self.identifier:
+            conn.trust(self.identifier)      # once per connection and per reload
+        return self.pipeline.run(x, conn, down, body)
 
-        Stage order (and why): a bad frame spends no token; a rejected request costs no backend
-        capacity and takes no round-robin turn; a request that finds nobody healthy has still spent
-        its token, so hammering a failing pool is not free.
-        """
-        x = Exchange(req, monotonic(), b"https" if over_tls else b"http")
-        x.reader = reader
-        try:
-            return self._handle(x, req, reader, sock, peer, peer_trusted, peer_ip)
-        except ClientGone:
-            if x.status is None:     # the client left before its answer was complete: nginx's 499
-                self.metrics.edge_answered(499, monotonic() - x.start)
-                self._done(x, 499)
-            raise
-        finally:
-            if x.slots is not None:  # in-flight slots (--max-in-flight): given back on every path, here only
-                release_slots(x.slots)
-            if x.admitted is not None:   # the pool's circuit breaker, likewise
-                x.admitted.leave()
-
-    def _handle(self, x: "Exchange", req: Request, reader: Reader, sock: socket.socket, peer: bytes,
-                peer_trusted: bool, peer_ip: str) -> bool:
-        cfg = self.cfg
-        # The request id: the client's when well formed, else ours; sent on to the backend, logged, and
-        # back to the client only when asked (--request-id-response: the spec's transparency otherwise).
-        rid = req.request_id
-        if rid is None or not _REQUEST_ID.fullmatch(rid):
-            x.rid_sent = rid = new_request_id()      # replaces whatever the client sent
-        x.request_id = rid
-        if cfg.request_id_response:
-            x.rid_header = b"X-Request-Id: " + rid + b"\r\n"
-        has_body = req.chunked or bool(req.content_length)
-        # After an early answer, an unread body would be read as the next request: close instead.
-        keep_if_early = req.keep_alive and not has_body
-
-        # 1. identify (every access-log line has the client, a 413 too)
-        peer_ip = peer_ip or peer.decode()
-        ip = self.identifier.client_ip(peer_ip, peer_trusted, req.xff) if peer_trusted else peer_ip
-        x.client_ip = ip
-
-        if req.content_length is not None and req.content_length > cfg.max_body_size:
-            return self._answer(sock, x, 413, "request body too large", False)
-
-        # 2. rate limit (lb/limiting/stage.py: the rules, the verdict, the headers)
-        if self.limiter is not None:
-            v = self.limiter.check(req, ip)
-            x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
-            if v.degraded:                   # the store was unreachable: its failure policy decided
-                self.metrics.limiter_error()
-            if v.rejected or v.dry or v.exempt:
-                self.metrics.limit_outcome(v.rejected, v.dry, v.exempt, v.admitted, v.label)
-            elif v.admitted:
-                self.metrics.admitted(v.admitted)
-            if v.status:
-                return self._answer(sock, x, v.status, v.reason, keep_if_early and v.status != 400)
-            x.slots = v.slots
-            if v.delay and not self.holds.hold(v.delay, self.limiter.max_delayed, self.metrics,
-                                               lambda d: _watch_while_held(sock, d)):
-                x.rl += b"Retry-After: %d\r\n" % math.ceil(v.delay)   # held requests at their cap
-                return self._answer(sock, x, self.limiter.status_code, "too many requests held", keep_if_early)
-        else:
-            try:
-                x.key = Identifier.label(req.api_key, ip)
-            except ValueError as e:
-                return self._answer(sock, x, 400, str(e), False)
-
-        # 3. choose a backend (a sticky route takes no round-robin turn). The pool's circuit breaker
-        #    first (Envoy checks it as the request is about to use the cluster): a shed request takes
-        #    nobody's round-robin turn, but has spent its token, as a 503 for "nobody healthy" has.
-        breaker = self.breaker
-        if breaker.max_requests:
-            if not breaker.enter():
-                return self._answer(sock, x, 503, f"overflow: {breaker.max_requests} requests in flight to the "
-                                    "pool (max_requests)", keep_if_early)
-            x.admitted = breaker
-        if self.ejector.ejected:
-            self.sweep_ejections()
-        backend = None
-        if cfg.sticky and req.cookie:
-            backend = self.balancer.by_route(route_cookie(req.cookie))
-        if backend is None:
-            backend = self.balancer.pick()
-            if backend is not None and backend.pool_full():
-                # nginx's max_conns: a backend with every connection busy is passed over for one with a
-                # free connection; when all are full the request waits in its pick's line (pool_timeout).
-                # Every full one is excluded at once, so a pick that finds none takes nobody's turn (one
-                # "other" at a time took the turn of one as full, and the rotation stopped rotating).
-                other = self.balancer.pick(exclude=[b for b in self.balancer.backends if b.pool_full()])
-                if other is not None:
-                    backend = other
-            if backend is not None and cfg.sticky:
-                x.set_cookie = b"Set-Cookie: route=" + backend.route.encode() + b"; Path=/; HttpOnly\r\n"
-        if backend is None:
-            return self._answer(sock, x, 503, "no healthy backend", keep_if_early, unavailable=True)
-        x.backend = backend
-        x.tries = 1
-
-        # An allowed upgrade (WebSocket): forwarded with its Upgrade header; a 101 makes it a tunnel.
-        if req.conn_tokens and not has_body:
-            x.upgrade = tunnel.requested(req, cfg.upgrades)
-            if x.upgrade is not None:
-                return self.forwarder.forward(x, backend, b"", sock, peer, peer_trusted, reader)
-
-        # 4. the body: only now is the client invited to send it. A small one is read (and a chunked
-        #    one validated) whole before any backend connection is taken; a larger one streams.
-        body: bytes | object = b""
-        if has_body:
-            try:
-                if req.expect_continue:
-                    self._send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
-                body = self._read_body(req, reader, cfg)
-            except _NotBuffered as e:        # our disk, not the client: logged where it failed
-                return self._answer(sock, x, e.status, e.reason, False)
-            except HttpError as e:
-                client_fault("client %s: %d %s", peer_ip, e.status, e.reason)
-                return self._answer(sock, x, e.status, e.reason, False)
-            except ClientGone:
-                self.client_closed(x, reached=False)
-                raise
-        # 5. forward and relay (lb/proxy/forward.py)
-        if type(body) is not SpooledBody:
-            return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
-        try:
-            return self.forwarder.forward(x, backend, body, sock, peer, peer_trusted)
-        finally:
-            body.close()         # its memory back to the budget, its temp file gone: on every path
-
-    def _read_body(self, req: Request, reader: Reader, cfg):
-        """The body as bytes when it is small; else (request buffering) a SpooledBody read whole, or
-        (--request-buffering off) an iterator of its pieces (the first already read). A silence is 408,
-        an end is ClientGone; bad framing and 413 are HttpError."""
-        reader.timeout = cfg.body_timeout
-        reader.deadline = None
-        rate = cfg.body_min_rate
-        try:
-            if not req.chunked:
-                n = req.content_length
-                if n <= SMALL_BODY:
-                    if rate:
-                        body_deadline(reader, monotonic(), n, rate)   # the whole of it, at least at rate
-                    return reader.read_exact(n)
-                it = iter_fixed(reader, n, rate)
-                return self._spool_body(it, cfg) if cfg.request_buffering else it
-            it = iter_chunked(reader, cfg.max_body_size, rate)
-            parts, n = [], 0
-            for piece in it:
-                parts.append(piece)
-                n += len(piece)
-                if n > SMALL_BODY:
-                    if cfg.request_buffering:
-                        return self._spool_body(chain(parts, it), cfg)
-                    return chain(parts, it)   # too large to hold: stream the rest as it arrives
-            return b"".join(parts)
-        except socket.timeout:
-            raise HttpError(408, "request body not received in time") from None
-        except (EOFError, OSError):
-            raise ClientGone() from None
-
-    def _spool_body(self, pieces, cfg) -> SpooledBody:
-        """nginx's proxy_request_buffering: the whole body, in memory then a temp file (up to
-        max_body_size, which the framing already enforces), before any backend connection is taken.
-        A temp file that cannot be written (a full disk) is a 503: the edge's trouble, worth a retry
-        elsewhere or later, not a fault of the request (507 is WebDAV's, and says the request is too
-        big to store, which it is not)."""
-        spool = Spool(self.buffers, cfg.buffer_memory, cfg.max_body_size, cfg.temp_dir)
-        try:
-            for piece in pieces:
-                if not spool.write(piece):
-                    e = spool.error
-                    why = (e.strerror or str(e)) if e is not None else "no room"
-                    log.error("request buffer: temp file in %s failed (%s): 503",
-                              cfg.temp_dir or tempfile.gettempdir(), why)
-                    raise _NotBuffered(503, f"request body could not be buffered ({why})")
-            return SpooledBody(spool)
-        except BaseException:
-            spool.close()
-            raise
-
-    def _answer(self, sock, x: "Exchange", status: int, reason: str, keep: bool, **counters) -> bool:
-        """A response of the edge's own (413, 429, 503, ...), with the rate-limit headers. Closing
-        while the request's body may still be arriving is a lingering close."""
-        keep = keep and not self.closing
-        self.metrics.edge_answered(status, monotonic() - x.start, **counters)
-        data = own_response(status, reason, close=not keep, extra=x.extra_headers(),
-                            head_only=x.req.method == b"HEAD")
-        x.bytes_sent = len(data)
-        self._done(x, status)
-        self._send(sock, data)
-        req = x.req
-        if not keep and (req.chunked or req.content_length):
-            linger(sock)     # the body may still be arriving: a lingering close, not a reset
-        return keep
-
-    def _done(self, x: "Exchange", status: int) -> None:
+    def record(self, x: "Exchange", status: int) -> None:
         """The request's outcome is known: the access-log line (once per request)."""
         x.status = status
         access_log = self.access_log       # once: a reload may turn it off between two reads
@@ -564,82 +349,9 @@ class Edge:
         log.info("client closed the connection before the answer: %s %s -> 499%s", x.req.method.decode(),
                  x.req.target[:200].decode("latin-1"), f" (backend {b})" if b else "")
         self.metrics.client_failed(b, 499, monotonic() - x.start)
-        self._done(x, 499)
-
-    _send = staticmethod(send)
-
-
-class _NotBuffered(HttpError):
-    """A request body the edge could not buffer (its temp file failed): a 503, logged once, at ERROR."""
-
-
-class Exchange:
-    """What the stages learned about one request, carried to wherever its response is written.
-
-    The access log reads the fields after `set_cookie`; a stage that learns one (a retry: tries; the
-    rules: limited_by and the client's label, key) sets it here and the log line and JSON object carry it."""
-
-    __slots__ = ("req", "start", "key", "rl", "backend", "set_cookie", "proto", "request_id", "rid_sent", "client_ip",
-                 "status", "bytes_sent", "upstream_start", "upstream_seconds", "tries", "limited_by", "upgrade",
-                 "tunnel", "key_name", "rid_header", "counted", "slots", "admitted", "reader", "bytes_received", "upstream_status")
-
-    def __init__(self, req: Request, start: float, proto: bytes = b"http"):
-        self.req, self.start = req, start
-        self.proto = proto           # the scheme the client used: X-Forwarded-Proto
-        self.key = ""                # who, as logs may show it (never a raw API key)
-        self.key_name = None         # a known API key's configured name (lb/limiting/keys.py)
-        self.slots = None            # in-flight slots to give back (lb/limiting/stage.py: release)
-        self.admitted = None         # the Breaker that admitted it, to leave() at its end
-        self.limited_by = ""         # the rules that rejected (or, dry-run, would have)
-        self.upgrade = None          # the Upgrade value forwarded, for an allowed upgrade (lb/proxy/tunnel.py)
-        self.tunnel = None           # (bytes client->backend, bytes backend->client, why it ended) after a 101
-        self.rl = b""                # X-RateLimit-* (and Retry-After) header lines, when limiting
-        self.backend = None
-        self.set_cookie = b""
-        self.request_id = b""
-        self.rid_sent = None         # the id the backend must get instead of the client's (generated)
-        self.rid_header = b""        # its X-Request-Id line for the client (--request-id-response), else empty
-        self.client_ip = None
-        self.status = None           # set once the access-log line is written
-        self.bytes_sent = None       # bytes written to the client (head and body)
-        self.upstream_start = 0.0
-        self.upstream_seconds = None
-        self.tries = 0               # backends tried: 0 when answered by the edge, more than 1 after retries
-        self.counted = None          # the backend whose in-flight count this request holds (lb/proxy/forward.py)
-        self.reader = None           # the connection's Reader: bytes_received
-        self.bytes_received = None
-        self.upstream_status = None  # the backend's status code, when one answered
-
-    def extra_headers(self) -> bytes:
-        """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""
-        return self.rid_header + self.rl
-
-
-# A client's X-Request-Id is kept when it looks like an id (no spaces, quotes or controls; <= 128).
-_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
-
-
-# Request ids correlate log lines; they are no secret and guard nothing, so a per-process Mersenne
-# Twister seeded from the kernel (reseeded in every forked worker) is enough. os.urandom per request was
-# a getrandom() system call, which gives the GIL away: one of the ~5 system calls on the request path
-# (docs/latency.md), and the only one that moved no byte.
-_ids = random.Random(os.urandom(32))
-os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))
-
-
-def new_request_id() -> bytes:
-    return b"%032x" % _ids.getrandbits(128)
+        self.record(x, 499)
 
 
 
 def _since(item) -> float:
     return item[1][0]
-
-
-def route_cookie(cookie: bytes) -> str | None:
-    """The value of the `route` cookie (sticky sessions), if the client sent one."""
-    for part in cookie.split(b";"):
-        name, eq, value = part.strip().partition(b"=")
-        if eq and name == b"route":
-            return value.decode("latin-1")
-    return None

@@ -14,6 +14,7 @@ once), so a crash leaves nothing behind and close() -- on every path -- frees th
 from __future__ import annotations
 
 import errno
+import io
 import os
 import tempfile
 import threading
@@ -60,7 +61,7 @@ class Spool:
         self.mem = bytearray()
         self.moff = 0            # read offset into mem (compacted when mem drains)
         self.held = 0            # bytes of the budget this spool holds
-        self.file = None
+        self.file: io.FileIO | None = None
         self.fd = -1
         self.rpos = self.wpos = 0
         self.error: OSError | None = None   # why the file failed, once it did (the caller logs it)

@@ -24,6 +24,7 @@ import ssl
 from time import monotonic
 
 from lb.http.framing import Reader, not_relayed
+from lb.upstream.failures import Failure
 
 
 PIECE = 65536
@@ -42,26 +43,28 @@ def requested(req, allowed: frozenset) -> bytes | None:
     return None
 
 
-def take(edge, x, conn, rh, ur: Reader, sock: socket.socket, reader: Reader) -> bool:
+def take(edge, x, uc, rh, ur: Reader, conn, down) -> bool:
     """The backend said 101 to an allowed upgrade (Forwarder.forward, after its retries and passive
     health): tunnel until the end, then False (the client connection is done). Its backend counts the
-    tunnel as in flight while it lasts."""
+    tunnel as in flight while it lasts. uc, ur: the backend connection and its reader; conn: the client's
+    (lb/proxy/conn.py: its socket, and its reader with any bytes it sent early)."""
     backend = x.backend
     answer = switching_head(x, rh)
     if answer is None:
-        backend.pool.release(conn, False)
-        return edge.forwarder.failed(sock, x, "protocol", 502, "101 without an Upgrade header", False)
+        backend.pool.release(uc, False)
+        return edge.forwarder.failed(down, x, Failure.PROTOCOL, "101 without an Upgrade header", False)
     wrong = unasked(x.upgrade, rh) or wrong_accept(x.req, rh)
     if wrong:
         # Not the handshake this client asked for (a cached or replayed 101, a backend that skipped the
         # check): a client would refuse it; the edge does not open a tunnel on it.
-        backend.pool.release(conn, False)
-        return edge.forwarder.failed(sock, x, "protocol", 502, wrong, False)
-    up = conn.sock
-    conn.sock = None                                  # the socket is the tunnel's now
-    backend.pool.release(conn, False)                 # the slot goes back; nothing to reuse in it
+        backend.pool.release(uc, False)
+        return edge.forwarder.failed(down, x, Failure.PROTOCOL, wrong, False)
+    up = uc.sock
+    uc.sock = None                                    # the socket is the tunnel's now
+    backend.pool.release(uc, False)                   # the slot goes back; nothing to reuse in it
+    reader = conn.reader
     try:
-        return _run(edge, x, sock, up, answer, bytes(ur.buf), bytes(reader.buf))
+        return _run(edge, x, conn.sock, up, answer, bytes(ur.buf), bytes(reader.buf))
     finally:
         reader.buf.clear()
         up.close()
@@ -124,7 +127,7 @@ def switching_head(x, rh) -> bytearray | None:
     return out
 
 
-def _run(edge, x, client: socket.socket, up: socket.socket, answer: bytes, to_client: bytes,
+def _run(edge, x, client: socket.socket, up: socket.socket, answer: bytes | bytearray, to_client: bytes,
          to_up: bytes) -> bool:
     """Relay the 101 and whatever either side sent early, then pump; record the tunnel when it ends."""
     cfg = edge.cfg
@@ -145,7 +148,7 @@ def _run(edge, x, client: socket.socket, up: socket.socket, answer: bytes, to_cl
         edge.tunnels.pop(client, None)
         x.tunnel = (moved[0], moved[1], why)
         edge.metrics.tunnel_closed(moved[0], moved[1])
-        edge._done(x, 101)        # the access log line: the tunnel's duration and bytes
+        edge.record(x, 101)        # the access log line: the tunnel's duration and bytes
     return False
 
 

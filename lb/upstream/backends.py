@@ -18,18 +18,26 @@ import socket
 import ssl
 import threading
 from collections import deque
+from dataclasses import dataclass
 from time import monotonic
 
 import urllib3
 from urllib3.exceptions import ClosedPoolError, EmptyPoolError
 
-from lb.config.load import BackendSpec
+from lb.errors import PoolExhausted
 
 log = logging.getLogger("edge")
 
 
-class PoolExhausted(Exception):
-    """Every connection to this backend is busy and none came free within pool_timeout."""
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend as configured (--backends, [[backends]]), or one address a DNS-named one resolved to."""
+    url: str          # http://host:port or http://[v6]:port, normalised (no path, no trailing slash)
+    weight: int = 1
+    host: str = ""    # without brackets
+    port: int = 80
+    scheme: str = "http"   # or https: TLS to the backend, verified
+    address: str = ""      # one address a DNS name resolved to (lb/upstream/resolve.py): connect there, host stays the name
 
 
 def readable(conn, sock) -> bool:
@@ -231,7 +239,7 @@ class Backend:
         self.weight = spec.weight
         # Sticky-session id: stable across restarts and edges, reveals nothing of the address.
         self.route = hashlib.sha1(spec.url.encode()).hexdigest()[:10]
-        self.current = 0          # smooth weighted round robin's running weight
+        self.current: float = 0   # smooth weighted round robin's running weight
         self.up = True            # a backend starts UP; health checks take it out
         self.ejected = False      # passive health: too many consecutive failures (lb/upstream/outlier.py)
         self.ejected_until = 0.0  # monotonic time the ejection ends

@@ -62,9 +62,9 @@ class Balancer:
                 if until <= now:
                     self.resting.pop(b, None)
             if self.resting:
-                b = self._pick(tuple(exclude) + tuple(self.resting))
-                if b is not None:
-                    return b
+                got = self._pick(tuple(exclude) + tuple(self.resting))
+                if got is not None:
+                    return got
         return self._pick(exclude)
 
     def rest(self, backend: Backend, seconds: float) -> None:
@@ -145,11 +145,11 @@ class Balancer:
         with self._lock:
             best = None
             total = 0.0
-            for b, w in zip(cands, weights):
-                w = w / (b.inflight + 1)
+            for b, weight in zip(cands, weights):
+                w = weight / (b.inflight + 1)
                 b.current += w
                 total += w
                 if best is None or b.current > best.current:
                     best = b
-            best.current -= total
+            best.current -= total  # type: ignore[union-attr]  # (two or more candidates here)
             return best

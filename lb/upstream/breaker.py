@@ -25,12 +25,13 @@ class Breaker:
     def configure(self, max_requests: int, max_pending: int) -> None:
         self.max_requests, self.max_pending = max_requests, max_pending
 
-    def enter(self) -> bool:
-        """Admit a request to the pool (True) or shed it (False: counted). The caller gives an admitted
-        one back with leave(), on every path."""
+    def enter(self, count: bool = True) -> bool:
+        """Admit a request to the pool (True) or shed it (False: counted, unless not `count`: a hedge
+        not sent is no request shed). The caller gives an admitted one back with leave(), on every path."""
         with self._lock:
             if self.max_requests and self.requests >= self.max_requests:
-                self.overflow["max_requests"] += 1
+                if count:
+                    self.overflow["max_requests"] += 1
                 return False
             self.requests += 1
             return True

@@ -18,7 +18,8 @@ from time import monotonic
 
 from lb.upstream.backends import Backend
 from lb.netaddr import hostport
-from lb.http.framing import HttpError, Reader, UpstreamError, parse_response
+from lb.http.framing import Reader, parse_response
+from lb.errors import HttpError, UpstreamError
 
 log = logging.getLogger("edge")
 

@@ -14,11 +14,9 @@ import os
 import socket
 import struct
 
+from lb.errors import ResolveError
+
 A, AAAA = 1, 28
-
-
-class ResolveError(Exception):
-    pass
 
 
 def is_address(host: str) -> bool:
@@ -38,7 +36,7 @@ def lookup(name: str, resolver: str, timeout: float = 2.0) -> tuple[list[str], f
             infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError) as e:
             raise ResolveError(str(e)) from None
-        return sorted({i[4][0] for i in infos}), None
+        return sorted({str(i[4][0]) for i in infos}), None
     host, _, port = resolver.rpartition(":")
     server = (host.strip("[]"), int(port))
     addrs, ttls, errors = set(), [], []

@@ -52,6 +52,12 @@ class RetryBudget:
             if held:
                 self.retrying -= 1
 
+    def give_back(self) -> None:
+        """A slot granted by try_retry(False) is returned before its request ends: a hedge
+        (lb/proxy/hedge.py) whose losing exchange is closed no longer loads the pool."""
+        with self._lock:
+            self.retrying -= 1
+
     def try_retry(self, held: bool) -> bool:
         """May this request retry? A request already holding a slot keeps it for its further tries."""
         with self._lock:

@@ -32,7 +32,7 @@ class Call:
         self.script = script
         self.cmd = cmd
         self.reply = None
-        self.error = None
+        self.error: Exception | None = None
         self.lead = False  # woken to lead the next flight rather than with a result
         self.asking = False  # cmd starts with ASKING (a cluster slot in migration): its +OK comes first
         self.done = threading.Lock()

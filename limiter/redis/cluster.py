@@ -64,6 +64,7 @@ class ClusterNode(RedisLink):
                 if attempt + 1 == TRYAGAIN_ATTEMPTS:
                     raise
                 sleep(TRYAGAIN_PAUSE)
+        raise AssertionError("unreachable: the last attempt returned or raised")
 
     def failed(self, error: Exception) -> None:
         super().failed(error)
@@ -125,14 +126,14 @@ class ClusterLink:
                     self.refresh(min_age=self.refresh_every)
             if not (target.up or target.may_try()):
                 err = RedisError(f"{target.name} is down (redirected there by {'MOVED' if moved else 'ASK'})")
-                err.node = target
+                err.node = target  # type: ignore[attr-defined]
                 raise err
             try:
                 return RedisLink.evalsha(target, script, key, now, asking=not moved)
             except AskError as again:
                 e = again
             except RedisError as failure:
-                failure.node = target  # the store's breaker bookkeeping goes to the node that failed
+                failure.node = target  # type: ignore[attr-defined]  # the store's breaker bookkeeping goes to the node that failed
                 raise
         raise RedisError(f"{self.name}: more than {MAX_HOPS} redirections for slot {e.slot_id}")
 

@@ -4,7 +4,7 @@ limiter.redis.store holds the scripts and the decisions; this module only moves 
 reach a Redis, keep connections, send one EVALSHA and read its reply, and when to stop trying.  Its
 interface to the store is small on purpose (so transports can change without touching a script):
 
-    link = link_for(target, timeout, pool_size, retry_interval) # target: limiter.redis_url.parse(url)
+    link = link_for(target, timeout, pool_size, retry_interval) # limiter.redis.connect; target: limiter.redis.url.parse(url)
     node = link.route(key_bytes)                                 # the server owning the key (a cluster's node)
     link.slot_of(key_bytes)                                      # keys with equal slot_of may share one call
     link.evalsha(script, key_bytes, now) -> reply bytes          # raises redis.RedisError
@@ -58,7 +58,7 @@ def _kernel_timeout(sock, seconds: float) -> None:
     """The socket stays blocking and its timeout lives in the kernel (SO_RCVTIMEO/SO_SNDTIMEO): each
     send and recv is then one system call. With redis-py's socket_timeout (Python's settimeout) each is
     a poll() and then the call, every one a point where the request thread gives up the GIL and must win
-    it back (lb/http/framing.py does the same for HTTP; docs/latency.md has the counts). TLS: left alone."""
+    it back (lb/http/framing.py does the same for HTTP; docs/journal/latency.md has the counts). TLS: left alone."""
     if type(sock) is not socket.socket:
         return
     sock.settimeout(None)
@@ -458,37 +458,6 @@ class RedisLink:
             log.warning("limiter store %s back after %.1fs; enforcing shared limits again",
                         self.name, monotonic() - self.down_since)
             return True
-
-
-_LINKS: dict[tuple, RedisLink] = {}
-_LINKS_LOCK = threading.Lock()
-
-
-def link_for(target: Target, timeout: float = 0.05, pool_size: int = 64, retry_interval: float = 0.5):
-    """The process's one link to target (limiter.redis_url.parse(url, ...)): a RedisLink for one server, a
-    SentinelLink (limiter.redis.sentinel) or a ClusterLink (limiter.redis.cluster, one RedisLink per node)."""
-    key = (target, float(timeout), int(pool_size), float(retry_interval))
-    with _LINKS_LOCK:
-        link = _LINKS.get(key)
-        if link is None:
-            if target.kind == "cluster":
-                from limiter.redis.cluster import ClusterLink as cls
-            elif target.kind == "sentinel":
-                from limiter.redis.sentinel import SentinelLink as cls
-            else:
-                cls = RedisLink
-            link = _LINKS[key] = cls(target, timeout, pool_size, retry_interval)
-        return link
-
-
-def _after_fork_in_child():
-    global _LINKS_LOCK
-    _LINKS_LOCK = threading.Lock()
-    for link in _LINKS.values():
-        link._after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Script:

@@ -28,21 +28,9 @@ from redis.exceptions import RedisError
 
 from limiter.algorithms import Decision
 from limiter.redis.link import _Script, call_error
+from limiter.redis.scripts import lua
 
-_PROXY = """
-local rcall = redis.call
-local writes = {}
-local WRITES = {SET = true, ZADD = true, PEXPIRE = true, ZREMRANGEBYSCORE = true}
-local proxy = {call = function(cmd, ...)
-  if WRITES[cmd] then
-    writes[#writes + 1] = {cmd, ...}
-    return false
-  end
-  return rcall(cmd, ...)
-end}
-local admitted = true
-local out = {}
-"""
+_PROXY = lua("multi_proxy.lua")
 
 _scripts: dict[tuple, _Script] = {}
 _scripts_lock = threading.Lock()
@@ -161,8 +149,7 @@ def _one_call(link, checks, keys, now):
 def _fallback(checks, now, node):
     """Redis unavailable: the stores' failure policy (every store of one edge has the same)."""
     if checks[0][0].on_error == "local":   # all or nothing on the in-process fallback limiters too
-        from limiter.compose import allow_all_memory
-        from limiter.memory import MemoryStore
+        from limiter.memory import MemoryStore, allow_all_memory
         from limiter.redis.store import LocalDecision
         local = []
         for lim, key, enforce in checks:

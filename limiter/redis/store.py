@@ -2,7 +2,7 @@
 
 Division of labour (why the rules still live in one place):
 
-* The check-and-consume is ONE server-side operation: a Lua script per algorithm (run with EVALSHA;
+* The check-and-consume is ONE server-side operation: a Lua script per algorithm (lua/*.lua, run with EVALSHA;
   on NOSCRIPT, e.g. after a restart or SCRIPT FLUSH, it is loaded again and rerun transparently).  The
   script reads the key's state, applies the algorithm's admission rule -- the same float expressions
   as limiter.algorithms, over the same state shapes -- writes the new state with its TTL, and returns
@@ -44,7 +44,9 @@ from redis.exceptions import RedisError
 
 from limiter.algorithms import Decision, FixedWindow, SlidingCounter, SlidingLog, TokenBucket
 from limiter.memory import MemoryStore
-from limiter.redis.link import RedisLink, _Script, call_error, link_for
+from limiter.redis.connect import link_for
+from limiter.redis.link import RedisLink, _Script, call_error
+from limiter.redis.scripts import lua
 from limiter.redis.url import parse
 
 log = logging.getLogger("edge")
@@ -82,167 +84,13 @@ class DriftError(AssertionError):
 
 
 # ------------------------------------------------------------------------------------ the scripts
+# In limiter/redis/lua/, each file saying its ARGV and its reply; common.lua opens every decision script.
 
-# Shared by every script: the window index (FixedWindow/SlidingCounter._window_index) and the TTL.
-_COMMON = """
-local function window_index(now, w)
-  local k = math.floor(now / w)
-  if (k + 1) * w <= now then k = k + 1 elseif k * w > now then k = k - 1 end
-  return k
-end
-local function reply(ok, raw)  -- one bulk string: cheaper for the client to parse than an array
-  if raw then return ok .. ' ' .. raw end
-  return ok
-end
-local function ttl_ms(expires_at, now, grace)
-  local ms = math.ceil((expires_at - now) * 1000) + grace
-  if ms < 1 then ms = 1 end
-  return ms
-end
-local now = tonumber(ARGV[1])
-local grace = tonumber(ARGV[2])
-"""
-
-# ARGV (here and below): now, then the limiter's constants -- grace_ms, capacity, per_token (T), rate
-TOKEN_BUCKET = _COMMON + """
-local cap = tonumber(ARGV[3])
-local T = tonumber(ARGV[4])
-local rate = tonumber(ARGV[5])
-local raw = redis.call('GET', KEYS[1])
-local tokens, stamp
-if not raw then
-  tokens = cap - 1.0
-  stamp = now
-else
-  local sep = string.find(raw, ' ', 1, true)
-  tokens = tonumber(string.sub(raw, 1, sep - 1))
-  stamp = tonumber(string.sub(raw, sep + 1))
-  if not (tokens >= 1.0 or now >= stamp + (1.0 - tokens) * T) then
-    return reply('0', raw)
-  end
-  if now > stamp then
-    if now >= stamp + (cap - tokens) * T then tokens = cap else tokens = tokens + (now - stamp) * rate end
-    stamp = now
-  end
-  if tokens < 1.0 then tokens = 1.0 end
-  tokens = tokens - 1.0
-end
-redis.call('SET', KEYS[1], string.format('%.17g %.17g', tokens, stamp),
-           'PX', ttl_ms(stamp + (cap - tokens) * T, now, grace))
-return reply('1', raw)
-"""
-
-# ARGV: now, grace_ms, window, limit
-FIXED_WINDOW = _COMMON + """
-local w = tonumber(ARGV[3])
-local limit = tonumber(ARGV[4])
-local k = window_index(now, w)
-local raw = redis.call('GET', KEYS[1])
-local count = 0
-if raw then
-  local sep = string.find(raw, ' ', 1, true)
-  local sk = tonumber(string.sub(raw, 1, sep - 1))
-  local sc = tonumber(string.sub(raw, sep + 1))
-  if sk == k then
-    count = sc
-  elseif sk > k then  -- an older instant than the state: count in the newer window
-    k = sk
-    count = sc
-  end
-end
-if count < limit then
-  count = count + 1
-  redis.call('SET', KEYS[1], string.format('%.17g %d', k, count), 'PX', ttl_ms((k + 1) * w, now, grace))
-  return reply('1', raw)
-end
-return reply('0', raw)
-"""
-
-# ARGV: now, grace_ms, window, limit
-SLIDING_COUNTER = _COMMON + """
-local w = tonumber(ARGV[3])
-local limit = tonumber(ARGV[4])
-local k = window_index(now, w)
-local at = now
-local raw = redis.call('GET', KEYS[1])
-local prev, cur = 0, 0
-local changed = true
-if raw then
-  local a, b, c = string.match(raw, '^(%S+) (%S+) (%S+)$')
-  local sk = tonumber(a)
-  prev = tonumber(b)
-  cur = tonumber(c)
-  if k == sk then
-    changed = false
-  elseif k == sk + 1 then
-    prev = cur
-    cur = 0
-  elseif k > sk then
-    prev = 0
-    cur = 0
-  else  -- an instant older than the state's window: judged at that window's start
-    k = sk
-    at = sk * w
-    changed = false
-  end
-end
-local ok = false
-if prev ~= 0 then
-  local p = prev * (1.0 - (at - k * w) / w)
-  if p + cur < limit then
-    cur = cur + 1
-    ok = true
-  end
-elseif cur < limit then
-  cur = cur + 1
-  ok = true
-end
-if ok or changed then
-  local expires = (k + 1) * w
-  if cur ~= 0 then expires = (k + 2) * w end
-  redis.call('SET', KEYS[1], string.format('%.17g %d %d', k, prev, cur), 'PX', ttl_ms(expires, now, grace))
-end
-if ok then return reply('1', raw) end
-return reply('0', raw)
-"""
-
-# ARGV: now, grace_ms, window, limit.  Returns "<admitted> <n>[ <first> <last>]" -- n: the entries the
-# request was judged against, first: the oldest of them, last: the newest expiry (the scores exactly as
-# Redis printed them): all SlidingLog.step needs.  As SlidingLog.step: judged at at = max(now, newest
-# expiry - W) (time never runs backwards for a key), entries > at counted, pruned only on admission.
-SLIDING_LOG = _COMMON + """
-local w = tonumber(ARGV[3])
-local limit = tonumber(ARGV[4])
-local key = KEYS[1]
-local at = now
-local lastn = -math.huge
-local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-if newest[2] then
-  lastn = tonumber(newest[2])
-  local t = lastn - w
-  if t > at then at = t end
-end
-local ats = string.format('%.17g', at)
-local n = 0
-if lastn > at then n = redis.call('ZCOUNT', key, '(' .. ats, '+inf') end
-local pre = tostring(n)
-if n > 0 then
-  local first = redis.call('ZRANGEBYSCORE', key, '(' .. ats, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]
-  pre = pre .. ' ' .. first .. ' ' .. newest[2]
-end
-if n < limit then
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', ats)
-  local e = at + w
-  local es = string.format('%.17g', e)
-  local i = 0
-  if lastn >= e then i = redis.call('ZCOUNT', key, es, es) end  -- equal expiries need distinct members
-  redis.call('ZADD', key, es, es .. '#' .. i)
-  if lastn > e then e = lastn end
-  redis.call('PEXPIRE', key, ttl_ms(e, now, grace))
-  return reply('1', pre)
-end
-return reply('0', pre)
-"""
+_COMMON = lua("common.lua")
+TOKEN_BUCKET = _COMMON + lua("token_bucket.lua")
+FIXED_WINDOW = _COMMON + lua("fixed_window.lua")
+SLIDING_COUNTER = _COMMON + lua("sliding_counter.lua")
+SLIDING_LOG = _COMMON + lua("sliding_log.lua")
 
 
 # Each takes the state part of the script's reply (bytes after "<0|1> "; None if the key was missing).
@@ -283,19 +131,8 @@ def _sl_state(raw):
     return log_
 
 
-# Read-only: the same state part the decision scripts reply with, nothing written (RedisStore.peek).
-PEEK_GET = """
-local raw = redis.call('GET', KEYS[1])
-if raw then return '1 ' .. raw end
-return '1'
-"""
-PEEK_LOG = """
-local now = ARGV[1]
-local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES')
-local n = #live / 2
-if n == 0 then return '1 0' end
-return '1 ' .. n .. ' ' .. live[2] .. ' ' .. live[#live]
-"""
+PEEK_GET = lua("peek_get.lua")
+PEEK_LOG = lua("peek_log.lua")
 
 # algorithm class -> the read-only peek script (after the store's constants) for those whose reply format
 # is not the base one's (limiter.redis.shaping's sliding log)
@@ -366,7 +203,7 @@ class RedisStore:
         # whichever store's call it was that found the server back (every store checks its own).
         self._locals: dict[RedisLink, MemoryStore] = {}
         self.deny_cache = deny_cache
-        self._denied = {}  # key -> (the state Redis holds while it can only deny, its server, its outages then)
+        self._denied: dict = {}  # key -> (the state Redis holds while it can only deny, its server, its outages then)
         self.answered_locally = 0  # denials answered from _denied, without a round trip
         self.degraded = 0  # decisions made by the failure policy
         self.drift = 0  # Lua and Python verdicts disagreed (must stay 0)

@@ -124,10 +124,10 @@ def parse(url: str, *, password_file: str | None = None, ca_file: str | None = N
         socket = rest.rpartition("@")[2]
         if not socket.startswith("/"):
             raise ValueError(f"{_redact(url)}: expected an absolute socket path, e.g. {scheme}:///run/redis.sock")
-        db = query[3:] if query.startswith("db=") else None
-        if (query and db is None) or (db is not None and not db.isdigit()):
+        qdb = query[3:] if query.startswith("db=") else None
+        if (query and qdb is None) or (qdb is not None and not qdb.isdigit()):
             raise ValueError(f"{_redact(url)}: the only option is ?db=N (a number)")
-        rest = rest[: len(rest) - len(socket)] + f"unix/{db or 0}"  # parsed below like HOST/DB
+        rest = rest[: len(rest) - len(socket)] + f"unix/{qdb or 0}"  # parsed below like HOST/DB
     userinfo, at, rest = rest.rpartition("@")
     username = password = None
     if at:

@@ -1,4 +1,6 @@
-"""Operating the edge: SIGHUP reload under traffic, a bad reload, SIGTERM drain, workers, systemd."""
+"""The edge process's life: SIGHUP reload under traffic (and a bad one), SIGTERM drain (readiness off, then
+Connection: close), workers, systemd (sd_notify, the unit), CPU pinning. What it tells its operator meanwhile
+(configuration errors, logs, metrics) is tests/test_diagnostics.py."""
 
 import http.client
 import json
@@ -371,3 +373,148 @@ def test_a_bad_cpu_affinity_is_a_configuration_error():
     p = subprocess.run([PY, "edge.py", "--backends", "http://127.0.0.1:9", "--cpu-affinity", "fast"],
                        cwd=ROOT, capture_output=True, text=True, timeout=20)
     assert p.returncode == 2 and "cpu_affinity" in p.stderr
+
+
+# Draining: readiness off first, then Connection: close on every response
+
+def test_readyz_fails_as_soon_as_a_drain_starts_while_requests_are_still_served(backends):
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--grace", "3")
+    try:
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
+        # before any traffic the request histogram is already there (scrapers read it from the start)
+        text = request(e.admin_port, "GET", "/metrics").body.decode()
+        assert 'lb_request_duration_seconds_count{code="2xx"} 0' in text and 'lb_request_duration_seconds_count{code="4xx"} 0' in text
+        assert request(e.admin_port, "GET", "/healthz").body == b"ok\n"
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
+        assert request(e.port, "GET", "/").status == 200      # still accepting during the grace period
+        wait_until(lambda: not e.alive(), timeout=15, what="exit after the grace period")
+        assert e.popen.returncode == 0
+    finally:
+        e.stop()
+
+
+def test_from_sigterm_on_a_502_also_says_connection_close_and_the_connection_closes(backends):
+    """Issue 24 (6) for the edge's own answers to a failed backend (Forwarder.failed): a 502 inside the
+    grace period closes a keep-alive connection like a relayed 200 does, so the client does not meet
+    the drain's close on its next request."""
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--grace", "3", "--retries", "0",
+             "--eject-after", "0")
+    try:
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
+        for path in (b"/garbage", b"/reset"):
+            s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+            s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = _read_response(s)
+            assert b" 502 " in answer.split(b"\r\n")[0], answer
+            assert b"\r\nconnection: close\r\n" in answer.lower(), (path, answer)
+            assert s.recv(1) == b"", "the edge closes the connection after that response"
+            s.close()
+    finally:
+        e.stop()
+
+
+def test_from_sigterm_on_keep_alive_responses_say_connection_close_and_the_connection_closes(backends):
+    """Issue 24 (6): during --grace (and the drain after it) every response on a keep-alive connection
+    carries Connection: close and the edge closes it after, so a client opens its next connection to
+    whoever serves the port next instead of meeting the close. A client that honours it (http.client
+    reconnects by itself) sees no error while the grace lasts."""
+    import threading
+    e = Edge("--backends", backends[0].url, "--admin", "127.0.0.1:0", "--grace", "2")
+    errors, statuses, stop = [], [], threading.Event()
+
+    def honouring_client():
+        c = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)
+        while not stop.is_set():
+            try:
+                statuses.append(request(e.port, "GET", "/", conn=c).status)
+            except (OSError, http.client.HTTPException) as ex:
+                errors.append(repr(ex))
+                c.close()
+        c.close()
+
+    try:
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 200, timeout=5, what="ready")
+        s = socket.create_connection(("127.0.0.1", e.port), timeout=5)
+        get = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        s.sendall(get)
+        first = _read_response(s)
+        assert b" 200 " in first.split(b"\r\n")[0] and b"\r\nconnection: close" not in first.lower(), first
+        t = threading.Thread(target=honouring_client)
+        t.start()
+        e.signal(signal.SIGTERM)
+        wait_until(lambda: request(e.admin_port, "GET", "/readyz").status == 503, timeout=5, what="not ready")
+        s.sendall(get)                                  # the same connection, inside the grace period
+        second = _read_response(s)
+        assert b" 200 " in second.split(b"\r\n")[0], second
+        assert b"\r\nconnection: close\r\n" in second.lower(), second
+        s.settimeout(5)
+        assert s.recv(1) == b"", "the edge closes the connection after that response"
+        s.close()
+        time.sleep(0.5)                                 # the honouring client keeps going inside the grace
+        stop.set()
+        t.join(10)
+        assert not errors, errors[:3]
+        assert len(statuses) > 5 and set(statuses) == {200}, statuses[-5:]
+        wait_until(lambda: not e.alive(), timeout=15, what="exit after the grace period")
+    finally:
+        stop.set()
+        e.stop()
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One response with a Content-Length body off a raw socket."""
+    s.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    n = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+    while len(body) < n:
+        chunk = s.recv(65536)
+        assert chunk, data
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+# Reload and the systemd unit
+
+def test_reload_applies_pool_and_log_settings_and_names_what_needs_a_restart(backends, tmp_path):
+    cfg = tmp_path / "edge.toml"
+    log1, log2 = tmp_path / "one.log", tmp_path / "two.log"
+    base = f'access_log = "{{}}"\n[[backends]]\nurl = "{backends[0].url}"\n[health]\ninterval = 30\n'
+    cfg.write_text(base.format(log1) + "[upstream]\npool_maxsize = 4\n")
+    e = Edge("--config", str(cfg))
+    try:
+        request(e.port, "GET", "/a")
+        cfg.write_text(base.format(log2) + "[upstream]\npool_maxsize = 1\n[server]\ncpu_affinity = \"off\"\n")
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 1 backends .*new connection pools")
+        line = e.wait_log(r"reload: cpu_affinity changed; that needs a restart.*").group(0)
+        assert "auto" in line and "off" in line
+        request(e.port, "GET", "/b")
+        wait_until(lambda: log2.exists() and "/b" in log2.read_text(), timeout=5, what="the new access log")
+        assert "/b" not in log1.read_text()
+    finally:
+        e.stop()
+
+
+def test_the_unit_runs_check_before_reload_and_its_low_port_lines_work():
+    unit = (ROOT / "conf" / "edge.service").read_text()
+    lines = [x.strip() for x in unit.splitlines()]
+    reload_lines = [x for x in lines if x.startswith("ExecReload=")]
+    assert "--check" in reload_lines[0] and "kill -HUP" in reload_lines[-1]
+    assert "WatchdogSec=" in unit and "UMask=0077" in unit and "LoadCredential=" in unit
+    # Uncommenting the low-port lines must leave CAP_NET_BIND_SERVICE in the bounding set: no later
+    # empty CapabilityBoundingSet= may reset it.
+    opened = [x.lstrip("# ") if "CAP_NET_BIND_SERVICE" in x else x for x in lines]
+    cbs = [x for x in opened if x.startswith("CapabilityBoundingSet=")]
+    assert cbs and cbs[-1] == "CapabilityBoundingSet=CAP_NET_BIND_SERVICE", cbs
+    assert any(x == "AmbientCapabilities=CAP_NET_BIND_SERVICE" for x in opened)
+    stop = int(next(x for x in lines if x.startswith("TimeoutStopSec=")).split("=")[1])
+    assert stop > 30                                   # above drain_timeout's default (and say so there)
+    assert not any(x.startswith("NotifyAccess=all") for x in lines)   # workers never notify: main is enough

@@ -1,0 +1,2 @@
+redis.call('ZREM', KEYS[1], ARGV[2])
+return 1
