@@ -5,7 +5,7 @@ import is still a dependency, it only hides a cycle until run time). The layerin
 module may import its own room and the rooms below it, never one above:
 
     limiter            the rate-limiting library: knows nothing of lb
-    lb.logs, lb.netaddr, lb.errors    leaves: every room may use them, they use no room
+    lb.logs, lb.netaddr, lb.errors, lb.memtrim   leaves: every room may use them, they use no room
                        (and lb itself, the package: __version__)
     demo               the demo backends: --demo starts them beside the edge; they use only the leaves
     lb.http            framing, the socket reader, TLS
@@ -33,7 +33,7 @@ PACKAGES = ("lb", "limiter", "demo")
 # Each room's height; a module may import a room whose height is <= its own (equal only for its own room).
 LAYERS = [
     ["limiter"],
-    ["lb.logs", "lb.netaddr", "lb.errors", "lb"],
+    ["lb.logs", "lb.netaddr", "lb.errors", "lb.memtrim", "lb"],
     ["demo"],
     ["lb.http"],
     ["lb.upstream"],

@@ -22,6 +22,7 @@ from time import monotonic
 
 from lb import netaddr
 from lb.http import gate, tls
+from lb import memtrim
 from lb.logs import client_fault
 from lb.proxy import replies
 from lb.proxy.conn import ClientConn
@@ -73,6 +74,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self._fd_warned = 0.0
         n = getattr(edge.cfg, "running_threads", 0)
         gate.install(gate.Gate(n) if n > 0 else None)
+        memtrim.start()           # freed buffers go back to the kernel after a burst (lb/memtrim.py)
         super().__init__(addr, None)
 
     def server_bind(self):
