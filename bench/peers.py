@@ -1,26 +1,40 @@
-"""The edge among its peers (issue 31's table): each proxy pinned alone on one CPU, wrk and an nginx backend
-on the other, `wrk -t1 -c32` closed loop, repeats interleaved. Per proxy: req/s and the proxy's own CPU per
-request (its process's utime+stime over the run, /proc; the backend's and wrk's are not in it).
+"""The edge beside other proxies, measured the same way in one sitting: req/s and proxy CPU per request.
 
-    python3 bench/peers.py                                   # every peer found on this machine
-    python3 bench/peers.py --peers edge,edge-limit,nginx --repeats 3 --duration 8s
-    python3 bench/peers.py --edge main=/work/main --edge new=.   # several edge checkouts side by side
+    python3 bench/peers.py [--seconds 8] [--rounds 3] [--connections 32] [--only edge,nginx]
+                           [--peer-python /tmp/venv/bin/python]
 
-Peers (configurations in bench/peers/): edge (`--limit 1000000/s`, the client keyed: the limiter runs and
-never refuses), edge-limit (the same), edge-nolimit (no --limit), nginx (one worker, keep-alive upstream:
-wrk/nginx_target.py), haproxy (nbthread 1, http-reuse always: bench/peers/haproxy.cfg), caddy
-(GOMAXPROCS=1: bench/peers/Caddyfile), twisted (ReverseProxyResource: bench/peers/twisted_proxy.py). A peer
-whose program is not installed is skipped with a line saying so (apt-get install haproxy caddy; pip
-install twisted).
+Every proxy runs pinned alone on the last CPU, wrk (-t1, closed loop) and one nginx backend (`return 200`,
+wrk/nginx_target.py) on the first (wrk/placement.py); the edge on Redis talks to a redis-server pinned
+with the load, so Redis's own CPU is not counted. Rounds interleave (every proxy once per round) so a noisy
+minute hits them all; the table shows the median round. CPU per request is the proxy's process tree's
+CPU time (/proc/PID/stat utime+stime, every live descendant too: proxy.py forks acceptors) over the
+requests wrk completed.
+
+The peers and their configurations (bench/peers/):
+  nginx        one worker, upstream keepalive 64 (wrk/nginx_target.py's proxy role)
+  haproxy      haproxy.cfg: nbthread 1, http-reuse always
+  caddy        Caddyfile, GOMAXPROCS=1
+  proxy.py     proxypy_reverse.py: --threaded, one worker, one acceptor, its reverse-proxy plugin
+  twisted      twisted_proxy.py: twisted.web.proxy.ReverseProxyResource
+  edge         python3 edge.py --backends ... (this checkout)
+  edge-limit   + --limit 10000000/s (memory store; every request admitted)
+  edge-redis   + --store redis://... (the same limit in Redis)
+
+Install the peers outside the project's requirements:
+  apt-get install -y nginx-light haproxy caddy
+  python3 -m venv /tmp/peers && /tmp/peers/bin/pip install proxy.py twisted   # then --peer-python /tmp/peers/bin/python
+A peer whose program is missing is reported as such and left out; the rest still run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,186 +44,210 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.edge_bench import cpu_seconds  # noqa: E402
-from tests.support import wait_until  # noqa: E402
-from wrk.loadgen import parse_duration  # noqa: E402
-from wrk.nginx_target import nginx_target, run_nginx  # noqa: E402
-from wrk.placement import describe, place  # noqa: E402
+from wrk.nginx_target import run_nginx  # noqa: E402
+from wrk.placement import place  # noqa: E402
 
-PEERS = Path(__file__).resolve().parent / "peers"
+PEERS_DIR = ROOT / "bench" / "peers"
+TICK = os.sysconf("SC_CLK_TCK")
+ORDER = ("nginx", "haproxy", "edge", "edge-limit", "edge-redis", "caddy", "proxy.py", "twisted")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-class Peer:
-    """A proxy as a child process pinned to `cpu`, listening on a free port, proxying to `backend`."""
-
-    def __init__(self, name: str, argv: list[str], cwd: Path = ROOT, env: dict | None = None,
-                 config: tuple[str, str] | None = None, version: list[str] | None = None):
-        self.name, self.argv, self.cwd, self.env, self.config, self.version_argv = name, argv, cwd, env, config, version
-
-    def available(self) -> bool:
-        return shutil.which(self.argv[0]) is not None
-
-    def version(self) -> str:
-        if not self.version_argv:
-            return ""
-        out = subprocess.run(self.version_argv, capture_output=True, text=True, cwd=self.cwd)
-        return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) else ""
-
-    def start(self, backend: int, cpu: int | None) -> None:
-        self.port = _free_port()
-        self.tmp = tempfile.mkdtemp(prefix=f"peer-{self.name}-")
-        subst = {"{listen}": str(self.port), "{backend}": str(backend), "{tmp}": self.tmp}
-        if self.config:                     # (template in bench/peers/, the file it becomes in tmp)
-            text = (PEERS / self.config[0]).read_text()
-            for k, v in subst.items():
-                text = text.replace(k, v)
-            Path(self.tmp, self.config[1]).write_text(text)
-        argv = [a for a in self.argv]
-        for i, a in enumerate(argv):
-            for k, v in subst.items():
-                a = a.replace(k, v)
-            argv[i] = a
-        pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-        self.log = open(Path(self.tmp, "log"), "w+")
-        self.proc = subprocess.Popen(argv, cwd=self.cwd, env={**os.environ, **(self.env or {})}, preexec_fn=pin,
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
-
-        def up():
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise SystemExit(f"{self.name} exited: {self.log.read()[-800:]}")
-            return _listening(self.port)
-
-        wait_until(up, 20, what=f"{self.name} listening")
-        self.pid = self.proc.pid
-        self.url = f"http://127.0.0.1:{self.port}/"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.log.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+def tree(pid: int) -> list[int]:
+    """pid and every live descendant."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+    return out
 
 
-class NginxPeer(Peer):
-    def __init__(self):
-        super().__init__("nginx", ["nginx"], version=["nginx", "-v"])
-
-    def available(self) -> bool:
-        return shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
-
-    def start(self, backend: int, cpu: int | None) -> None:
-        self.ctx = run_nginx(proxy_to=backend, cpu=cpu)
-        n = self.ctx.__enter__()
-        self.url = f"http://127.0.0.1:{n.port}/"
-        self.pid = wait_until(n.pid_of_worker, 10, what="nginx's worker")
-
-    def stop(self) -> None:
-        self.ctx.__exit__(None, None, None)
+def cpu_seconds(pid: int) -> float:
+    total = 0
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+    return total / TICK
 
 
-def edge(name: str, directory: str, *flags: str) -> Peer:
-    return Peer(name, [sys.executable, "edge.py", "--listen", "127.0.0.1:{listen}", "--backends",
-                       "http://127.0.0.1:{backend}", "--health-interval", "3600", *flags],
-                cwd=Path(directory).resolve())
-
-
-def known(edges: list[tuple[str, str]]) -> dict[str, Peer]:
-    peers = {}
-    for name, d in edges:
-        peers[name] = edge(name, d, "--limit", "1000000/s")
-    first = edges[0][1]
-    peers["edge-nolimit"] = edge("edge-nolimit", first)
-    peers["nginx"] = NginxPeer()
-    peers["haproxy"] = Peer("haproxy", ["haproxy", "-db", "-f", "{tmp}/haproxy.cfg"], config=("haproxy.cfg", "haproxy.cfg"),
-                            version=["haproxy", "-v"])
-    peers["caddy"] = Peer("caddy", ["caddy", "run", "--adapter", "caddyfile", "--config", "{tmp}/Caddyfile"],
-                          env={"GOMAXPROCS": "1"}, config=("Caddyfile", "Caddyfile"), version=["caddy", "version"])
-    peers["twisted"] = Peer("twisted", [sys.executable, str(PEERS / "twisted_proxy.py"), "{listen}", "{backend}"],
-                            version=[sys.executable, "-c", "import twisted; print('Twisted', twisted.__version__)"])
-    peers["twisted"].available = lambda: subprocess.run([sys.executable, "-c", "import twisted"],
-                                                        capture_output=True).returncode == 0
-    return peers
-
-
-def wrk(url: str, connections: int, seconds: float) -> tuple[float, int]:
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-H", "X-Api-Key: bench-unlimited", url],
+def wrk(port: int, pid: int, seconds: float, connections: int) -> tuple[float, float, int]:
+    """(req/s, proxy CPU µs per request, errors) of one closed-loop run."""
+    c0 = cpu_seconds(pid)
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", f"http://127.0.0.1:{port}/"],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
-    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)), int(re.search(r"(\d+) requests in", out).group(1))
+    cpu = cpu_seconds(pid) - c0
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    errors = sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return rps, cpu * 1e6 / max(total, 1), errors + (int(non2xx.group(1)) if non2xx else 0)
+
+
+class Peer:
+    """A started proxy: its port, the pid whose tree's CPU is counted, and how to stop it."""
+
+    def __init__(self, name: str, port: int, proc: subprocess.Popen | None = None, pid: int | None = None,
+                 stop=None):
+        self.name, self.port, self.proc = name, port, proc
+        self.pid = pid if pid is not None else proc.pid
+        self._stop = stop
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def spawn(name: str, argv: list[str], cpu: int, port: int, env: dict | None = None, cwd=None) -> Peer:
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=log, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    deadline = time.monotonic() + 20
+    while not listening(port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            raise RuntimeError(f"{name} did not start: {log.read().decode(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+    return Peer(name, port, proc)
+
+
+def version(argv: list[str]) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        return (r.stdout + r.stderr).strip().splitlines()[0]
+    return "?"
+
+
+def start(name: str, cpu: int, backend: int, redis_url: str, py: str, stack: contextlib.ExitStack) -> Peer:
+    port = free_port()
+    env = {"PEER_PORT": str(port), "BACKEND_PORT": str(backend)}
+    if name == "nginx":
+        n = stack.enter_context(run_nginx(proxy_to=backend, cpu=cpu))
+        deadline = time.monotonic() + 10
+        while n.pid_of_worker() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return Peer(name, n.port, pid=n.pid_of_worker())
+    if name == "haproxy":
+        return spawn(name, ["haproxy", "-db", "-f", str(PEERS_DIR / "haproxy.cfg")], cpu, port, env)
+    if name == "caddy":
+        home = stack.enter_context(tempfile.TemporaryDirectory(prefix="caddy-"))
+        return spawn(name, ["caddy", "run", "--config", str(PEERS_DIR / "Caddyfile"), "--adapter", "caddyfile"],
+                     cpu, port, {**env, "GOMAXPROCS": "1", "HOME": home, "XDG_DATA_HOME": home,
+                                 "XDG_CONFIG_HOME": home})
+    if name == "proxy.py":
+        return spawn(name, [py, "-m", "proxy", "--hostname", "127.0.0.1", "--port", str(port), "--threaded",
+                            "--num-workers", "1", "--num-acceptors", "1", "--enable-reverse-proxy",
+                            "--plugins", "proxypy_reverse.ToBackend", "--log-level", "ERROR"], cpu, port,
+                     {"PEER_BACKEND": f"http://127.0.0.1:{backend}", "PYTHONPATH": str(PEERS_DIR)})
+    if name == "twisted":
+        return spawn(name, [py, str(PEERS_DIR / "twisted_proxy.py"), str(port), str(backend)], cpu, port)
+    edge = [sys.executable, "edge.py", "--listen", f"127.0.0.1:{port}", "--backends",
+            f"http://127.0.0.1:{backend}", "--health-interval", "30", "--cpu-affinity", str(cpu)]
+    if name in ("edge-limit", "edge-redis"):
+        edge += ["--limit", "10000000/s"]
+    if name == "edge-redis":
+        edge += ["--store", redis_url, "--redis-timeout", "1"]
+    return spawn(name, edge, cpu, port, cwd=ROOT)
+
+
+def versions(py: str) -> dict:
+    return {
+        "nginx": version(["nginx", "-v"]).replace("nginx version: ", ""),
+        "haproxy": " ".join(version(["haproxy", "-v"]).split()[:3:2]),
+        "caddy": "caddy " + version(["caddy", "version"]),
+        "proxy.py": "proxy.py " + version([py, "-c", "import importlib.metadata as m; print(m.version('proxy.py'))"]),
+        "twisted": "Twisted " + version([py, "-c", "import twisted; print(twisted.__version__)"]),
+        "edge": f"edge {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True).stdout.strip()}, "
+                f"Python {sys.version.split()[0]}",
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--edge", action="append", help="NAME=DIR: an edge checkout (default: edge=this one)")
-    ap.add_argument("--peers", help="comma-separated names (default: the edges, edge-nolimit and every peer found)")
-    ap.add_argument("--duration", type=parse_duration, default=8.0)
-    ap.add_argument("--connections", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=8.0, help="per wrk run (default 8)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--connections", type=int, default=32, help="wrk -c (default 32)")
+    ap.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
+    ap.add_argument("--peer-python", default=sys.executable,
+                    help="the Python that has proxy.py and Twisted installed (default: this one)")
     a = ap.parse_args()
-    edges = [tuple(e.split("=", 1)) for e in (a.edge or [f"edge={ROOT}"])]
-    table = known(edges)
-    names = a.peers.split(",") if a.peers else [*(n for n, _ in edges), "edge-nolimit", "nginx", "haproxy",
-                                                  "caddy", "twisted"]
-    peers = []
-    for n in names:
-        p = table.get(n)
-        if p is None:
-            raise SystemExit(f"--peers: unknown peer {n!r} (known: {', '.join(table)})")
-        if p.available():
-            peers.append(p)
-        else:
-            print(f"# {n}: not installed, skipped", flush=True)
-    load_cpu, pin = place()
-    cpu = int(pin[-1]) if pin else None
-    print(f"# peers: {describe(load_cpu, pin)}; wrk -t1 -c{a.connections} -d{a.duration:g}s; "
-          f"load {os.getloadavg()[0]:.2f}; {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
-    for p in peers:
-        v = p.version()
-        if v:
-            print(f"# {p.name}: {v}", flush=True)
-    got: dict[str, list[tuple[float, float]]] = {}
-    with nginx_target() as backend:
-        started = []
-        try:
-            for p in peers:
-                p.start(backend, cpu)
-                started.append(p)
-                wrk(p.url, 16, 2)                    # warm-up
-            for rep in range(1, a.repeats + 1):
-                for p in peers:
-                    c0 = cpu_seconds(p.pid)
-                    rps, total = wrk(p.url, a.connections, a.duration)
-                    us = 1e6 * (cpu_seconds(p.pid) - c0) / max(1, total)
-                    got.setdefault(p.name, []).append((rps, us))
-                    print(f"r{rep} {p.name}: {rps:,.0f} req/s, {us:.1f} us CPU/request (load {os.getloadavg()[0]:.1f})",
-                          flush=True)
-        finally:
-            for p in started:
-                p.stop()
-    ref = got.get("nginx")
-    ref_us = sum(u for _, u in ref) / len(ref) if ref else None
-    print("\n| proxy | req/s (mean) | CPU us/request (mean) | per repeat | vs nginx's CPU |\n|---|---|---|---|---|")
-    for p in peers:
-        rs = got[p.name]
-        rps, us = sum(r for r, _ in rs) / len(rs), sum(u for _, u in rs) / len(rs)
-        print(f"| {p.name} | {rps:,.0f} | {us:.1f} | {' / '.join(f'{u:.0f}' for _, u in rs)} | "
-              f"{us / ref_us:.2f}x |" if ref_us else f"| {p.name} | {rps:,.0f} | {us:.1f} | | |")
+    names = [n for n in ORDER if not a.only or n in a.only.split(",")]
+    if not shutil.which("wrk"):
+        sys.exit("wrk not found (apt-get install wrk)")
+    load_cpu, pin = place()          # this process, nginx, Redis and wrk: the first CPU
+    cpu = int(pin[-1]) if pin else 0
+    rows: dict[str, list] = {}
+    with contextlib.ExitStack() as stack:
+        backend = stack.enter_context(run_nginx()).port
+        redis_url = ""
+        if "edge-redis" in names:
+            rport = free_port()
+            rdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="peers-redis-"))
+            rproc = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", rdir], stdout=subprocess.DEVNULL)
+            stack.callback(lambda: (rproc.terminate(), rproc.wait(5)))
+            while not listening(rport):
+                time.sleep(0.05)
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+        peers = {}
+        for n in names:
+            try:
+                peers[n] = start(n, cpu, backend, redis_url, a.peer_python, stack)
+                stack.callback(peers[n].stop)
+            except (RuntimeError, OSError) as e:
+                print(f"# {n} left out: {str(e).splitlines()[0] if str(e) else type(e).__name__}", flush=True)
+        for p in peers.values():     # warm-up: pools filled, code paths and caches hot
+            wrk(p.port, p.pid, 1, a.connections)
+        for r in range(a.rounds):
+            for n, p in peers.items():
+                row = wrk(p.port, p.pid, a.seconds, a.connections)
+                rows.setdefault(n, []).append(row)
+                print(f"# round {r + 1} {n}: {row[0]:,.0f} req/s, {row[1]:.1f} µs/request, {row[2]} errors",
+                      flush=True)
+    vs = versions(a.peer_python)
+    print(f"\n`python3 bench/peers.py --seconds {a.seconds:g} --rounds {a.rounds} --connections {a.connections}"
+          f"{'' if a.peer_python == sys.executable else ' --peer-python ' + a.peer_python}`"
+          f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}): each proxy pinned to CPU {cpu}, wrk -t1 -c{a.connections} and the nginx "
+          f"backend on CPU {load_cpu}; median of {a.rounds} interleaved rounds.\n")
+    print("| proxy | version | req/s (each round) | req/s | proxy CPU µs/request | errors |\n|---|---|---|---:|---:|---:|")
+    base = None
+    for n, xs in rows.items():
+        rps = statistics.median(x[0] for x in xs)
+        cpu_us = statistics.median(x[1] for x in xs)
+        if n == "edge":
+            base = cpu_us
+        extra = f" (+{cpu_us - base:.1f})" if n in ("edge-limit", "edge-redis") and base is not None else ""
+        label = {"edge-limit": "edge --limit (memory)", "edge-redis": "edge --limit on Redis"}.get(n, n)
+        ver = vs.get(n, vs["edge"] if n.startswith("edge") else "")
+        print(f"| {label} | {ver} | {' / '.join(f'{x[0]:,.0f}' for x in xs)} | {rps:,.0f} | {cpu_us:.1f}{extra} | "
+              f"{sum(x[2] for x in xs)} |")
+    if "edge-limit" in rows and "edge-redis" in rows:
+        m = statistics.median(x[0] for x in rows["edge-limit"])
+        r = statistics.median(x[0] for x in rows["edge-redis"])
+        print(f"\nedge on Redis / edge on memory, req/s: {r / m:.2f}x")
 
 
 if __name__ == "__main__":

@@ -21,13 +21,8 @@ EXEMPT = {
     "lb/process/app.py:App": 643,
     "lb/process/app.py:App.__init__": 93,
     "lb/process/app.py:App.reload": 95,
-    # The supervisor's loop: signals, restarts and the drain in one function (issue 25 names it; not yet split).
-    "lb/process/supervisor.py:run": 165,
     # The request parser: one pass over the fields on the request path (its owner is reworking it: i31).
     "lb/http/framing.py:parse_request": 109,
-    # The rules' parser and the limit stage: the limiting room's, not split yet.
-    "lb/limiting/rules.py:parse_rules": 92,
-    "lb/limiting/stage.py:LimitStage": 375,
 }
 
 

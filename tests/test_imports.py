@@ -5,7 +5,7 @@ import is still a dependency, it only hides a cycle until run time). The layerin
 module may import its own room and the rooms below it, never one above:
 
     limiter            the rate-limiting library: knows nothing of lb
-    lb.logs, lb.netaddr, lb.errors, lb.memtrim   leaves: every room may use them, they use no room
+    lb.logs, lb.netaddr, lb.errors    leaves: every room may use them, they use no room
                        (and lb itself, the package: __version__)
     demo               the demo backends: --demo starts them beside the edge; they use only the leaves
     lb.http            framing, the socket reader, TLS
@@ -15,6 +15,7 @@ module may import its own room and the rooms below it, never one above:
                        key file, a retry condition, a certificate pair is parsed and checked by its
                        own room), below everything that reads the Config
     lb.ops             admin, metrics, access log, dashboard, fanout
+    lb.http2           HTTP/2: the client connection driver, its streams' Downstream, the h2c:// calls
     lb.proxy           listener, pipeline, forward, tunnel, spool
     lb.process         app, serve, supervisor, signals, sdnotify
     edge               the entry point, on top
@@ -33,13 +34,14 @@ PACKAGES = ("lb", "limiter", "demo")
 # Each room's height; a module may import a room whose height is <= its own (equal only for its own room).
 LAYERS = [
     ["limiter"],
-    ["lb.logs", "lb.netaddr", "lb.errors", "lb.memtrim", "lb"],
+    ["lb.logs", "lb.netaddr", "lb.errors", "lb"],
     ["demo"],
     ["lb.http"],
     ["lb.upstream"],
     ["lb.limiting"],
     ["lb.config"],
     ["lb.ops"],
+    ["lb.http2"],
     ["lb.proxy"],
     ["lb.process"],
     ["edge"],

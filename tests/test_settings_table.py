@@ -129,5 +129,5 @@ def test_unknown_keys_are_named_with_the_known_ones(tmp_path):
     assert e.value.problems == [
         ("listn: unknown key (known at the top level: listen, admin, strategy, demo, access_log, access_log_format, "
          "sticky, backends, rules, keys, health, upstream, server, tls, limits)"),
-        ("health.intervall: unknown key (known in [health]: path, interval, timeout, unhealthy_threshold, "
+        ("health.intervall: unknown key (known in [health]: path, protocol, interval, timeout, unhealthy_threshold, "
          "healthy_threshold, eject_after, eject_for, max_ejected_percent, slow_start)")]

@@ -61,13 +61,23 @@ def test_https_in_keep_alive_alpn_and_forwarded_proto(backends, pki):
             trusted.stop()
         status = json.loads(request(e.admin_port, "GET", "/status").body)
         assert status["tls"] is True
-        # A client offering only h2 gets no ALPN agreement: we never claim to speak HTTP/2.
+        # With HTTP/2 on (the default) a client offering h2 gets it (tests/test_http2.py); with it off
+        # ([server] http2 = false) h2 is never claimed: HTTP/1.1 as before.
+        off = tls_edge(pki, backends, "--http2", "off")
+        try:
+            ctx = client_ctx(pki)
+            ctx.set_alpn_protocols(["h2", "http/1.1"])
+            c = https(off.port, pki, ctx)
+            assert request(off.port, "GET", "/", conn=c).status == 200
+            assert c.sock.selected_alpn_protocol() == "http/1.1"
+            c.close()
+        finally:
+            off.stop()
         ctx = client_ctx(pki)
         ctx.set_alpn_protocols(["h2", "http/1.1"])
-        c = https(e.port, pki, ctx)
-        assert request(e.port, "GET", "/", conn=c).status == 200
-        assert c.sock.selected_alpn_protocol() == "http/1.1"
-        c.close()
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+            with ctx.wrap_socket(s, server_hostname="127.0.0.1") as t:
+                assert t.selected_alpn_protocol() == "h2"
     finally:
         e.stop()
 

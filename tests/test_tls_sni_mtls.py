@@ -104,11 +104,11 @@ def test_sni_exact_before_wildcard_case_insensitive_default_for_unknown_and_abse
         assert served(e.port, "a.b.example.com") == "default"   # a wildcard covers one label only
         assert served(e.port, "other.test") == "default"
         assert served(e.port, None) == "default"
-        # ... and the chosen context still speaks HTTP (ALPN http/1.1 on every context)
+        # ... and the chosen context still speaks HTTP (ALPN h2 then http/1.1 on every context: HTTP/2 here)
         p = subprocess.run(["curl", "-sS", "--cacert", pki["ca"], "--resolve", f"api.example.com:{e.port}:127.0.0.1",
                             "-w", "%{http_version}", "-o", "/dev/null", f"https://api.example.com:{e.port}/"],
                            capture_output=True, text=True, timeout=20)
-        assert p.returncode == 0 and p.stdout == "1.1", p.stderr
+        assert p.returncode == 0 and p.stdout == "2", p.stderr
         # ... and a session from it resumes (the tickets are the listener's, whichever certificate served)
         import socket
         ctx, session, seen = ssl.create_default_context(cafile=pki["ca"]), None, []

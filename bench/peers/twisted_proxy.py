@@ -1,12 +1,24 @@
-"""bench/peers.py's Twisted peer: twisted.web.proxy.ReverseProxyResource on 127.0.0.1:LISTEN -> BACKEND.
+"""Twisted's ReverseProxyResource as the edge's peer in bench/peers.py.
 
-    python3 bench/peers/twisted_proxy.py LISTEN BACKEND
+    python twisted_proxy.py LISTEN_PORT BACKEND_PORT     # prints "listening 127.0.0.1:PORT"
+
+Twisted's own reverse proxy: one upstream connection per request (its ProxyClient speaks HTTP/1.0), no pool.
 """
+
 import sys
 
 from twisted.internet import reactor
 from twisted.web import proxy, server
 
-listen, backend = int(sys.argv[1]), int(sys.argv[2])
-reactor.listenTCP(listen, server.Site(proxy.ReverseProxyResource("127.0.0.1", backend, b"")), interface="127.0.0.1")
-reactor.run()
+
+def main() -> None:
+    port, backend = int(sys.argv[1]), int(sys.argv[2])
+    site = server.Site(proxy.ReverseProxyResource("127.0.0.1", backend, b""))
+    site.noisy = False
+    reactor.listenTCP(port, site, interface="127.0.0.1", backlog=1024)
+    print(f"listening 127.0.0.1:{port}", flush=True)
+    reactor.run()
+
+
+if __name__ == "__main__":
+    main()

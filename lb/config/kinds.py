@@ -199,9 +199,9 @@ def parse_backend_url(url: str, weight, key: str) -> BackendSpec:
         port = parts.port
     except ValueError:
         raise ConfigError(f"{key}: bad backend URL {url!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
-        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT] or https://..., "
-                          f"[IPV6] in brackets, no path)")
+    if parts.scheme not in ("http", "https", "h2c") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT], https://... or h2c://... "
+                          f"(HTTP/2, gRPC), [IPV6] in brackets, no path)")
     if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
         raise ConfigError(f"{key}: weight must be a whole number >= 1, got {weight!r} for {url}")
     port = port or (443 if parts.scheme == "https" else 80)

@@ -125,7 +125,8 @@ class TopLevel:
     backends: tuple[BackendSpec, ...] = setting(
         (), BACKENDS, toml="backends", flag="--backends", metavar="URL[=W],...", shown="",
         help="URL[=WEIGHT],... e.g. http://127.0.0.1:9001=3,http://127.0.0.1:9002",
-        doc="the pool; weight a whole number ≥ 1; `http://[::1]:9001`, `https://...`")
+        doc="the pool; weight a whole number ≥ 1; `http://[::1]:9001`, `https://...`, `h2c://HOST:PORT` (HTTP/2 by "
+            "prior knowledge: gRPC services, see \"HTTP/2 from clients\")")
     rules: tuple = setting((), RULES, toml="rules",         # lb.limiting.rules.RuleSpec per [[rules]] table
                            doc="limit rules (name, key, limit, algorithm, match, dry_run, cost, max_in_flight): "
                                "[Limit rules](#limit-rules)")
@@ -149,6 +150,12 @@ class HealthTable(AdminTable):
     """[health]: active probes, passive ejection, slow start."""
     health_path: str = setting("/health", STR, toml="health.path", flag="--health-path",
                                help="GET, 2xx = pass")
+    health_protocol: str = setting(
+        "http", STR, toml="health.protocol", flag="--health-protocol", choices=("http", "grpc"),
+        help="grpc: h2c:// backends are probed with grpc.health.v1.Health/Check (SERVING passes) | http: GET the "
+             "health path (over HTTP/2 for an h2c:// backend)",
+        doc="`grpc`: an `h2c://` backend is probed with `grpc.health.v1.Health/Check` (service `\"\"`), SERVING = "
+            "pass; `http`: GET `path` (over HTTP/2 for an `h2c://` backend)")
     health_interval: float = setting(10.0, SECONDS, toml="health.interval", flag="--health-interval",
                                      help="seconds between probes (floats allowed)")
     health_timeout: float | None = setting(
@@ -321,6 +328,17 @@ class ServerTable(UpstreamTable):
         help="forward request header names containing '_' (off: dropped, as nginx's underscores_in_headers off)",
         doc="forward request header names with `_` (dropped by default, as nginx's `underscores_in_headers off`: "
             "CGI-style backends read `X_Forwarded_For` as `X-Forwarded-For`)")
+    http2: bool = setting(
+        True, ONOFF, toml="server.http2", flag="--http2",
+        help="on: HTTP/2 from clients too, on the same port (prior knowledge in cleartext, ALPN h2 then http/1.1 "
+             "over TLS) | off: HTTP/1.1 only",
+        doc="HTTP/2 from clients on the same port: cleartext by prior knowledge (the connection preface), ALPN "
+            "`h2` then `http/1.1` over TLS; `off`: HTTP/1.1 only (a preface gets 505, ALPN offers `http/1.1`)")
+    http2_max_concurrent_streams: int = setting(
+        100, Num(True, 1, 10_000), toml="server.http2_max_concurrent_streams",
+        doc="streams one HTTP/2 connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS); one past it is "
+             "refused alone (REFUSED_STREAM, counted), and streams the client reset that are still being served "
+             "count too")
     request_buffering: bool = setting(
         True, ONOFF, toml="server.request_buffering", flag="--request-buffering",
         help="on: a request body is read whole (memory, then a temp file) before a backend connection is taken "

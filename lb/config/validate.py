@@ -111,7 +111,7 @@ def tls_listener(c: Config):
     from lb.http.tls import listener_context
     return listener_context(CertSpec(c.tls_cert, c.tls_key), c.tls_certificates, c.tls_strict_sni,
                             ciphers=c.tls_ciphers, min_version=c.tls_min_version, client_ca=c.tls_client_ca,
-                            client_auth=c.tls_client_auth, client_crl=c.tls_client_crl)
+                            client_auth=c.tls_client_auth, client_crl=c.tls_client_crl, http2=c.http2)
 
 
 def _is_ip(host: str) -> bool:

@@ -496,6 +496,92 @@ def parse_request(head: bytes) -> Request:
     return r
 
 
+# A field value relayed into an HTTP/1.1 head: any CR, LF, NUL or other control but HTAB would split or cut
+# a line there (HTTP/2 carries values as length-prefixed strings, so nothing in its framing refuses them).
+_VALUE_BAD = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_LOWER_TCHAR = bytes(c for c in _TCHAR if not 65 <= c <= 90)
+
+
+def request_from_fields(method: bytes, target: bytes, authority: bytes | None,
+                        headers: list[tuple[bytes, bytes]], version: bytes = b"HTTP/2") -> Request:
+    """A Request from an HTTP/2 (or 3) stream's fields, checked by parse_request's rules: the same
+    Request, so every stage after it is the same. headers: the regular fields as (lowercase name,
+    value), pseudo-fields taken out. The caller sets chunked when a body follows without a length
+    (an HTTP/1.1 backend then gets it chunked). :authority is the Host (a Host field too must agree);
+    split cookie fields are one again (RFC 9113 8.2.3). HttpError as parse_request raises it."""
+    if not method or method.translate(None, _TCHAR) or method != method.upper():
+        raise HttpError(400, "invalid method")
+    if method == b"TRACE":
+        raise HttpError(405, "TRACE is not allowed")
+    if method == b"CONNECT":
+        raise HttpError(405, "CONNECT is not allowed")      # the edge is no tunnel for HTTP/2 streams
+    if not target or target[:1] != b"/" or _TARGET_BAD.search(target):
+        raise HttpError(400, "invalid request target")       # asterisk-form too, as parse_request
+    if len(headers) > MAX_HEADERS:
+        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
+    r = Request()
+    r.method, r.target, r.version = method, target, version
+    r.content_length = None
+    r.chunked = False
+    r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = r.client_cert = None
+    r.expect_continue = False
+    r.conn_tokens = set()
+    r.keep_alive = True
+    out = []
+    host_field = None
+    for lname, value in headers:
+        if not lname or lname.translate(None, _LOWER_TCHAR):
+            raise HttpError(400, "malformed header name")
+        if len(lname) + len(value) > MAX_HEADER_LINE:
+            raise HttpError(431, "header line too long")
+        if _VALUE_BAD.search(value):
+            raise HttpError(400, "control character in a header value")
+        value = value.strip(b" \t")
+        if lname in _REQUEST_FIELDS:
+            if lname == b"host":
+                if host_field is not None:
+                    raise HttpError(400, "duplicate Host header")
+                host_field = value
+                continue                      # written once below, from :authority when there is one
+            if lname == b"cookie":
+                r.cookie = value if r.cookie is None else r.cookie + b"; " + value
+                continue                      # one Cookie line below: HTTP/1.1 wants one (RFC 6265 5.4)
+            if lname == b"content-length":
+                if not value.isdigit() or len(value) > 15:
+                    raise HttpError(400, "invalid Content-Length")
+                if r.content_length is not None and int(value) != r.content_length:
+                    raise HttpError(400, "conflicting Content-Length headers")
+                r.content_length = int(value)
+            elif lname in (b"transfer-encoding", b"connection"):
+                raise HttpError(400, "connection-specific header in an HTTP/2 request")
+            elif lname == b"expect":
+                continue                      # 100-continue is implicit in HTTP/2's flow control
+            elif lname == b"x-api-key":
+                if r.api_key is not None:
+                    raise HttpError(400, "more than one X-Api-Key header")
+                r.api_key = value
+            elif lname == b"x-request-id":
+                r.request_id = value
+            elif lname == b"x-forwarded-for":
+                r.xff = value if r.xff is None else r.xff + b", " + value
+            elif lname == b"x-forwarded-proto":
+                r.proto = value
+            elif lname == b"x-forwarded-host":
+                r.fwd_host = value
+        out.append((lname, lname, value))
+    host = authority if authority else host_field
+    if authority and host_field is not None and host_field.lower() != authority.lower():
+        raise HttpError(400, "Host differs from :authority")
+    if not host or _HOST_BAD.search(host):
+        raise HttpError(400, "missing or invalid :authority")
+    r.host = host
+    out.insert(0, (b"Host", b"host", host))
+    if r.cookie is not None:
+        out.append((b"cookie", b"cookie", r.cookie))
+    r.headers = out
+    return r
+
+
 def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: int = 65536):
     """Decode a chunked request body (lb/http/chunked.py), yielding its data as it arrives: what one read
     brought is gathered (many small chunks are one piece of at most `piece` bytes) and yielded before the

@@ -39,7 +39,7 @@ class CertSpec:
 
 def server_context(cert: str, key: str, ciphers: str | None = None, min_version: str = "TLSv1.2",
                    client_ca: str | None = None, client_auth: str = "require", client_crl: str | None = None,
-                   where: str = "") -> ssl.SSLContext:
+                   where: str = "", http2: bool = False) -> ssl.SSLContext:
     """A server context for the pair on disk; ConfigError (one line) when it cannot serve.
 
     client_ca: clients are asked for a certificate signed by it -- required (refused at the handshake
@@ -55,7 +55,8 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
     # shuts the read side of an idle connection (evict_idle, wake_idle) with a decode_error alert: the
     # client saw an SSL error where a clean close (and our close_notify) was meant.
     ctx.options |= getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
-    ctx.set_alpn_protocols(["http/1.1"])                # we speak HTTP/1.1 only: no h2 offered
+    # h2 first when HTTP/2 is on (lb/http2/), as nginx and HAProxy offer it; a client without ALPN gets HTTP/1.1
+    ctx.set_alpn_protocols(["h2", "http/1.1"] if http2 else ["http/1.1"])
     if ciphers:
         try:
             ctx.set_ciphers(ciphers)

@@ -54,94 +54,119 @@ def parse_rules(value) -> tuple[RuleSpec, ...]:
     """[[rules]] tables -> RuleSpecs. ValueError naming rules[i].field on anything wrong."""
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
         raise ValueError("rules: expected [[rules]] tables")
-    out, seen = [], set()
-    for i, r in enumerate(value):
-        where = f"rules[{i}]"
-        unknown = set(r) - {"name", "key", "limit", "algorithm", "match", "dry_run", "cost", "max_in_flight"}
-        if unknown:
-            raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r} "
-                             f"(known: name, key, limit, algorithm, match, dry_run, cost, max_in_flight)")
-        name = r.get("name")
-        if name is None:
-            raise ValueError(f"{where}.name: missing; every [[rules]] table needs one, as the metrics, the access "
-                             f"log's limited_by and /status call the rule (e.g. name = \"per-ip\")")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(f"{where}.name: letters, digits, '_', '.', '-' (at most 64), got {name!r}")
-        where = f"rules[{i}] ({name})"
-        if name == BUILTIN:
-            raise ValueError(f"{where}.name: {BUILTIN!r} is the built-in per-identity rule (--limit); "
-                             f"choose another name")
-        if name in seen:
-            raise ValueError(f"{where}.name: two rules are named {name!r}")
-        seen.add(name)
-        if "key" not in r:
-            raise ValueError(f"{where}: missing key")
-        conc = r.get("max_in_flight", 0)
-        if isinstance(conc, bool) or not isinstance(conc, int) or not 0 <= conc <= 1_000_000:
-            raise ValueError(f"{where}.max_in_flight: expected a whole number 0..1000000 (0: off), got {conc!r}")
-        if "limit" not in r and not conc:
-            raise ValueError(f"{where}: missing limit (a rule needs a limit, a max_in_flight, or both)")
-        key = r["key"]
-        if not isinstance(key, str):
-            raise ValueError(f"{where}.key: expected a string, got {key!r}")
-        if key.startswith("header:"):
-            hname = key[7:].strip()
-            if not hname or not _TOKEN.fullmatch(hname.encode()):
-                raise ValueError(f"{where}.key: header:NAME needs a header name, got {key!r}")
-            key = "header:" + hname.lower()
-        elif key not in KINDS:
-            raise ValueError(f"{where}.key: expected ip, api-key, header:NAME, client-cert or global, got {key!r}")
-        cost = r.get("cost", 1)
-        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
-            raise ValueError(f"{where}.cost: expected a whole number >= 1, got {cost!r}")
-        if "limit" in r:
-            try:
-                n, _ = parse_rate(r["limit"])
-            except ValueError as e:
-                raise ValueError(f"{where}.limit: {e}") from None
-            if cost > n:
-                raise ValueError(f"{where}.cost: {cost} is more than the limit's {n}: a matching request "
-                                 f"could never be admitted")
-        elif "cost" in r:
-            raise ValueError(f"{where}.cost: a cost needs a limit to spend from")
-        algorithm = r.get("algorithm")
-        if algorithm is not None and algorithm not in ALGORITHMS:
-            raise ValueError(f"{where}.algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-        dry = r.get("dry_run", False)
-        if not isinstance(dry, bool):
-            raise ValueError(f"{where}.dry_run: expected true or false, got {dry!r}")
-        m = r.get("match", {})
-        if not isinstance(m, dict):
-            raise ValueError(f"{where}.match: expected a table like {{ path_prefix = \"/login\" }}")
-        unknown = set(m) - {"path_prefix", "methods", "host", "client_cert_subject"}
-        if unknown:
-            raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} "
-                             f"(known: path_prefix, methods, host, client_cert_subject)")
-        subjects = m.get("client_cert_subject", [])
-        if isinstance(subjects, str):
-            subjects = [subjects]
-        if not isinstance(subjects, list) or not all(isinstance(x, str) and x for x in subjects):
-            raise ValueError(f"{where}.match.client_cert_subject: expected a subject like \"CN=partner-a,O=Example\" "
-                             f"or a list of them, got {subjects!r}")
-        prefix = m.get("path_prefix")
-        if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/")):
-            raise ValueError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
-        methods = m.get("methods", [])
-        if isinstance(methods, str):
-            methods = [methods]
-        if not isinstance(methods, list) or not all(
-                isinstance(x, str) and _TOKEN.fullmatch(x.encode()) for x in methods):
-            raise ValueError(f"{where}.match.methods: expected a list of methods like [\"POST\"], got {methods!r}")
-        host = m.get("host")
-        if host is not None and (not isinstance(host, str) or not host or " " in host):
-            raise ValueError(f"{where}.match.host: expected a host name, got {host!r}")
-        out.append(RuleSpec(name=name, key=key, limit=r.get("limit"), algorithm=algorithm, cost=cost,
-                            max_in_flight=conc,
-                            path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
-                            methods=tuple(x.upper() for x in methods),
-                            host=host.lower() if host else None, dry_run=dry,
-                            client_cert_subjects=tuple(x.lower() for x in subjects)))
-    return tuple(out)
+    seen: set[str] = set()
+    return tuple(_parse_rule(r, i, seen) for i, r in enumerate(value))
+
+
+def _parse_rule(r: dict, i: int, seen: set[str]) -> RuleSpec:
+    """One [[rules]] table; its checks in the order an operator fixes them (name first, then what it limits)."""
+    where = f"rules[{i}]"
+    unknown = set(r) - {"name", "key", "limit", "algorithm", "match", "dry_run", "cost", "max_in_flight"}
+    if unknown:
+        raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r} "
+                         f"(known: name, key, limit, algorithm, match, dry_run, cost, max_in_flight)")
+    name = _rule_name(r.get("name"), where, seen)
+    where = f"rules[{i}] ({name})"
+    if "key" not in r:
+        raise ValueError(f"{where}: missing key")
+    conc = r.get("max_in_flight", 0)
+    if isinstance(conc, bool) or not isinstance(conc, int) or not 0 <= conc <= 1_000_000:
+        raise ValueError(f"{where}.max_in_flight: expected a whole number 0..1000000 (0: off), got {conc!r}")
+    if "limit" not in r and not conc:
+        raise ValueError(f"{where}: missing limit (a rule needs a limit, a max_in_flight, or both)")
+    key = _rule_key(r["key"], where)
+    cost = _rule_cost(r, where)
+    algorithm = r.get("algorithm")
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ValueError(f"{where}.algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    dry = r.get("dry_run", False)
+    if not isinstance(dry, bool):
+        raise ValueError(f"{where}.dry_run: expected true or false, got {dry!r}")
+    prefix, methods, host, subjects = _rule_match(r.get("match", {}), where)
+    return RuleSpec(name=name, key=key, limit=r.get("limit"), algorithm=algorithm, cost=cost,
+                    max_in_flight=conc,
+                    path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
+                    methods=tuple(x.upper() for x in methods),
+                    host=host.lower() if host else None, dry_run=dry,
+                    client_cert_subjects=tuple(x.lower() for x in subjects))
+
+
+def _rule_name(name, where: str, seen: set[str]) -> str:
+    """The rule's label: present, well-formed, not the built-in's, and unique (metrics and /status key on it)."""
+    if name is None:
+        raise ValueError(f"{where}.name: missing; every [[rules]] table needs one, as the metrics, the access "
+                         f"log's limited_by and /status call the rule (e.g. name = \"per-ip\")")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{where}.name: letters, digits, '_', '.', '-' (at most 64), got {name!r}")
+    where = f"{where} ({name})"
+    if name == BUILTIN:
+        raise ValueError(f"{where}.name: {BUILTIN!r} is the built-in per-identity rule (--limit); "
+                         f"choose another name")
+    if name in seen:
+        raise ValueError(f"{where}.name: two rules are named {name!r}")
+    seen.add(name)
+    return name
+
+
+def _rule_key(key, where: str) -> str:
+    """What the rule counts per: one of KINDS, or header:NAME with the name lower-cased."""
+    if not isinstance(key, str):
+        raise ValueError(f"{where}.key: expected a string, got {key!r}")
+    if key.startswith("header:"):
+        hname = key[7:].strip()
+        if not hname or not _TOKEN.fullmatch(hname.encode()):
+            raise ValueError(f"{where}.key: header:NAME needs a header name, got {key!r}")
+        return "header:" + hname.lower()
+    if key not in KINDS:
+        raise ValueError(f"{where}.key: expected ip, api-key, header:NAME, client-cert or global, got {key!r}")
+    return key
+
+
+def _rule_cost(r: dict, where: str) -> int:
+    """Units a matching request spends: at most the limit's N, or no request could ever be admitted."""
+    cost = r.get("cost", 1)
+    if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
+        raise ValueError(f"{where}.cost: expected a whole number >= 1, got {cost!r}")
+    if "limit" in r:
+        try:
+            n, _ = parse_rate(r["limit"])
+        except ValueError as e:
+            raise ValueError(f"{where}.limit: {e}") from None
+        if cost > n:
+            raise ValueError(f"{where}.cost: {cost} is more than the limit's {n}: a matching request "
+                             f"could never be admitted")
+    elif "cost" in r:
+        raise ValueError(f"{where}.cost: a cost needs a limit to spend from")
+    return cost
+
+
+def _rule_match(m, where: str) -> tuple[str | None, list, str | None, list]:
+    """The match table -> (path_prefix, methods, host, client_cert_subjects), each as written."""
+    if not isinstance(m, dict):
+        raise ValueError(f"{where}.match: expected a table like {{ path_prefix = \"/login\" }}")
+    unknown = set(m) - {"path_prefix", "methods", "host", "client_cert_subject"}
+    if unknown:
+        raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} "
+                         f"(known: path_prefix, methods, host, client_cert_subject)")
+    subjects = m.get("client_cert_subject", [])
+    if isinstance(subjects, str):
+        subjects = [subjects]
+    if not isinstance(subjects, list) or not all(isinstance(x, str) and x for x in subjects):
+        raise ValueError(f"{where}.match.client_cert_subject: expected a subject like \"CN=partner-a,O=Example\" "
+                         f"or a list of them, got {subjects!r}")
+    prefix = m.get("path_prefix")
+    if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/")):
+        raise ValueError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
+    methods = m.get("methods", [])
+    if isinstance(methods, str):
+        methods = [methods]
+    if not isinstance(methods, list) or not all(
+            isinstance(x, str) and _TOKEN.fullmatch(x.encode()) for x in methods):
+        raise ValueError(f"{where}.match.methods: expected a list of methods like [\"POST\"], got {methods!r}")
+    host = m.get("host")
+    if host is not None and (not isinstance(host, str) or not host or " " in host):
+        raise ValueError(f"{where}.match.host: expected a host name, got {host!r}")
+    return prefix, methods, host, subjects
 
 
 @functools.lru_cache(maxsize=4)

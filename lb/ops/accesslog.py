@@ -25,7 +25,8 @@ label; stable across restarts with EDGE_KEY_HASH_SECRET); null when the client i
 only. `limited_by`: the rules that rejected the request, and dry-run rules that would have
 ("NAME:dry_run"), comma-separated. Over mutual TLS, a request with a client certificate ends with its
 subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"). A hedged request
-(lb/proxy/hedge.py) ends with `hedge=won|lost|failed other=URL` (JSON: "hedge"). Absent values are
+(lb/proxy/hedge.py) ends with `hedge=won|lost|failed other=URL` (JSON: "hedge"); one that came over
+HTTP/2 ends with `proto=HTTP/2` (JSON: "protocol"). Absent values are
 `-` in text and null in JSON. SIGUSR1/SIGHUP reopen
 the file (logrotate).
 """
@@ -196,6 +197,8 @@ class AccessLog:
                 d["client_cert"] = cert.subject
             if hedge is not None:
                 d["hedge"] = {"result": hedge[0], "other": hedge[1]}
+            if req is not None and req.version == b"HTTP/2":
+                d["protocol"] = "HTTP/2"      # absent: HTTP/1.x (the lines before HTTP/2 are unchanged)
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
         return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
@@ -205,7 +208,8 @@ class AccessLog:
                 f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
                 + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
                 + (f" cert={escape(cert.subject, 512)}" if cert is not None else "")
-                + (f" hedge={hedge[0]} other={hedge[1]}" if hedge is not None else ""))
+                + (f" hedge={hedge[0]} other={hedge[1]}" if hedge is not None else "")
+                + (" proto=HTTP/2" if req is not None and req.version == b"HTTP/2" else ""))
 
     def _writer(self) -> None:
         while True:

@@ -81,6 +81,11 @@ FAMILIES = {
     "lb_tls_client_certs_total": ("counter", "Completed handshakes with mutual TLS on, by whether the client "
                                              "presented a verified certificate (client_cert), and its subject "
                                              "when a rule names it (match.client_cert_subject; else other)."),
+    "lb_http2_connections_total": ("counter", "Client connections that spoke HTTP/2 (prior knowledge or ALPN h2)."),
+    "lb_http2_streams_total": ("counter", "HTTP/2 streams by outcome: served, refused (REFUSED_STREAM: "
+                                          "max_concurrent_streams, or the workers all busy), reset by client."),
+    "lb_http2_goaways_total": ("counter", "HTTP/2 connections ended by the edge's GOAWAY for the peer's "
+                                          "behaviour, by reason (floods, rapid reset, protocol errors)."),
     "lb_worker_requests_total": ("counter", "Requests answered by each worker process (balance check)."),
     "lb_backend_up": ("gauge", "1 when the backend passes its active health checks (with workers: in every one)."),
     "lb_backend_in_rotation": ("gauge", "1 when the backend takes new requests: up, not ejected, not drained."),

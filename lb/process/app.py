@@ -131,7 +131,7 @@ class App:
         self.metrics.retry_budget = self.retry_budget
         self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
                                     rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold,
-                                    ejector=self.ejector, metrics=self.metrics)
+                                    ejector=self.ejector, metrics=self.metrics, protocol=cfg.health_protocol)
         self.access_log = self._open_access_log(cfg)
         self.edge = Edge(cfg, self.balancer, self.metrics, limiter=self._limit_stage(cfg, None),
                          identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
@@ -618,6 +618,7 @@ class App:
 
             h = self.health
             h.path, h.interval, h.timeout = new.health_path, new.health_interval, new.health_probe_timeout
+            h.protocol = new.health_protocol
             h.rise, h.fall = new.healthy_threshold, new.unhealthy_threshold
             self.ejector.configure(new.eject_after, new.eject_for, new.max_ejected_percent)
             self.retry_budget.configure(new.retry_budget_percent, new.retry_budget_min)
@@ -686,6 +687,8 @@ class App:
         while b.inflight > 0 and time.monotonic() < end:
             time.sleep(0.05)
         b.pool.close()
+        if b.h2 is not None:
+            b.h2.close()     # an h2c:// backend's HTTP/2 connections
         log.info("backend %s removed (drained)", b.url)
 
     # -- serving and stopping ----------------------------------------------------------------------

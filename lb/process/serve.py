@@ -18,6 +18,7 @@ import threading
 import time
 
 from lb.netaddr import migrate_req
+from lb.process import memory
 from lb.process import sdnotify
 from lb.process import signals
 from lb.process.signals import HANDLED
@@ -62,6 +63,7 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
     shared: (workers) the tables the supervisor created for them before forking (SharedTables)."""
     from lb.process.app import App
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
+    memory.limit_arenas()               # before the connection threads: see lb/process/memory.py
     early: list[int] = []     # a signal that came while the App was being built: acted on once it is
     app = None
     lock = threading.Lock()   # on_signal runs on the signals thread, the App is built on this one
@@ -112,6 +114,7 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
         sdnotify.notify("READY=1", f"STATUS=serving {len(app.balancer.backends)} backends")
 
     threading.Thread(target=when_ready, name="ready", daemon=True).start()
+    memory.start_trimmer()              # RSS returns after a burst of large bodies (lb/process/memory.py)
     period = watchdog_interval() if channel is None else 1.0
     if period:
         def ping():

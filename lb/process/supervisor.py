@@ -70,9 +70,33 @@ class Worker:
 
 def run(cfg, argv) -> int:
     from lb.limiting.keys import draw_label_secret
-    from lb.limiting.stage import SharedTables
-    from lb.process.app import SHARED_ONLY, refuse_if_held
     draw_label_secret()                # before any fork: one key-label secret for every worker
+    reserve = _reserve_port(cfg)
+    host, port = reserve.getsockname()[:2]
+    cfg = replace(cfg, listen=(host, port))
+    argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
+    shared = _shared_tables(cfg)           # before any fork: the workers must inherit the same mappings
+    if cfg.tls_cert:
+        _inherit_tls(cfg)
+    rundir = tempfile.mkdtemp(prefix="edge-workers-")
+    try:
+        sup = _Supervisor(cfg, argv, reserve, rundir, shared)
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(s, sup.on_signal)
+        sup.start_all()
+        log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers,
+                 os.getpid())
+        code = sup.supervise()
+    finally:
+        reserve.close()
+        shutil.rmtree(rundir, ignore_errors=True)
+    log.info("all workers stopped")
+    return code
+
+
+def _reserve_port(cfg) -> socket.socket:
+    """The port every worker will share, bound here (never listening); a StartError when it is taken."""
+    from lb.process.app import SHARED_ONLY, refuse_if_held
     refuse_if_held("--listen", cfg.listen, cfg)      # a second edge must not join this port unasked
     if cfg.admin and cfg.admin[1]:
         for i in range(cfg.workers):                  # here, one line, rather than a worker's crash loop
@@ -83,49 +107,69 @@ def run(cfg, argv) -> int:
     try:
         reserve.bind(cfg.listen)
     except OSError as e:
+        reserve.close()
         raise StartError(f"--listen {hostport(*cfg.listen)}: {e.strerror or e}"
                          f"{SHARED_ONLY if cfg.takeover else ''}") from None
-    host, port = reserve.getsockname()[:2]
-    cfg = replace(cfg, listen=(host, port))
-    argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
-    shared = SharedTables()                # before any fork: the workers must inherit the same mappings
+    return reserve
+
+
+def _shared_tables(cfg):
+    """The shared-memory tables the workers count in together (memory store): limits and in-flight counts."""
+    from lb.limiting.stage import SharedTables
+    shared = SharedTables()
     if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
         shared = shared._replace(limits=_share_limits(cfg))
     if cfg.store == "memory":              # in-flight counts across workers (also for a reload that adds them)
         from limiter.concurrency import SharedTable
         rows = min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections))
         shared = shared._replace(inflight=SharedTable(rows))
-    if cfg.tls_cert:
-        # before any fork: every worker inherits one context, so one set of session-ticket keys (lb/http/tls.py)
-        from lb.http import tls
-        from lb.config.check import certificate_warnings
-        from lb.config.load import tls_listener
-        from lb.errors import ConfigError
-        try:
-            tls.inherited = tls_listener(cfg)
-        except ConfigError as e:
-            raise StartError(str(e)) from None
-        for w in certificate_warnings(cfg):
-            log.warning("%s", w)
-    rundir = tempfile.mkdtemp(prefix="edge-workers-")
-    workers = [Worker(i) for i in range(cfg.workers)]
-    by_pid: dict[int, Worker] = {}
-    got: list[int] = []
-    stopping = False
-    announced = False
-    pending_hup = False
-    deaths: deque[float] = deque()
-    wd = watchdog_interval()
-    last_ping = 0.0
-    code = 0
+    return shared
 
-    def on_signal(signum, frame):
-        got.append(signum)
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
-        signal.signal(s, on_signal)
+def _inherit_tls(cfg) -> None:
+    """One TLS context for every worker to inherit, so one set of session-ticket keys (lb/http/tls.py)."""
+    from lb.http import tls
+    from lb.config.check import certificate_warnings
+    from lb.config.load import tls_listener
+    from lb.errors import ConfigError
+    try:
+        tls.inherited = tls_listener(cfg)
+    except ConfigError as e:
+        raise StartError(str(e)) from None
+    for w in certificate_warnings(cfg):
+        log.warning("%s", w)
 
-    def start(w: Worker) -> None:
+
+class _Supervisor:
+    """The workers' lives after the port is reserved: start them, pass signals on, tell systemd, restart
+    the dead ones (or give up on a crash loop), and wait for all of them once stopping."""
+
+    def __init__(self, cfg, argv, reserve, rundir: str, shared):
+        self.cfg, self.argv, self.reserve, self.rundir, self.shared = cfg, argv, reserve, rundir, shared
+        self.workers = [Worker(i) for i in range(cfg.workers)]
+        self.by_pid: dict[int, Worker] = {}
+        self.got: list[int] = []
+        self.stopping = False
+        self.announced = False
+        self.pending_hup = False
+        self.deaths: deque[float] = deque()
+        self.wd = watchdog_interval()
+        self.last_ping = 0.0
+        self.code = 0
+
+    def on_signal(self, signum, frame) -> None:
+        self.got.append(signum)       # handled in the loop: a handler must not fork or log
+
+    def start_all(self) -> None:
+        for w in self.workers:
+            self.start(w)
+        if self.cfg.tls_cert:
+            # A worker restarted later reads the certificates from disk itself, as before: the files may have
+            # been replaced (and reloaded) since, and a stale copy must not come back (it loses the shared keys).
+            from lb.http import tls
+            tls.inherited = None
+
+    def start(self, w: Worker) -> None:
         pause = w.started + 1.0 - time.monotonic()
         if pause > 0:
             time.sleep(pause)              # a worker that dies at once is not restarted in a tight loop
@@ -133,106 +177,111 @@ def run(cfg, argv) -> int:
         r, wfd = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(w.index, wfd, [x.fd for x in workers if x.fd >= 0] + [r], reserve, cfg, argv, rundir, shared)
+            _child(w.index, wfd, [x.fd for x in self.workers if x.fd >= 0] + [r], self.reserve, self.cfg,
+                   self.argv, self.rundir, self.shared)
         os.close(wfd)
         w.pid, w.fd, w.buf, w.ready, w.beat = pid, r, b"", False, 0.0
-        by_pid[pid] = w
+        self.by_pid[pid] = w
 
-    def send_all(signum: int) -> None:
-        for pid in by_pid:
+    def send_all(self, signum: int) -> None:
+        for pid in self.by_pid:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
 
-    def stop_all(reason: str) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            log.info("%s: stopping %d workers", reason, len(by_pid))
+    def stop_all(self, reason: str) -> None:
+        if not self.stopping:
+            self.stopping = True
+            log.info("%s: stopping %d workers", reason, len(self.by_pid))
             sdnotify.notify("STOPPING=1")
-            send_all(signal.SIGTERM)
+            self.send_all(signal.SIGTERM)
 
-    for w in workers:
-        start(w)
-    if cfg.tls_cert:
-        # A worker restarted later reads the certificates from disk itself, as before: the files may have
-        # been replaced (and reloaded) since, and a stale copy must not come back (it loses the shared keys).
-        from lb.http import tls
-        tls.inherited = None
-    log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers, os.getpid())
-    try:
-        while by_pid:
-            while got:
-                signum = got.pop(0)
-                if signum == signal.SIGHUP:
-                    logs.reopen_stderr()
-                    if announced:
-                        log.info("SIGHUP: reloading %d workers", len(by_pid))
-                        send_all(signum)
-                    else:
-                        pending_hup = True     # a worker still starting would die of it: after READY
-                elif signum == signal.SIGUSR1:
-                    logs.reopen_stderr()
-                    send_all(signum)
-                elif not stopping:
-                    stop_all(signal.Signals(signum).name)
-            _read_pipes(workers, 0.05)
-            if not announced and all(w.ready for w in workers):
-                announced = True
-                log.info("all %d workers ready", len(workers))
-                sdnotify.notify("READY=1", f"STATUS={cfg.workers} workers")
-                if pending_hup:
-                    pending_hup = False
-                    log.info("SIGHUP: reloading %d workers (it came during start-up)", len(by_pid))
-                    send_all(signal.SIGHUP)
-            now = time.monotonic()
-            if wd and announced and not stopping and now - last_ping >= wd:
-                if all(now - w.beat < 2 * wd + 2 for w in workers if w.ready):
-                    sdnotify.notify("WATCHDOG=1")
-                    last_ping = now
-            while True:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    pid = 0
-                    by_pid.clear()
-                if pid == 0:
-                    break
-                w = by_pid.pop(pid, None)
-                if w is None:
-                    continue
-                _read_pipes([w], 0)
-                os.close(w.fd)
-                w.fd = -1
-                if stopping:
-                    continue
-                why = exit_reason(status)
-                if not w.ready:
-                    w.failures += 1
-                    log.error("worker %d (pid %d) failed to start (%s): %s", w.index, pid, why,
-                              w.last_error or "no reason given (see its lines above)")
-                    if w.failures >= START_FAILURES:
-                        log.error("worker %d failed to start %d times in a row; giving up", w.index, w.failures)
-                        code = 1
-                        stop_all("crash loop")
-                        continue
+    def supervise(self) -> int:
+        """Until the last worker is gone; the exit code (1 after a crash loop)."""
+        while self.by_pid:
+            self._pass_signals()
+            _read_pipes(self.workers, 0.05)
+            self._tell_systemd()
+            self._reap()
+        return self.code
+
+    def _pass_signals(self) -> None:
+        while self.got:
+            signum = self.got.pop(0)
+            if signum == signal.SIGHUP:
+                logs.reopen_stderr()
+                if self.announced:
+                    log.info("SIGHUP: reloading %d workers", len(self.by_pid))
+                    self.send_all(signum)
                 else:
-                    log.warning("worker %d (pid %d) exited (%s); restarting it", w.index, pid, why)
-                deaths.append(now)
-                while deaths and now - deaths[0] > DEATH_WINDOW:
-                    deaths.popleft()
-                if len(deaths) >= DEATHS:
-                    log.error("%d worker exits within %gs; giving up", len(deaths), DEATH_WINDOW)
-                    code = 1
-                    stop_all("crash loop")
-                    continue
-                start(w)
-    finally:
-        reserve.close()
-        shutil.rmtree(rundir, ignore_errors=True)
-    log.info("all workers stopped")
-    return code
+                    self.pending_hup = True     # a worker still starting would die of it: after READY
+            elif signum == signal.SIGUSR1:
+                logs.reopen_stderr()
+                self.send_all(signum)
+            elif not self.stopping:
+                self.stop_all(signal.Signals(signum).name)
+
+    def _tell_systemd(self) -> None:
+        """READY=1 once every worker is ready (then a SIGHUP held during start-up); WATCHDOG=1 while all beat."""
+        if not self.announced and all(w.ready for w in self.workers):
+            self.announced = True
+            log.info("all %d workers ready", len(self.workers))
+            sdnotify.notify("READY=1", f"STATUS={self.cfg.workers} workers")
+            if self.pending_hup:
+                self.pending_hup = False
+                log.info("SIGHUP: reloading %d workers (it came during start-up)", len(self.by_pid))
+                self.send_all(signal.SIGHUP)
+        now = time.monotonic()
+        wd = self.wd
+        if wd and self.announced and not self.stopping and now - self.last_ping >= wd:
+            if all(now - w.beat < 2 * wd + 2 for w in self.workers if w.ready):
+                sdnotify.notify("WATCHDOG=1")
+                self.last_ping = now
+
+    def _reap(self) -> None:
+        """Every worker that exited: its last lines read, and restarted unless stopping or in a crash loop."""
+        now = time.monotonic()
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pid = 0
+                self.by_pid.clear()
+            if pid == 0:
+                break
+            w = self.by_pid.pop(pid, None)
+            if w is None:
+                continue
+            _read_pipes([w], 0)
+            os.close(w.fd)
+            w.fd = -1
+            if not self.stopping and self._may_restart(w, pid, exit_reason(status), now):
+                self.start(w)
+
+    def _may_restart(self, w: Worker, pid: int, why: str, now: float) -> bool:
+        """Log the exit; False (and stop the others) when it makes a crash loop."""
+        if not w.ready:
+            w.failures += 1
+            log.error("worker %d (pid %d) failed to start (%s): %s", w.index, pid, why,
+                      w.last_error or "no reason given (see its lines above)")
+            if w.failures >= START_FAILURES:
+                log.error("worker %d failed to start %d times in a row; giving up", w.index, w.failures)
+                self.code = 1
+                self.stop_all("crash loop")
+                return False
+        else:
+            log.warning("worker %d (pid %d) exited (%s); restarting it", w.index, pid, why)
+        deaths = self.deaths
+        deaths.append(now)
+        while deaths and now - deaths[0] > DEATH_WINDOW:
+            deaths.popleft()
+        if len(deaths) >= DEATHS:
+            log.error("%d worker exits within %gs; giving up", len(deaths), DEATH_WINDOW)
+            self.code = 1
+            self.stop_all("crash loop")
+            return False
+        return True
 
 
 def _read_pipes(workers, timeout: float) -> None:

@@ -22,11 +22,11 @@ from time import monotonic
 
 from lb import netaddr
 from lb.http import gate, tls
-from lb import memtrim
 from lb.logs import client_fault
 from lb.proxy import replies
 from lb.proxy.conn import ClientConn
 from lb.proxy.downstream import H1Downstream
+from lb.proxy.h2stream import StreamDownstream
 from lb.proxy.exchange import Exchange
 from lb.proxy.forward import Forwarder
 from lb.proxy.pipeline import Pipeline, new_request_id
@@ -74,7 +74,6 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self._fd_warned = 0.0
         n = getattr(edge.cfg, "running_threads", 0)
         gate.install(gate.Gate(n) if n > 0 else None)
-        memtrim.start()           # freed buffers go back to the kernel after a burst (lb/memtrim.py)
         super().__init__(addr, None)
 
     def server_bind(self):
@@ -200,7 +199,11 @@ class Edge:
             self.metrics.tls_client_cert(cert is not None,
                                          subject if subject in configured_subjects(cfg.rules) else None)
         try:
-            self._serve(tsock, peer_ip, True, sock, cert)
+            if tsock.selected_alpn_protocol() == "h2":      # offered only with [server] http2 on
+                from lb.http2.server import serve as serve_h2
+                serve_h2(self, tsock, peer_ip, True, sock, cert)
+            else:
+                self._serve(tsock, peer_ip, True, sock, cert)
         finally:
             tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
 
@@ -234,6 +237,9 @@ class Edge:
                         if reader.buf[0] == tls.HANDSHAKE:
                             client_fault("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
+                        if reader.buf[:3] == b"PRI" and cfg.http2 and _h2_preface(reader):   # h2c, prior knowledge
+                            from lb.http2.server import serve as serve_h2
+                            return serve_h2(self, sock, peer_ip, False, accepted, cert, bytes(reader.buf))
                     conns[sock] = True
                     idle.pop(sock, None)
                     reader.timeout = None
@@ -325,6 +331,12 @@ class Edge:
 
     # -- one request ----------------------------------------------------------------------------------
 
+    def handle_stream(self, req: Request, codec, reader, peer_ip: str, over_tls: bool, cert, accepted) -> bool:
+        """An HTTP/2 stream's request (lb/http2/server.py, which sits below this room), answered through its
+        codec as a Downstream (lb/proxy/h2stream.py)."""
+        conn = ClientConn(None, peer_ip, over_tls, reader, cert, accepted)
+        return self.handle(req, conn, StreamDownstream(conn, self, codec))
+
     def handle(self, req: Request, conn: ClientConn, down, body=None) -> bool:
         """Serve one request (lb/proxy/pipeline.py); True when the client connection may carry another.
         body: the request body when the codec has it (HTTP/2), else None: the downstream reads it."""
@@ -353,6 +365,15 @@ class Edge:
         self.metrics.client_failed(b, 499, monotonic() - x.start)
         self.record(x, 499)
 
+
+
+def _h2_preface(reader: Reader) -> bool:
+    """Whether the connection opens with HTTP/2's preface (read on until it is whole or cannot be)."""
+    from lb.http2.server import PREFACE
+    while len(reader.buf) < len(PREFACE) and PREFACE.startswith(bytes(reader.buf)):
+        if not reader.fill():
+            return False
+    return reader.buf.startswith(PREFACE)
 
 
 def _since(item) -> float:

@@ -175,6 +175,9 @@ class Pipeline:
             x.upgrade = tunnel.requested(req, edge.cfg.upgrades)
             if x.upgrade is not None:
                 return edge.forwarder.forward(x, x.backend, b"", conn, down)
+        if x.backend.h2 is not None:      # an h2c:// backend: the body streams with the call (lb/http2/h2c.py)
+            from lb.http2.h2c import forward as forward_h2c
+            return forward_h2c(edge, x, x.backend, conn, down)
         if body is None:
             body = b""
             if has_body:

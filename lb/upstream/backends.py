@@ -233,6 +233,8 @@ class Backend:
     is passive health (lb/upstream/outlier.py); `drained` is the operator's (admin API). Pickers read only
     `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
+    h2 = None                     # an h2c:// backend's HTTP/2 calls (lb/upstream/h2pool.py), else None
+
     def __init__(self, spec: BackendSpec, pool: BackendPool):
         self.spec = spec
         self.url = spec.url
@@ -299,5 +301,8 @@ def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None, breaker
     pool.url = spec.url
     pool.pool.breaker = breaker
     b = Backend(spec, pool)
+    if spec.scheme == "h2c":         # HTTP/2 by prior knowledge: calls multiplexed (lb/upstream/h2pool.py)
+        from lb.upstream.h2pool import H2Upstream
+        b.h2 = H2Upstream(spec.address or spec.host, spec.port, cfg.connect_timeout, spec.url)
     b.joined_at = joined_at   # None at start: the whole pool starts together, nobody ramps
     return b

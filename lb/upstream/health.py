@@ -24,13 +24,17 @@ from lb.errors import HttpError, UpstreamError
 log = logging.getLogger("edge")
 
 
-def probe(b: Backend, path: str, timeout: float) -> tuple[bool, str]:
-    """One GET on a fresh connection (not from the request pool): (passed, why).
+def probe(b: Backend, path: str, timeout: float, protocol: str = "http") -> tuple[bool, str]:
+    """One GET on a fresh connection (not from the request pool): (passed, why). An h2c:// backend is
+    probed over HTTP/2, with gRPC's health check when protocol is "grpc" (lb/upstream/h2health.py).
 
     `timeout` bounds the whole probe (connect, send, the response head), not each read, and nothing of
     the body is waited for (at most one 64 KiB read past the head is buffered, then the connection is
     closed): a backend that trickles or streams cannot hold the probe.
     """
+    if b.spec.scheme == "h2c":
+        from lb.upstream.h2health import probe as probe_h2
+        return probe_h2(b, path, timeout, protocol == "grpc")
     deadline = monotonic() + timeout
     s = None
     try:
@@ -82,8 +86,9 @@ def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:
 
 class HealthChecker:
     def __init__(self, path: str, interval: float, timeout: float, rise: int, fall: int,
-                 ejector=None, metrics=None):
+                 ejector=None, metrics=None, protocol: str = "http"):
         self.path, self.interval, self.timeout, self.rise, self.fall = path, interval, timeout, rise, fall
+        self.protocol = protocol    # "grpc": h2c:// backends answer grpc.health.v1.Health/Check
         self.ejector = ejector      # lb/upstream/outlier.py: passed probes end its ejections
         self.metrics = metrics      # counts each probe (lb_health_probes_total) and the returns probes cause
         self._stops: dict[Backend, threading.Event] = {}
@@ -104,7 +109,7 @@ class HealthChecker:
 
     def _loop(self, b: Backend, stop: threading.Event) -> None:
         while True:
-            ok, why = probe(b, self.path, self.timeout)
+            ok, why = probe(b, self.path, self.timeout, self.protocol)
             if stop.is_set():
                 return
             if self.metrics is not None:

@@ -35,6 +35,9 @@ class Call:
         self.error: Exception | None = None
         self.lead = False  # woken to lead the next flight rather than with a result
         self.asking = False  # cmd starts with ASKING (a cluster slot in migration): its +OK comes first
+        self.done = None  # a held Lock, only for a call that queues (a leader never sleeps on it)
+
+    def queue(self) -> None:
         self.done = threading.Lock()
         self.done.acquire()
 
@@ -58,6 +61,7 @@ class Batcher:
                 self._out += 1
                 batch = [c]
             else:
+                c.queue()
                 self._queue.append(c)
                 batch = None
         if batch is None:
@@ -84,7 +88,7 @@ class Batcher:
             for other in batch:
                 if other.reply is None and other.error is None:  # fly() itself blew up
                     other.error = RedisConnectionError("the round trip carrying this call failed")
-                if other is not c:
+                if other is not c and other.done is not None:
                     other.done.release()
         if c.error is not None:
             raise c.error

@@ -29,7 +29,7 @@ from tests.support import Backend, Edge, request, wait_until
 pytestmark = pytest.mark.acceptance
 
 INTERVAL, THRESHOLD = 0.5, 2       # --health-interval; the thresholds' default
-SLACK = 2.0
+SLACK = 4.0
 
 
 class Traffic(threading.Thread):
