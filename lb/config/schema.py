@@ -298,6 +298,14 @@ class ServerTable(UpstreamTable):
         help="concurrent client connections; at the cap the longest-idle keep-alive one is closed for a new one",
         doc="concurrent clients; at it, a new one closes the longest-idle keep-alive connection (nginx's "
             "\"reusing connections\"); none idle: 503 and close, at once")
+    running_threads: int = setting(
+        0, Num(True, 0, 100_000), toml="server.running_threads", flag="--running-threads",
+        help="connection threads doing work at once, e.g. 32 for hundreds of connections (0: no bound); the others "
+             "wait in arrival order, out of the GIL's crowd (a thread blocked elsewhere over 50 ms gives its place up)",
+        doc="connection threads doing work at once, e.g. `32`; the others wait in arrival order (requests under "
+            "way first), outside the GIL's crowd, so hundreds of connections are served in turn rather than some "
+            "waiting seconds (a thread blocked elsewhere over 50 ms -- a slow client, a tunnel, a dead backend's "
+            "connect -- gives its place up); it costs throughput at saturation (docs/performance.md); 0: no bound")
     header_timeout: float = setting(10.0, SECONDS, toml="server.header_timeout", flag="--header-timeout",
                                     help="seconds to receive a whole request head (slowloris) -> 408")
     body_timeout: float = setting(30.0, SECONDS, toml="server.body_timeout", flag="--body-timeout",

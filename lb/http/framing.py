@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from lb.errors import ClientGone, HttpError, UpstreamError
 from lb.http.chunked import CHUNK, END, NEED, TRAILER, ChunkedDecoder
+from lb.http import gate
 
 if TYPE_CHECKING:
     from lb.http.tls import ClientCert
@@ -72,6 +73,48 @@ _HOST_BAD = re.compile(rb"[\x00-\x20\x7f/\\@?#,]")
 # A CR not followed by LF, or an LF not preceded by CR: a line end two parsers may read differently.
 _BARE_EOL = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 
+# The one-pass head parsers' fast path. A head whose first line is plain (origin-form, HTTP/1.0 or 1.1, a
+# status code and a printable reason) and whose every field line is `Name: value` exactly as a rebuild would
+# write it (a tchar name, one space, a value of visible bytes, blanks and HTAB with no blank at either end)
+# is checked by one regex -- and with it all that _check_bytes and the line-by-line checks would check: no
+# bare CR or LF, no control byte, at most MAX_HEADERS lines -- and then kept as it came: relayed from slices,
+# its fields read where they are, no object per line. Anything else (folding, blanks around a value, an
+# empty value, a long line, a malformed line, a bad byte, an absolute-form target...) takes the line-by-line
+# path, which gives the same answer or names the error. Possessive quantifiers: no backtracking.
+_TCHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
+_CANON_FIELDS = rb"(?:\r\n[" + _TCHARS + rb"]++: [^\x00-\x20\x7f][\t\x20-\x7e\x80-\xff]*+(?<![ \t])){0,%d}+" % MAX_HEADERS
+_FAST_REQUEST = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Z]++) (/[\x21-\x7e\x80-\xff]*+) (HTTP/1\.[01])" + _CANON_FIELDS)
+_FAST_RESPONSE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*+)?" + _CANON_FIELDS)
+# The fields a parser or a relay acts on, found where they are, in the lowercased head (bytes.lower: ASCII
+# only, the same offsets; a case-blind pattern is half as fast again). Names match whole (': ' follows).
+_HOP = rb"connection|keep-alive|proxy-connection|transfer-encoding|te|trailer|upgrade|proxy-authenticate|" \
+       rb"proxy-authorization|content-length|close"
+_REQUEST_ONLY = rb"host|expect|x-api-key|x-request-id|x-forwarded-for|x-forwarded-proto|x-forwarded-host|" \
+                rb"x-forwarded-client-cert|cookie"
+_RESPONSE_ONLY = rb"ratelimit|ratelimit-policy|x-request-id"
+_REQUEST_SPECIAL = re.compile(rb"\r\n(" + _HOP + rb"|" + _REQUEST_ONLY + rb"): ")
+_RESPONSE_SPECIAL = re.compile(rb"\r\n(" + _HOP + rb"|" + _RESPONSE_ONLY + rb"|x-ratelimit-[" + _TCHARS.lower()
+                               + rb"]*): ")
+# The names each pattern finds (but X-RateLimit-*): a Connection token outside them is a field the fast
+# path did not locate, so a head naming one is written line by line (lb/http/plan.py).
+REQUEST_NAMES = frozenset((_HOP + b"|" + _REQUEST_ONLY).split(b"|"))
+RESPONSE_NAMES = frozenset((_HOP + b"|" + _RESPONSE_ONLY).split(b"|"))
+# A field name with an underscore (upstream_head drops those unless told not to): before the line's colon.
+UNDERSCORE_NAME = re.compile(rb"\r\n[^:_\r\n]*_")
+
+
+def _spans(pattern: re.Pattern, head: bytes, start: int) -> list[tuple[int, int, bytes, bytes]]:
+    """The fields of a canonical head that `pattern` names, in order, as (start, end, lowercase name,
+    value): the span is the line with the CRLF before it."""
+    out = []
+    for m in pattern.finditer(head.lower(), start):
+        v = m.end()
+        e = head.find(CRLF, v)
+        if e < 0:
+            e = len(head)
+        out.append((m.start(), e, m.group(1), head[v:e]))
+    return out
+
 
 _TIMEVAL = struct.Struct("@ll")
 _UNSET = -1.0                             # Reader.applied before any timeout was set
@@ -118,7 +161,7 @@ class Reader:
     value holds request after request, and setting it is a system call. Whoever else sets the socket's
     timeout (a send with another bound) goes through apply() so the two agree."""
 
-    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound", "got", "mark")
+    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound", "got", "mark", "new_work")
 
     def __init__(self, sock: socket.socket, send_bound: float | None = None):
         self.sock = sock
@@ -132,6 +175,9 @@ class Reader:
         # read fill() puts this back -- else a write inherits what the read left of a deadline (a head
         # completed near header_timeout: ~0 s to write the response). Plain sockets: send_timeout().
         self.send_bound = send_bound if type(sock) is not socket.socket else None
+        # A client connection's reader, whose bytes may start a new request: its waits rejoin the gate
+        # behind the requests under way (lb/http/gate.py); a backend's reader's go first.
+        self.new_work = False
 
     def apply(self, t: float | None) -> None:
         if t != self.applied:
@@ -149,11 +195,15 @@ class Reader:
         if t != self.applied:
             kernel_timeout(self.sock, t, send=False)   # the send bound is apply()'s or send_timeout()'s
             self.applied = t
+        g = gate.current
+        gated = g is not None and g.leave()     # a connection thread gives its slot up while it waits
         try:
             data = self.sock.recv(65536)
         except BlockingIOError:
             raise socket.timeout("timed out") from None   # SO_RCVTIMEO expired
         finally:
+            if gated and g is not None:
+                g.enter(not self.new_work or bool(self.buf))   # (more of a head already begun: under way)
             if self.send_bound is not None and self.applied != self.send_bound:
                 self.sock.settimeout(self.send_bound)       # TLS: the next write's bound
                 self.applied = self.send_bound
@@ -244,14 +294,20 @@ class Reader:
 # ------------------------------------------------------------------------------------------ requests
 
 class Request:
-    __slots__ = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive",
+    """A parsed request head. `raw`: the head as received, and `spans` its fast_fields() when it is
+    canonical (None otherwise): upstream_head then writes the head from slices of it. `headers`, the
+    [(name, lowercase name, value)] list, is made from `raw` only when someone asks for it; setting it
+    (a request made from other fields, HTTP/2's) drops raw, so nothing relays bytes it does not match."""
+    __slots__ = ("method", "target", "version", "_headers", "content_length", "chunked", "keep_alive",
                  "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie",
-                 "request_id", "client_cert")
+                 "request_id", "client_cert", "raw", "spans")
     # (the types, for mypy: parse_request sets every one)
     method: bytes
     target: bytes
     version: bytes
-    headers: list[tuple[bytes, bytes, bytes]]
+    _headers: list[tuple[bytes, bytes, bytes]] | None
+    raw: bytes | None
+    spans: list[tuple[int, int, bytes, bytes]] | None
     content_length: int | None
     chunked: bool
     keep_alive: bool
@@ -265,6 +321,19 @@ class Request:
     cookie: bytes | None
     request_id: bytes | None
     client_cert: ClientCert | None
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes, bytes]]:
+        h = self._headers
+        if h is None:
+            assert self.raw is not None     # (set together: one or the other is there)
+            h = self._headers = _split_headers(self.raw.split(CRLF), 1)
+        return h
+
+    @headers.setter
+    def headers(self, value) -> None:
+        self._headers = value
+        self.raw = self.spans = None
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -302,11 +371,11 @@ _REQUEST_FIELDS = frozenset({b"host", b"content-length", b"transfer-encoding", b
                              b"cookie"})
 
 
-def parse_request(head: bytes) -> Request:
-    """Parse and check a request head. Raises HttpError for anything a backend could read differently."""
+def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:
+    """The line-by-line path's checks of the whole head's bytes and of the request line."""
     _check_bytes(head)
-    lines = head.split(CRLF)
-    parts = lines[0].split(b" ")
+    eol = head.find(CRLF)
+    parts = (head if eol < 0 else head[:eol]).split(b" ")
     if len(parts) != 3:
         raise HttpError(400, "malformed request line")
     method, target, version = parts
@@ -323,9 +392,27 @@ def parse_request(head: bytes) -> Request:
         version = b"HTTP/1.1"    # a later 1.x is served as the highest minor we speak (RFC 9110 2.5)
     if not target or _TARGET_BAD.search(target):
         raise HttpError(400, "invalid request target")
+    return method, target, version
+
+
+def parse_request(head: bytes) -> Request:
+    """Parse and check a request head. Raises HttpError for anything a backend could read differently."""
+    m = _FAST_REQUEST.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
+    if m is not None and m.group(1) != b"TRACE":
+        method, target, version = m.group(1, 2, 3)
+        spans = _spans(_REQUEST_SPECIAL, head, m.end(3))
+    else:
+        spans = None
+        method, target, version = _request_line(head)
     r = Request()
     r.method, r.target, r.version = method, target, version
-    r.headers = headers = _split_headers(lines, 1)
+    if spans is None:
+        r.headers = headers = _split_headers(head.split(CRLF), 1)
+        fields = [(lname, value) for _, lname, value in headers]
+    else:
+        r._headers = None
+        r.raw, r.spans = head, spans
+        fields = [(lname, value) for _, _, lname, value in spans]
     r.content_length = None
     r.chunked = False
     r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = r.client_cert = None
@@ -333,7 +420,7 @@ def parse_request(head: bytes) -> Request:
     tokens: set[bytes] = set()
     te_seen = False
     keep_alive = version == b"HTTP/1.1"
-    for _name, lname, value in headers:
+    for lname, value in fields:
         if lname not in _REQUEST_FIELDS:
             continue                   # (most of a browser's headers: one set lookup, not eleven compares)
         if lname == b"host":
@@ -570,12 +657,15 @@ def body_deadline(reader: Reader, t0: float, received: int, min_rate: float) -> 
 # ----------------------------------------------------------------------------------------- responses
 
 class ResponseHead:
-    __slots__ = ("status", "status_line", "headers", "content_length", "chunked", "codings", "close", "early",
-                 "conn_tokens")
+    """A parsed response head; `raw`, `spans` and the lazy `headers` as for Request."""
+    __slots__ = ("status", "status_line", "_headers", "content_length", "chunked", "codings", "close", "early",
+                 "conn_tokens", "raw", "spans")
     # (the types, for mypy: parse_response sets every one)
     status: int
     status_line: bytes
-    headers: list[tuple[bytes, bytes, bytes]]
+    _headers: list[tuple[bytes, bytes, bytes]] | None
+    raw: bytes | None
+    spans: list[tuple[int, int, bytes, bytes]] | None
     content_length: int | None
     chunked: bool
     codings: bytes
@@ -583,16 +673,26 @@ class ResponseHead:
     early: bool
     conn_tokens: frozenset[bytes]
 
+    @property
+    def headers(self) -> list[tuple[bytes, bytes, bytes]]:
+        h = self._headers
+        if h is None:
+            assert self.raw is not None     # (set together: one or the other is there)
+            h = self._headers = _split_headers(self.raw.split(CRLF), 1)
+        return h
+
+    @headers.setter
+    def headers(self, value) -> None:
+        self._headers = value
+        self.raw = self.spans = None
+
 
 _NO_TOKENS: frozenset[bytes] = frozenset()
 _KEEP_ALIVE = frozenset({b"keep-alive"})
 
 
-def parse_response(head: bytes) -> ResponseHead:
-    """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x, and for
-    framing a client could read differently from us: Content-Length with Transfer-Encoding (nginx's
-    answer too), differing Content-Lengths, chunked applied twice or not last but present, and for
-    control bytes (but HTAB) anywhere in the head."""
+def _status_line(head: bytes) -> tuple[bytes, bytes]:
+    """The line-by-line path's checks of the whole head's bytes, and (status line, code)."""
     # A bare CR or LF: a client could split the lines where we did not (a header hidden inside a value
     # we relay, response splitting); nginx reads LF as a line end, we refuse, as for requests.
     crlf = head.count(CRLF)
@@ -602,21 +702,40 @@ def parse_response(head: bytes) -> ResponseHead:
     # read it otherwise than we did; nginx refuses a NUL in an upstream header too.
     if head.translate(None, _NOT_CTL):
         raise UpstreamError("protocol", "control character in the response head")
-    lines = head.split(CRLF)
-    status_line = lines[0]
+    eol = head.find(CRLF)
+    status_line = head if eol < 0 else head[:eol]
     if status_line[:7] not in (b"HTTP/1.", b"http/1.") or len(status_line) < 12 or status_line[8:9] != b" ":
         raise UpstreamError("protocol", "not an HTTP/1.x status line")
     code = status_line[9:12]
     if not code.isdigit() or status_line[12:13] not in (b"", b" "):
         raise UpstreamError("protocol", "bad status code")
-    try:
-        headers = _split_headers(lines, 1)
-    except HttpError as e:
-        raise UpstreamError("protocol", e.reason) from None
+    return status_line, code
+
+
+def parse_response(head: bytes) -> ResponseHead:
+    """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x, and for
+    framing a client could read differently from us: Content-Length with Transfer-Encoding (nginx's
+    answer too), differing Content-Lengths, chunked applied twice or not last but present, and for
+    control bytes (but HTAB) anywhere in the head."""
     r = ResponseHead()
+    m = _FAST_RESPONSE.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
+    if m is not None:
+        eol = head.find(CRLF)
+        if eol < 0:
+            eol = len(head)
+        status_line, code = head[:eol], m.group(1)
+        r._headers = None
+        r.raw, r.spans = head, _spans(_RESPONSE_SPECIAL, head, eol)
+        fields = [(lname, value) for _, _, lname, value in r.spans]
+    else:
+        status_line, code = _status_line(head)
+        try:
+            r.headers = headers = _split_headers(head.split(CRLF), 1)
+        except HttpError as e:
+            raise UpstreamError("protocol", e.reason) from None
+        fields = [(lname, value) for _, lname, value in headers]
     r.status = int(code)
     r.status_line = status_line
-    r.headers = headers
     r.content_length = None
     r.chunked = False
     r.codings = b""           # transfer codings other than a final chunked, relayed as they are
@@ -624,7 +743,7 @@ def parse_response(head: bytes) -> ResponseHead:
     close = status_line[5:8] == b"1.0"
     te = None
     tokens = _NO_TOKENS
-    for _name, lname, value in headers:
+    for lname, value in fields:
         if lname == b"content-length":
             for v in value.split(b","):
                 v = v.strip()

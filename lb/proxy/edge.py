@@ -21,7 +21,7 @@ import threading
 from time import monotonic
 
 from lb import netaddr
-from lb.http import tls
+from lb.http import gate, tls
 from lb.logs import client_fault
 from lb.proxy import replies
 from lb.proxy.conn import ClientConn
@@ -61,7 +61,9 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     block_on_close = False
     server_address: tuple[str, int]     # an IP listener's (host, port, ...): the host a str, not bytes
     allow_reuse_address = True
-    request_queue_size = 1024
+    # The listen backlog (the kernel caps it at net.core.somaxconn): a burst of connections waits here for
+    # the accept loop. A full queue drops the client's handshake ACK, and its request waits for a resend (1 s+).
+    request_queue_size = 4096
 
     def __init__(self, addr, edge: "Edge"):
         self.edge = edge
@@ -72,6 +74,8 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.evicted: set = set()
         self.address_family = netaddr.family(addr[0])
         self._fd_warned = 0.0
+        n = getattr(edge.cfg, "running_threads", 0)
+        gate.install(gate.Gate(n) if n > 0 else None)
         super().__init__(addr, None)  # type: ignore[arg-type]  # no handler class: finish_request() serves
 
     def server_bind(self):
@@ -122,7 +126,14 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         super().process_request(request, client_address)
 
     def finish_request(self, request, client_address):
-        self.edge.serve_connection(request, client_address)
+        g = gate.current          # at most --running-threads connection threads at work at once (lb/http/gate.py)
+        if g is not None:
+            g.join()
+        try:
+            self.edge.serve_connection(request, client_address)
+        finally:
+            if g is not None:
+                g.part()
 
     def shutdown_request(self, request):
         super().shutdown_request(request)
@@ -203,6 +214,7 @@ class Edge:
     def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool, accepted=None, cert=None) -> None:
         send_timeout(sock, self.cfg.send_timeout)
         reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
+        reader.new_work = True                          # (lb/http/gate.py: new requests wait behind those under way)
         conn = ClientConn(sock, peer_ip, over_tls, reader, cert, accepted)
         down = H1Downstream(conn, self)
         conns = self.conns

@@ -17,7 +17,8 @@ from time import monotonic
 
 from lb.http.chunked import CHUNK, CHUNK_END, END, NEED, ChunkedDecoder
 from lb.errors import ClientGone, HttpError, UpstreamError
-from lb.http.framing import Reader, linger, not_relayed, send
+from lb.http.framing import RESPONSE_NAMES, Reader, linger, not_relayed, send
+from lb.http.plan import response_plan
 from lb.proxy.downstream import SMALL_BODY
 from lb.proxy.spool import Spool
 from lb.upstream.failures import Failure
@@ -137,62 +138,19 @@ class Relay:
         mode: none | length | chunked | eof (delimited by the backend's close) | raw (a coding we do not
         decode, relayed as it came, delimited by the close)."""
         req = x.req
-        status = rh.status
-        out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
-        tokens = rh.conn_tokens
-        limiting = bool(x.rl)
+        client_keep = req.keep_alive and in_sync and not self.edge.closing
         skip = not_relayed(x.rl, x.rid_header)
-        edit = x.route.response_edit if x.route is not None else None    # lb/proxy/routes.py
+        ours = x.rid_header + x.rl + x.set_cookie
+        edit = x.route.response_edit if x.route is not None else None    # a route's header rules (lb/proxy/routes.py)
+        slow = False
         if edit is not None:
             skip = skip | edit.drop
-        # A 1xx or 204 has no body, whatever length it names: no Content-Length for it (RFC 9110 8.6)
-        cl = rh.content_length if status >= 200 and status != 204 else None
-        for name, lname, value in rh.headers:
-            if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
-                if lname == b"content-length" and cl is not None:
-                    out += b"Content-Length: %d\r\n" % cl     # in its place, once, as the edge parsed it
-                    cl = None
-                continue
-            out += name + b": " + value + b"\r\n"
-        if edit is not None:
-            out += edit.render(x)
-        if x.rid_header:         # --request-id-response: ours, in place of the backend's
-            out += x.rid_header
-        if limiting:
-            out += x.rl
-        if x.set_cookie:
-            out += x.set_cookie
-
-        client_keep = req.keep_alive and in_sync and not self.edge.closing
-        http10 = req.version == b"HTTP/1.0"
-        if status == 101:
-            # No tunnel here (the upgrade path is its own): this connection speaks something else now.
-            client_keep = False
-            rh.close = True
-        if req.method == b"HEAD" or status in _NO_BODY_STATUS or status < 200:
-            mode = "none"
-        elif rh.content_length is not None:
-            mode = "length"
-        elif rh.chunked:
-            mode = "chunked"
-        else:
-            mode = "eof"      # delimited by the backend closing
-        if mode == "eof" and rh.codings:
-            # A transfer coding we do not decode: relayed as it is, delimited by the close, as it came.
-            mode = "raw"
-            client_keep = False
-            if not http10:
-                out += b"Transfer-Encoding: " + rh.codings + b"\r\n"
-        elif mode in ("chunked", "eof"):
-            if http10:
-                client_keep = False   # an HTTP/1.0 client reads to EOF
-            else:
-                out += b"Transfer-Encoding: " + (rh.codings + b", chunked\r\n" if rh.codings else b"chunked\r\n")
-        if not client_keep:
-            out += b"Connection: close\r\n"
-        elif http10:
-            out += b"Connection: keep-alive\r\n"
-        out += b"\r\n"
+            ours = edit.render(x) + ours
+            slow = not edit.drop <= RESPONSE_NAMES    # a removed name the parser does not locate
+        out, mode, client_keep = response_plan(rh, req.method, req.version == b"HTTP/1.0", client_keep,
+                                               skip, bool(x.rl), ours, slow)   # (lb/http/plan.py)
+        if rh.status == 101:
+            rh.close = True      # no tunnel here (the upgrade path is its own): the backend's side is done too
         return out, mode, client_keep
 
     def client_side(self, sock, rh, ur: Reader, url: str):

@@ -18,7 +18,8 @@ from time import monotonic
 from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
 
 from lb.errors import ClientGone, HttpError, PoolExhausted, UpstreamError
-from lb.http.framing import HOP_BY_HOP, Reader, Request, parse_response
+from lb.http.framing import HOP_BY_HOP, REQUEST_NAMES, Reader, Request, parse_response
+from lb.http.plan import request_fields
 from lb.netaddr import hostport
 from lb.proxy.spool import SpooledBody
 from lb.upstream.backends import Backend
@@ -71,20 +72,16 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     dashed twin (parse_request matches exact names).
     """
     out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
-    tokens = req.conn_tokens   # never names Host or the framing (httpio.NOT_NOMINABLE)
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
     edit = x.route.request_edit if x is not None and x.route is not None else None   # lb/proxy/routes.py
+    slow = False
     if edit is not None:
         replaced = replaced | edit.drop
-    for name, lname, value in req.headers:
-        if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
-            if lname == b"content-length" and length is not None:
-                out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
-                length = None
-            continue
-        out += name + b": " + value + b"\r\n"
+        slow = not edit.drop <= REQUEST_NAMES      # a removed name the parser does not locate
+    fields, length = request_fields(req, replaced, underscores, length, slow)   # (lb/http/plan.py; Connection's
+    out += fields                                                          # tokens never name Host or the framing)
     if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
         out += b"Host: " + hostport(backend.spec.host, backend.spec.port).encode() + b"\r\n"
     out += b"X-Forwarded-For: " + (req.xff + b", " + peer if req.xff else peer) + b"\r\n"

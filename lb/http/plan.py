@@ -1,0 +1,128 @@
+"""The head the edge writes from one it received, bytes in, bytes out: which of the backend's fields the
+client gets, the body's framing and whether the connection stays open (the response plan), and the
+request's fields as the backend gets them.
+
+A head the parser found canonical (framing.Request/ResponseHead `spans` set: every line `Name: value`)
+is written from slices of the received bytes: only the lines to drop or replace are touched, found by the
+parser where they are. Any other head is rebuilt field by field from `headers`, as before; both give the
+same bytes for a canonical head (tests/test_plan.py checks that on tables of heads). No sockets here.
+"""
+
+from __future__ import annotations
+
+from lb.http.framing import REQUEST_NAMES, RESPONSE_NAMES, UNDERSCORE_NAME
+
+CRLF = b"\r\n"
+NO_BODY_STATUS = frozenset({204, 304})
+
+
+def _kept(raw: bytes, start: int, dropped: list, cl: int | None) -> bytearray:
+    """raw[start:] (field lines, each after its CRLF) without the `dropped` spans, as lines each ending in
+    CRLF; a dropped Content-Length is written in its place, once, as `cl` (when not None)."""
+    out = bytearray()
+    pos = start
+    for s, e, lname in dropped:
+        out += raw[pos:s]
+        if cl is not None and lname == b"content-length":
+            out += b"\r\nContent-Length: %d" % cl
+            cl = None
+        pos = e
+    out += raw[pos:]
+    if out:
+        del out[:2]          # the first line's CRLF: the caller's first line ends with its own
+        out += CRLF
+    return out
+
+
+def response_fields(rh, skip: frozenset, limiting: bool, slow: bool = False) -> bytearray:
+    """The backend's field lines the client gets, each ending in CRLF: none that `skip` or the response's
+    Connection names, no X-RateLimit-* when the edge writes its own (`limiting`), and Content-Length as
+    the edge parsed it, in its place -- none for a 1xx or a 204 (RFC 9110 8.6). slow: `skip` names a field
+    the parser does not locate (a route's `remove`), so the head is written line by line."""
+    status = rh.status
+    cl = rh.content_length if status >= 200 and status != 204 else None
+    tokens = rh.conn_tokens
+    if rh.spans is not None and not slow and (not tokens or tokens <= RESPONSE_NAMES):
+        dropped = [(s, e, lname) for s, e, lname, _ in rh.spans
+                   if lname in skip or lname in tokens or (limiting and lname[:12] == b"x-ratelimit-")]
+        if not dropped:
+            return bytearray(rh.raw[len(rh.status_line) + 2:] + b"\r\n") if len(rh.raw) > len(rh.status_line) \
+                else bytearray()
+        return _kept(rh.raw, len(rh.status_line), dropped, cl)
+    out = bytearray()
+    for name, lname, value in rh.headers:
+        if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
+            if lname == b"content-length" and cl is not None:
+                out += b"Content-Length: %d\r\n" % cl     # in its place, once, as the edge parsed it
+                cl = None
+            continue
+        out += name + b": " + value + b"\r\n"
+    return out
+
+
+def response_plan(rh, method: bytes, http10: bool, client_keep: bool, skip: frozenset, limiting: bool,
+                  extra: bytes, slow: bool = False) -> tuple[bytearray, str, bool]:
+    """(the head for the client, the body's mode, whether the client connection stays open).
+
+    mode: none (no body: HEAD, 1xx, 204, 304), length, chunked (decoded and re-chunked), eof (delimited by
+    the backend's close, chunked to an HTTP/1.1 client) or raw (a transfer coding the edge does not decode:
+    as it came, to the close). extra: the edge's own lines (X-Request-Id, rate-limit fields, Set-Cookie).
+    A 101 outside a tunnel closes both sides: the caller also marks rh.close."""
+    status = rh.status
+    out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
+    out += response_fields(rh, skip, limiting, slow)
+    out += extra
+    if status == 101:
+        client_keep = False     # this connection speaks something else now
+    if method == b"HEAD" or status in NO_BODY_STATUS or status < 200:
+        mode = "none"
+    elif rh.content_length is not None:
+        mode = "length"
+    elif rh.chunked:
+        mode = "chunked"
+    else:
+        mode = "eof"
+    if mode == "eof" and rh.codings:
+        mode = "raw"
+        client_keep = False
+        if not http10:
+            out += b"Transfer-Encoding: " + rh.codings + b"\r\n"
+    elif mode in ("chunked", "eof"):
+        if http10:
+            client_keep = False   # an HTTP/1.0 client reads to EOF
+        else:
+            out += b"Transfer-Encoding: " + (rh.codings + b", chunked\r\n" if rh.codings else b"chunked\r\n")
+    if not client_keep:
+        out += b"Connection: close\r\n"
+    elif http10:
+        out += b"Connection: keep-alive\r\n"
+    out += b"\r\n"
+    return out, mode, client_keep
+
+
+def request_fields(req, replaced: frozenset, underscores: bool, length: int | None,
+                   slow: bool = False) -> tuple[bytearray, int | None]:
+    """The client's field lines the backend gets, each ending in CRLF, and `length` if it is still to be
+    written (None once a Content-Length took its place): none that `replaced` or the request's Connection
+    names, none with '_' in its name unless `underscores`. slow: as for response_fields."""
+    tokens = req.conn_tokens
+    spans = getattr(req, "spans", None)
+    if spans is not None and not slow and (not tokens or tokens <= REQUEST_NAMES):
+        raw = req.raw
+        if underscores or b"_" not in raw or UNDERSCORE_NAME.search(raw) is None:
+            dropped = [(s, e, lname) for s, e, lname, _ in spans if lname in replaced or lname in tokens]
+            eol = raw.find(CRLF)
+            if not dropped:
+                return bytearray(raw[eol + 2:] + b"\r\n") if eol >= 0 else bytearray(), length
+            if length is not None and any(lname == b"content-length" for _, _, lname in dropped):
+                return _kept(raw, eol, dropped, length), None
+            return _kept(raw, eol, dropped, None), length
+    out = bytearray()
+    for name, lname, value in req.headers:
+        if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
+            if lname == b"content-length" and length is not None:
+                out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
+                length = None
+            continue
+        out += name + b": " + value + b"\r\n"
+    return out, length
