@@ -75,3 +75,19 @@ def test_a_bad_log_redact_params_is_a_configuration_error(tmp_path):
     conf = tmp_path / "edge.toml"
     conf.write_text('[[backends]]\nurl = "http://127.0.0.1:9"\n[server]\nlog_redact_params = ["a=b"]\n')
     assert "server.log_redact_params: expected a list of query parameter names" in config_error("--config", str(conf), "--check")
+
+
+@pytest.mark.parametrize("body", [b"3\r\nabcdef\r\n0\r\n\r\n", b"3\r\nabc0\r\n\r\n"])
+def test_a_chunk_longer_than_declared_counts_the_two_bytes_read_where_its_crlf_belonged(backends, tmp_path, body):
+    """bytes_received is what the edge read of the request up to the refusal: the chunk's data and the two
+    bytes read in place of its CRLF (the count before the one chunked decoder, lb/http/chunked.py, which
+    refused on seeing them but counted them unread: 2 bytes short)."""
+    log = tmp_path / "access.log"
+    e = Edge("--backends", backends[0].url, "--access-log", str(log))
+    head = b"POST /p HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    try:
+        assert raw(e.port, head + body).startswith(b"HTTP/1.1 400")
+        (line,) = _lines(log, 1)
+    finally:
+        e.stop()
+    assert f" bytes_received={len(head) + len(b'3') + 2 + 3 + 2} " in line, line

@@ -53,6 +53,18 @@ def test_every_strategy_honours_exclude_and_rotation(strategy):
     assert bal.pick(exclude=(b,)) is None and bal.pick() is b
 
 
+def test_a_pick_without_a_turn_leaves_round_robin_where_it_was():
+    """turn=False (a hedge beside the request's own try) skips the excluded one without moving the
+    cursor: the backend after it keeps its turn."""
+    a, b, c = pool(1, 1, 1)
+    bal = Balancer([a, b, c], "round-robin")
+    assert bal.pick() is a
+    assert bal.pick(exclude=(a,), turn=False) is b
+    assert [bal.pick() for _ in range(3)] == [b, c, a]
+    assert bal.pick(exclude=(b,)) is c                 # a retry still takes c's turn, as it always did
+    assert bal.pick() is a
+
+
 def test_least_request_prefers_fewer_in_flight():
     a, b, c = pool(1, 1, 1)
     bal = Balancer([a, b, c], "least-request", rng=random.Random(7))

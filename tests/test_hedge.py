@@ -127,6 +127,21 @@ def test_a_slow_backend_is_hedged_and_every_response_comes_in_under_half_a_secon
         e.stop()
 
 
+def test_round_robin_still_alternates_first_tries_when_every_try_on_one_backend_is_hedged(pair):
+    """A hedge is a second opinion, not a turn: with round robin over [slow, fast], the hedge to fast must
+    not take fast's turn, or the next request's first try goes to slow again -- every request paying the
+    hedge delay (8 of 8 first tries on the slow backend before lb/upstream/balancer.pick's turn=False)."""
+    slow, fast = pair
+    e = edge_for([slow, fast], "--hedge-after", "0.05")
+    try:
+        got = [timed(e, path=f"/a{i}") for i in range(8)]
+        assert all(r.status == 200 and r.body == b"fast" for r, _ in got), [(r.status, r.body) for r, _ in got]
+        assert len(slow.got) <= 5, f"{len(slow.got)} of 8 first tries on the slow backend (its share: 4)"
+        settled(e)
+    finally:
+        e.stop()
+
+
 def test_a_post_is_never_hedged(pair):
     slow, fast = pair
     e = edge_for([slow, fast], "--hedge-after", "0.05")

@@ -76,6 +76,9 @@ class ChunkedDecoder:
             if len(buf) < 2:
                 return NEED
             if buf[0] != 13 or buf[1] != 10:
+                # read, though not a CRLF: counted as consumed (the access log's bytes_received)
+                del buf[:2]
+                self.consumed += 2
                 raise self.error("chunk longer than its declared size")
             del buf[:2]
             self.consumed += 2

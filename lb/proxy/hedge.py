@@ -215,7 +215,7 @@ class Race:
         if breaker.max_requests and breaker.requests >= breaker.max_requests:
             edge.metrics.inc("lb_hedges_skipped_total", reason="max_requests")
             return False
-        other = pool.balancer.pick(exclude=[self.first])
+        other = pool.balancer.pick(exclude=[self.first], turn=False)
         if other is None or other is self.first or other.pool_full():
             return False
         try:

@@ -54,18 +54,21 @@ class Balancer:
             if slow_start is not None:
                 self.slow_start = slow_start
 
-    def pick(self, exclude=()) -> Backend | None:
-        """The next backend in rotation, not one of `exclude`; None when there is none."""
+    def pick(self, exclude=(), turn: bool = True) -> Backend | None:
+        """The next backend in rotation, not one of `exclude`; None when there is none. turn=False: a
+        second opinion beside the request's own try (a hedge) -- round robin's cursor stays where the
+        try left it, or the backend after the hedged one would lose its turn to it, and a pool whose
+        slow backend is hedged on every request would send that backend every first try."""
         if self.resting:     # empty but for a few seconds after a Retry-After: one truth test per pick
             now = self.clock()
             for b, until in list(self.resting.items()):
                 if until <= now:
                     self.resting.pop(b, None)
             if self.resting:
-                got = self._pick(tuple(exclude) + tuple(self.resting))
+                got = self._pick(tuple(exclude) + tuple(self.resting), turn)
                 if got is not None:
                     return got
-        return self._pick(exclude)
+        return self._pick(exclude, turn)
 
     def rest(self, backend: Backend, seconds: float) -> None:
         """Leave `backend` out of the picks for `seconds` (a 503's Retry-After; this process only)."""
@@ -87,7 +90,7 @@ class Balancer:
                 return b.weight * max(SLOW_START_MIN, age / self.slow_start)
         return b.weight
 
-    def _round_robin(self, exclude) -> Backend | None:
+    def _round_robin(self, exclude, turn: bool = True) -> Backend | None:
         """The next backend in configured order after the last one picked (weights ignored)."""
         if self.slow_start > 0:
             return self._smooth_weighted(exclude, unit=True)   # a ramp needs weights: all 1 here
@@ -97,11 +100,12 @@ class Balancer:
             for step in range(n):
                 b = bs[(self._cursor + step) % n]
                 if b.in_rotation and b not in exclude:
-                    self._cursor = (self._cursor + step + 1) % n
+                    if turn:
+                        self._cursor = (self._cursor + step + 1) % n
                     return b
         return None
 
-    def _smooth_weighted(self, exclude, unit: bool = False) -> Backend | None:
+    def _smooth_weighted(self, exclude, turn: bool = True, unit: bool = False) -> Backend | None:
         """nginx's rule: every backend in rotation gains its (effective) weight, the largest wins and pays
         the total back. Weights 3,1,1 pick a,b,a,c,a: each backend gets its share of every window.
         """
@@ -124,7 +128,7 @@ class Balancer:
                 best.current -= total
             return best
 
-    def _least_request(self, exclude) -> Backend | None:
+    def _least_request(self, exclude, turn: bool = True) -> Backend | None:
         """Envoy's least-request. Equal weights: power of two random choices -- draw two, send to the one
         with fewer requests in flight. Unequal (or ramping) weights: the smooth weighted round robin over
         weight / (in flight + 1), so the shares follow the weights when idle and shift away from a
