@@ -106,6 +106,9 @@ class H2UpConn:
             try:
                 self.h2.send_headers(sid, fields, end_stream=end)
                 self._flush()
+            except h2.exceptions.TooManyStreamsError:
+                self.calls.pop(sid, None)       # the connection is full, not broken: its calls go on
+                raise H2Unavailable("HTTP/2 connection at its stream limit") from None
             except (OSError, h2.exceptions.ProtocolError) as e:
                 self.calls.pop(sid, None)
                 self.dead = True
@@ -150,19 +153,30 @@ class H2UpConn:
     def reset(self, call: Call, code) -> None:
         """The client cancelled (or we gave up): the backend's stream is cancelled too."""
         with self.cv:
-            if call.sid in self.calls:
-                self.calls.pop(call.sid, None)
-                call.done = True
-                try:
-                    self.h2.reset_stream(call.sid, code)
-                    self._flush()
-                except (OSError, h2.exceptions.ProtocolError):
-                    pass
+            self.calls.pop(call.sid, None)
+            call.done = True
+            self._close_ours(call.sid, code)
 
     def finished(self, call: Call) -> None:
+        """The answer is relayed. A request still uploading when the backend ended its answer (it answered
+        early) is cancelled: its stream is closed on our side too, or it stays half-open and counts
+        against the backend's SETTINGS_MAX_CONCURRENT_STREAMS (h2 then refuses the next call)."""
         with self.cv:
             call.done = True
             self.calls.pop(call.sid, None)
+            self._close_ours(call.sid, ErrorCodes.CANCEL)
+
+    def _close_ours(self, sid: int, code) -> None:
+        """(cv held) RST_STREAM unless the stream is closed already (the call popped from `calls` when
+        the backend ended its side, which does not close ours)."""
+        st = self.h2.streams.get(sid)
+        if st is None or st.closed:
+            return
+        try:
+            self.h2.reset_stream(sid, code)
+            self._flush()
+        except (OSError, h2.exceptions.ProtocolError):
+            pass
 
     def _read_loop(self) -> None:
         why = "closed by the backend"

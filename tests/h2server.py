@@ -1,0 +1,93 @@
+"""A scripted h2c backend for the tests: h2's server side over real sockets, one thread per connection.
+
+It misbehaves on command, by path, where a gRPC server library would not: /early answers (END_STREAM)
+before the request body ended. It records what each stream saw from the edge -- ended by END_STREAM,
+reset, or still open -- so a test can see a stream the edge left half-open.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+
+
+class H2Server:
+    def __init__(self, max_streams: int = 100):
+        self.max_streams = max_streams
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = self.lsock.getsockname()[1]
+        self.url = f"h2c://127.0.0.1:{self.port}"
+        self.lock = threading.Lock()
+        self.connections = 0
+        self.streams: dict[tuple[int, int], str] = {}     # (connection, stream) -> "open" | "ended" | "reset"
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                s, _ = self.lsock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.connections += 1
+                n = self.connections
+                self.socks.append(s)
+            threading.Thread(target=self._serve, args=(s, n), daemon=True).start()
+
+    def _serve(self, s: socket.socket, n: int):
+        c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        c.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams})
+        c.initiate_connection()
+        try:
+            s.sendall(c.data_to_send())
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    return
+                for ev in c.receive_data(data):
+                    sid = getattr(ev, "stream_id", None)
+                    if isinstance(ev, h2.events.RequestReceived):
+                        path = dict(ev.headers).get(b":path", b"")
+                        with self.lock:
+                            self.streams[(n, sid)] = "ended" if ev.stream_ended else "open"
+                        if path.startswith(b"/early") or ev.stream_ended:
+                            c.send_headers(sid, [(b":status", b"200"), (b"content-length", b"2")])
+                            c.send_data(sid, b"ok", end_stream=True)
+                    elif isinstance(ev, h2.events.DataReceived):
+                        c.acknowledge_received_data(ev.flow_controlled_length, sid)
+                    elif isinstance(ev, h2.events.StreamEnded):
+                        with self.lock:
+                            self.streams[(n, sid)] = "ended"
+                    elif isinstance(ev, h2.events.StreamReset):
+                        with self.lock:
+                            self.streams[(n, sid)] = "reset"
+                out = c.data_to_send()
+                if out:
+                    s.sendall(out)
+        except (OSError, h2.exceptions.ProtocolError):
+            return
+        finally:
+            s.close()
+
+    def open_streams(self) -> list:
+        with self.lock:
+            return [k for k, v in self.streams.items() if v == "open"]
+
+    def close(self):
+        self.lsock.close()
+        with self.lock:
+            for s in self.socks:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
