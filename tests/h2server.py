@@ -1,7 +1,8 @@
 """A scripted h2c backend for the tests: h2's server side over real sockets, one thread per connection.
 
 It misbehaves on command, by path, where a gRPC server library would not: /early answers (END_STREAM)
-before the request body ended. It records what each stream saw from the edge -- ended by END_STREAM,
+before the request body ended; the first /goaway gets GOAWAY saying it was never processed, and
+the connection closed; /stall is never answered. It records what each stream saw from the edge -- ended by END_STREAM,
 reset, or still open -- so a test can see a stream the edge left half-open.
 """
 
@@ -29,6 +30,7 @@ class H2Server:
         self.connections = 0
         self.streams: dict[tuple[int, int], str] = {}     # (connection, stream) -> "open" | "ended" | "reset"
         self.socks: list[socket.socket] = []
+        self.went_away = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -60,6 +62,13 @@ class H2Server:
                         path = dict(ev.headers).get(b":path", b"")
                         with self.lock:
                             self.streams[(n, sid)] = "ended" if ev.stream_ended else "open"
+                        if path.startswith(b"/goaway") and not self.went_away:   # once: this stream unprocessed
+                            self.went_away = True
+                            c.close_connection(last_stream_id=sid - 2 if sid > 2 else 0)
+                            s.sendall(c.data_to_send())
+                            return
+                        if path.startswith(b"/stall"):
+                            continue
                         if path.startswith(b"/early") or ev.stream_ended:
                             c.send_headers(sid, [(b":status", b"200"), (b"content-length", b"2")])
                             c.send_data(sid, b"ok", end_stream=True)

@@ -25,3 +25,19 @@ def test_a_backend_answering_before_the_body_ended_gets_its_stream_cancelled():
     finally:
         e.stop()
         srv.close()
+
+
+def test_a_call_the_backend_goaway_says_it_never_processed_is_tried_again_on_a_new_connection():
+    srv = H2Server()
+    e = Edge("--backends", srv.url, "--health-interval", "30")
+    try:
+        c = H2Client(e.port)
+        for path in ("/a", "/goaway", "/b"):
+            r = c.response(c.request(path))
+            assert (path, r["headers"][b":status"], r["data"]) == (path, b"200", b"ok")
+        assert srv.went_away
+        assert srv.connections == 3             # the health check's, the one that went away, the new one
+        c.close()
+    finally:
+        e.stop()
+        srv.close()

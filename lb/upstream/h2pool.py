@@ -17,7 +17,6 @@ import logging
 import queue
 import socket
 import threading
-from time import monotonic
 
 import h2.config
 import h2.connection
@@ -39,7 +38,8 @@ class H2Unavailable(OSError):
 
 class Call:
     """One stream to the backend. events(): ("headers", fields, ended) | ("data", bytes, n) |
-    ("trailers", fields) | ("end",) | ("reset", code) | ("closed", why)."""
+    ("trailers", fields) | ("end",) | ("reset", code) | ("closed", why) | ("refused", why): the
+    backend's GOAWAY said it never processed this stream."""
 
     __slots__ = ("conn", "sid", "q", "done")
 
@@ -214,7 +214,7 @@ class H2UpConn:
             for sid, c in list(self.calls.items()):
                 if sid > last:           # never processed: the caller may try it elsewhere
                     self.calls.pop(sid, None)
-                    c.q.put(("closed", "GOAWAY before it was processed"))
+                    c.q.put(("refused", "GOAWAY before it was processed"))
             return
         sid = getattr(ev, "stream_id", None)
         c = self.calls.get(sid) if sid else None
