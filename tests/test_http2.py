@@ -110,6 +110,9 @@ def test_bad_fields_are_refused_on_their_stream_and_the_connection_serves_on(edg
         assert c.response(sid)["headers"][b":status"] == b"400"
         sid = c.request("/", "TRACE")
         assert c.response(sid)["headers"][b":status"] == b"405"
+        sid = c.request("/echo", "POST", headers=[("content-length", "10")])    # END_STREAM on HEADERS
+        r = c.response(sid)
+        assert (r["headers"][b":status"], r["data"]) == (b"400", b"Content-Length but the stream ended without a body\n")
         sid = c.request("/echo")
         assert c.response(sid)["headers"][b":status"] == b"200"
     finally:

@@ -568,6 +568,10 @@ class Connection:
                 st.body_end = True
         try:
             req = request_from_fields(method or b"", path or b"", authority, fields)
+            if ended and req.content_length:
+                # h2 checks a length against the DATA that came, not against none at all (RFC 9113 8.1.1:
+                # malformed); unchecked, the pipeline waited for a body that cannot come, then said 499.
+                raise HttpError(400, "Content-Length but the stream ended without a body")
         except HttpError as e:
             _workers().submit(self._refuse, st, e)
             return
