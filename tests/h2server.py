@@ -30,6 +30,7 @@ class H2Server:
         self.connections = 0
         self.streams: dict[tuple[int, int], str] = {}     # (connection, stream) -> "open" | "ended" | "reset"
         self.socks: list[socket.socket] = []
+        self.sent: dict[tuple[int, int], int] = {}         # (connection, stream) -> DATA bytes sent
         self.went_away = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -50,6 +51,7 @@ class H2Server:
         c.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams})
         c.initiate_connection()
+        pending: dict[int, int] = {}          # /big streams: bytes still to send
         try:
             s.sendall(c.data_to_send())
             while True:
@@ -69,6 +71,10 @@ class H2Server:
                             return
                         if path.startswith(b"/stall"):
                             continue
+                        if path.startswith(b"/big"):        # 4 MB, as the edge's windows allow
+                            c.send_headers(sid, [(b":status", b"200")])
+                            pending[sid] = 4 << 20
+                            continue
                         if path.startswith(b"/early") or ev.stream_ended:
                             c.send_headers(sid, [(b":status", b"200"), (b"content-length", b"2")])
                             c.send_data(sid, b"ok", end_stream=True)
@@ -78,8 +84,20 @@ class H2Server:
                         with self.lock:
                             self.streams[(n, sid)] = "ended"
                     elif isinstance(ev, h2.events.StreamReset):
+                        pending.pop(sid, None)
                         with self.lock:
                             self.streams[(n, sid)] = "reset"
+                for sid, left in list(pending.items()):
+                    k = min(c.local_flow_control_window(sid), c.max_outbound_frame_size, left)
+                    while k > 0:
+                        c.send_data(sid, b"x" * k, end_stream=k == left)
+                        left -= k
+                        with self.lock:
+                            self.sent[(n, sid)] = self.sent.get((n, sid), 0) + k
+                        k = min(c.local_flow_control_window(sid), c.max_outbound_frame_size, left)
+                    pending[sid] = left
+                    if not left:
+                        del pending[sid]
                 out = c.data_to_send()
                 if out:
                     s.sendall(out)

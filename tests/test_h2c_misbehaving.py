@@ -2,6 +2,8 @@
 each backend stream must still end, or the backend's stream limit fills with streams nobody uses."""
 
 import pytest
+from h2.events import SettingsAcknowledged
+from h2.settings import SettingCodes
 
 from tests.h2client import H2Client
 from tests.h2server import H2Server
@@ -37,6 +39,32 @@ def test_a_call_the_backend_goaway_says_it_never_processed_is_tried_again_on_a_n
             assert (path, r["headers"][b":status"], r["data"]) == (path, b"200", b"ok")
         assert srv.went_away
         assert srv.connections == 3             # the health check's, the one that went away, the new one
+        c.close()
+    finally:
+        e.stop()
+        srv.close()
+
+
+def test_calls_cancelled_mid_answer_give_the_backend_connection_its_window_back():
+    srv = H2Server()
+    e = Edge("--backends", srv.url, "--health-interval", "30", "--read-timeout", "5")
+    try:
+        c = H2Client(e.port, settings={SettingCodes.INITIAL_WINDOW_SIZE: 0})    # reads nothing of any answer
+        c.wait(lambda: any(isinstance(ev, SettingsAcknowledged) for ev in c.events), 5, "SETTINGS ACK")
+        # Each call's backend stream fills its 1 MB window (the edge relays none of it), then the client
+        # cancels: 30 of them are more than the backend connection's 16 MB window.
+        for _ in range(30):
+            before = sum(srv.sent.values())
+            sid = c.request("/big")
+            wait_until(lambda b=before: sum(srv.sent.values()) - b >= 1 << 20, 10, what="the call's window used")
+            c.h2.reset_stream(sid)
+            c.flush()
+        assert srv.connections == 2
+        other = H2Client(e.port)
+        r = other.response(other.request("/a"), 15)
+        assert (r["headers"][b":status"], r["data"]) == (b"200", b"ok")
+        assert srv.connections == 2             # on the same backend connection
+        other.close()
         c.close()
     finally:
         e.stop()

@@ -8,7 +8,6 @@ import shutil
 import socket
 import ssl
 import subprocess
-import time
 
 import pytest
 from h2.errors import ErrorCodes

@@ -41,10 +41,11 @@ class Call:
     ("trailers", fields) | ("end",) | ("reset", code) | ("closed", why) | ("refused", why): the
     backend's GOAWAY said it never processed this stream."""
 
-    __slots__ = ("conn", "sid", "q", "done")
+    __slots__ = ("conn", "sid", "q", "done", "unacked")
 
     def __init__(self, conn: "H2UpConn", sid: int):
         self.conn, self.sid, self.q, self.done = conn, sid, queue.SimpleQueue(), False
+        self.unacked = 0          # DATA received (queued or being relayed) not yet given back as window
 
     def get(self, timeout: float | None):
         try:
@@ -144,6 +145,10 @@ class H2UpConn:
 
     def ack(self, call: Call, n: int) -> None:
         with self.cv:
+            n = min(n, call.unacked)       # (what _close_ours gave back already is not given twice)
+            if n <= 0:
+                return
+            call.unacked -= n
             try:
                 self.h2.acknowledge_received_data(n, call.sid)
                 self._flush()
@@ -155,7 +160,7 @@ class H2UpConn:
         with self.cv:
             self.calls.pop(call.sid, None)
             call.done = True
-            self._close_ours(call.sid, code)
+            self._close_ours(call, code)
 
     def finished(self, call: Call) -> None:
         """The answer is relayed. A request still uploading when the backend ended its answer (it answered
@@ -164,16 +169,23 @@ class H2UpConn:
         with self.cv:
             call.done = True
             self.calls.pop(call.sid, None)
-            self._close_ours(call.sid, ErrorCodes.CANCEL)
+            self._close_ours(call, ErrorCodes.CANCEL)
 
-    def _close_ours(self, sid: int, code) -> None:
+    def _close_ours(self, call: Call, code) -> None:
         """(cv held) RST_STREAM unless the stream is closed already (the call popped from `calls` when
-        the backend ended its side, which does not close ours)."""
+        the backend ended its side, which does not close ours). And what the call received but never
+        relayed (a client gone mid-answer) is the connection's window back: unreturned, every such call
+        shrank the connection's window for good, until no call on it could receive a byte."""
+        sid, n, call.unacked = call.sid, call.unacked, 0
         st = self.h2.streams.get(sid)
-        if st is None or st.closed:
-            return
         try:
-            self.h2.reset_stream(sid, code)
+            if st is not None and not st.closed:
+                self.h2.reset_stream(sid, code)
+        except h2.exceptions.ProtocolError:
+            pass
+        try:
+            if n:
+                self.h2.acknowledge_received_data(n, sid)     # (a closed stream's: the connection's alone)
             self._flush()
         except (OSError, h2.exceptions.ProtocolError):
             pass
@@ -227,6 +239,7 @@ class H2UpConn:
         elif t is h2.events.InformationalResponseReceived:
             pass
         elif t is h2.events.DataReceived:
+            c.unacked += ev.flow_controlled_length
             c.q.put(("data", ev.data, ev.flow_controlled_length))
         elif t is h2.events.TrailersReceived:
             c.q.put(("trailers", ev.headers))
