@@ -18,8 +18,8 @@ import h2.settings
 
 
 class H2Server:
-    def __init__(self, max_streams: int = 100):
-        self.max_streams = max_streams
+    def __init__(self, max_streams: int = 100, header_table: int = 4096):
+        self.max_streams, self.header_table = max_streams, header_table
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("127.0.0.1", 0))
@@ -32,6 +32,7 @@ class H2Server:
         self.socks: list[socket.socket] = []
         self.sent: dict[tuple[int, int], int] = {}         # (connection, stream) -> DATA bytes sent
         self.went_away = False
+        self.decoders: list = []             # each connection's HPACK decoder: what the edge's encoder indexed
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -49,7 +50,9 @@ class H2Server:
     def _serve(self, s: socket.socket, n: int):
         c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
         c.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams})
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
+            h2.settings.SettingCodes.HEADER_TABLE_SIZE: self.header_table})
+        self.decoders.append(c.decoder)
         c.initiate_connection()
         pending: dict[int, int] = {}          # /big streams: bytes still to send
         try:

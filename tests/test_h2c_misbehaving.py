@@ -69,3 +69,19 @@ def test_calls_cancelled_mid_answer_give_the_backend_connection_its_window_back(
     finally:
         e.stop()
         srv.close()
+
+
+def test_a_backend_allowing_a_huge_hpack_table_does_not_make_the_edge_keep_every_request_field():
+    srv = H2Server(header_table=1 << 30)
+    e = Edge("--backends", srv.url, "--health-interval", "30")
+    try:
+        c = H2Client(e.port)
+        for _ in range(200):                 # each call has an X-Request-Id of its own
+            r = c.response(c.request("/a"))
+            assert r["headers"][b":status"] == b"200"
+        assert srv.connections == 2
+        assert srv.decoders[1].header_table._current_size <= 4096
+        c.close()
+    finally:
+        e.stop()
+        srv.close()

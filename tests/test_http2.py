@@ -289,6 +289,20 @@ def test_continuation_flood_ends_the_connection(edge):
     still_serves(edge)
 
 
+def test_a_client_allowing_a_huge_hpack_table_does_not_make_the_edge_keep_every_response_field(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--request-id-response")
+    c = H2Client(e.port, settings={SettingCodes.HEADER_TABLE_SIZE: 1 << 30})
+    try:
+        for _ in range(200):                 # each answer has an X-Request-Id of its own
+            r = c.response(c.request("/"))
+            assert r["headers"][b":status"] == b"200"
+        # The client's decoder holds what the edge's encoder indexed: at most the edge's own 4 KB.
+        assert c.h2.decoder.header_table._current_size <= 4096
+    finally:
+        c.close()
+        e.stop()
+
+
 def test_hpack_bomb_is_refused(edge):
     c = H2Client(edge.port)
     try:

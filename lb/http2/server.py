@@ -38,6 +38,7 @@ from hyperframe.frame import GoAwayFrame
 
 from lb.errors import ClientGone, HttpError
 from lb.http.framing import MAX_HEAD, Reader, linger, request_from_fields
+from lb.http.hpacktable import cap_encoder_table
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
 from lb.http2.downstream import H2Downstream
@@ -511,6 +512,9 @@ class Connection:
                 if not self.resets.take(now):
                     calm = "too many stream resets"
             elif t in (h2.events.PingReceived, h2.events.RemoteSettingsChanged, h2.events.UnknownFrameReceived):
+                if t is h2.events.RemoteSettingsChanged:
+                    with self.cv:
+                        cap_encoder_table(self.h2)
                 if not self.control.take(now):
                     calm = "too many control frames"
             elif t is h2.events.TrailersReceived:

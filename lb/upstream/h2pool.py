@@ -25,6 +25,8 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
+from lb.http.hpacktable import cap_encoder_table
+
 log = logging.getLogger("edge")
 
 MAX_CONNS = 4                  # connections per backend (each carries up to its peer's stream limit)
@@ -227,6 +229,9 @@ class H2UpConn:
                 if sid > last:           # never processed: the caller may try it elsewhere
                     self.calls.pop(sid, None)
                     c.q.put(("refused", "GOAWAY before it was processed"))
+            return
+        if t is h2.events.RemoteSettingsChanged:
+            cap_encoder_table(self.h2)       # however big a table the backend allows
             return
         sid = getattr(ev, "stream_id", None)
         c = self.calls.get(sid) if sid else None
