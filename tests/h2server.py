@@ -15,6 +15,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+from hyperframe.frame import GoAwayFrame
 
 
 class H2Server:
@@ -32,6 +33,7 @@ class H2Server:
         self.socks: list[socket.socket] = []
         self.sent: dict[tuple[int, int], int] = {}         # (connection, stream) -> DATA bytes sent
         self.went_away = False
+        self.closed_by_peer = 0              # connections the edge closed
         self.decoders: list = []             # each connection's HPACK decoder: what the edge's encoder indexed
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -60,6 +62,8 @@ class H2Server:
             while True:
                 data = s.recv(65536)
                 if not data:
+                    with self.lock:
+                        self.closed_by_peer += 1
                     return
                 for ev in c.receive_data(data):
                     sid = getattr(ev, "stream_id", None)
@@ -77,6 +81,13 @@ class H2Server:
                         if path.startswith(b"/big"):        # 4 MB, as the edge's windows allow
                             c.send_headers(sid, [(b":status", b"200")])
                             pending[sid] = 4 << 20
+                            continue
+                        if path.startswith(b"/bye"):        # GOAWAY past this stream, which is answered; kept open
+                            bye = GoAwayFrame(0)          # by hand: h2 sends nothing after its own
+                            bye.last_stream_id = sid
+                            s.sendall(c.data_to_send() + bye.serialize())
+                            c.send_headers(sid, [(b":status", b"200"), (b"content-length", b"2")])
+                            c.send_data(sid, b"ok", end_stream=True)
                             continue
                         if path.startswith(b"/early") or ev.stream_ended:
                             c.send_headers(sid, [(b":status", b"200"), (b"content-length", b"2")])

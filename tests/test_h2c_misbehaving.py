@@ -85,3 +85,21 @@ def test_a_backend_allowing_a_huge_hpack_table_does_not_make_the_edge_keep_every
     finally:
         e.stop()
         srv.close()
+
+
+def test_a_backend_connection_that_went_away_is_closed_once_its_calls_are_done():
+    srv = H2Server()
+    e = Edge("--backends", srv.url, "--health-interval", "30")
+    try:
+        c = H2Client(e.port)
+        for path in ("/a", "/bye", "/b"):
+            r = c.response(c.request(path))
+            assert (path, r["headers"][b":status"]) == (path, b"200")
+        assert srv.connections == 3             # the health check's, the one that went away, the new one
+        # The backend left the GOAWAY'd connection open: the edge, its client, closes it (or its socket
+        # and reader thread stay for the process's life, one more at each GOAWAY).
+        wait_until(lambda: srv.closed_by_peer >= 2, 10, what="the connection that went away closed")
+        c.close()
+    finally:
+        e.stop()
+        srv.close()

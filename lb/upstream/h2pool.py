@@ -29,6 +29,7 @@ from lb.http.hpacktable import cap_encoder_table
 
 log = logging.getLogger("edge")
 
+_GOAWAY = 0x7                  # the frame type
 MAX_CONNS = 4                  # connections per backend (each carries up to its peer's stream limit)
 MAX_STREAMS = 1000             # our own bound on calls per connection, whatever the peer allows
 WINDOW = 1 << 20               # receive window, per stream and (x16) per connection
@@ -77,6 +78,7 @@ class H2UpConn:
         self.calls: dict[int, Call] = {}
         self.dead = False
         self.goaway = False
+        self.inbuf = bytearray()        # received, not yet a complete frame
         with self.cv:
             self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,
@@ -200,11 +202,17 @@ class H2UpConn:
                 if not data:
                     break
                 with self.cv:
-                    events = self.h2.receive_data(data)
+                    data, goaways = self._take_goaways(data)
+                    for last in goaways:
+                        self._went_away(last)
+                    events = self.h2.receive_data(data) if data else []
                     for ev in events:
                         self._event(ev)
                     self._flush()
                     self.cv.notify_all()
+                    if self.goaway and not self.calls:
+                        why = "went away (GOAWAY), its calls done"
+                        break                # ours to close: the backend waits for us to (RFC 9113 6.8)
         except (OSError, h2.exceptions.ProtocolError) as e:
             why = f"{type(e).__name__}: {e}"
         finally:
@@ -219,16 +227,47 @@ class H2UpConn:
             except OSError:
                 pass
 
+    def _take_goaways(self, data: bytes) -> tuple[bytes, list[int]]:
+        """(cv held) The complete frames received, but GOAWAYs, for h2; each GOAWAY's last stream id.
+
+        h2 ends its state machine at a GOAWAY: the answers still to come on the streams the backend
+        processes (a graceful shutdown's, a max_connection_age's) were protocol errors, every call in
+        flight failed. So h2 never sees one: the connection stops taking calls and ends with its last."""
+        buf = self.inbuf
+        buf += data
+        out = bytearray()
+        last_ids = []
+        i, n = 0, len(buf)
+        while n - i >= 9:
+            length = int.from_bytes(buf[i:i + 3], "big")
+            if length > self.h2.max_inbound_frame_size:
+                out += buf[i:]                   # h2 says what is wrong with it
+                i = n
+                break
+            end = i + 9 + length
+            if end > n:
+                break
+            if buf[i + 3] == _GOAWAY and length >= 8:
+                last_ids.append(int.from_bytes(buf[i + 9:i + 13], "big") & 0x7FFFFFFF)
+            else:
+                out += buf[i:end]
+            i = end
+        del buf[:i]
+        return bytes(out), last_ids
+
+    def _went_away(self, last: int) -> None:
+        """(cv held) The backend's GOAWAY: no more calls here; those past `last` were never processed."""
+        self.goaway = True
+        for sid, c in list(self.calls.items()):
+            if sid > last:           # never processed: the caller may try it elsewhere
+                self.calls.pop(sid, None)
+                c.q.put(("refused", "GOAWAY before it was processed"))
+
     def _event(self, ev) -> None:
         """(cv held) One event, to its call."""
         t = type(ev)
-        if t is h2.events.ConnectionTerminated:
-            self.goaway = True
-            last = ev.last_stream_id or 0
-            for sid, c in list(self.calls.items()):
-                if sid > last:           # never processed: the caller may try it elsewhere
-                    self.calls.pop(sid, None)
-                    c.q.put(("refused", "GOAWAY before it was processed"))
+        if t is h2.events.ConnectionTerminated:         # (GOAWAYs are taken before h2: see above)
+            self._went_away(ev.last_stream_id or 0)
             return
         if t is h2.events.RemoteSettingsChanged:
             cap_encoder_table(self.h2)       # however big a table the backend allows
