@@ -25,11 +25,11 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
+from lb.http.h2frames import take_goaways
 from lb.http.hpacktable import cap_encoder_table
 
 log = logging.getLogger("edge")
 
-_GOAWAY = 0x7                  # the frame type
 MAX_CONNS = 4                  # connections per backend (each carries up to its peer's stream limit)
 MAX_STREAMS = 1000             # our own bound on calls per connection, whatever the peer allows
 WINDOW = 1 << 20               # receive window, per stream and (x16) per connection
@@ -202,8 +202,8 @@ class H2UpConn:
                 if not data:
                     break
                 with self.cv:
-                    data, goaways = self._take_goaways(data)
-                    for last in goaways:
+                    data, goaways = take_goaways(self.inbuf, data, self.h2.max_inbound_frame_size)
+                    for last, _ in goaways:
                         self._went_away(last)
                     events = self.h2.receive_data(data) if data else []
                     for ev in events:
@@ -227,34 +227,6 @@ class H2UpConn:
             except OSError:
                 pass
 
-    def _take_goaways(self, data: bytes) -> tuple[bytes, list[int]]:
-        """(cv held) The complete frames received, but GOAWAYs, for h2; each GOAWAY's last stream id.
-
-        h2 ends its state machine at a GOAWAY: the answers still to come on the streams the backend
-        processes (a graceful shutdown's, a max_connection_age's) were protocol errors, every call in
-        flight failed. So h2 never sees one: the connection stops taking calls and ends with its last."""
-        buf = self.inbuf
-        buf += data
-        out = bytearray()
-        last_ids = []
-        i, n = 0, len(buf)
-        while n - i >= 9:
-            length = int.from_bytes(buf[i:i + 3], "big")
-            if length > self.h2.max_inbound_frame_size:
-                out += buf[i:]                   # h2 says what is wrong with it
-                i = n
-                break
-            end = i + 9 + length
-            if end > n:
-                break
-            if buf[i + 3] == _GOAWAY and length >= 8:
-                last_ids.append(int.from_bytes(buf[i + 9:i + 13], "big") & 0x7FFFFFFF)
-            else:
-                out += buf[i:end]
-            i = end
-        del buf[:i]
-        return bytes(out), last_ids
-
     def _went_away(self, last: int) -> None:
         """(cv held) The backend's GOAWAY: no more calls here; those past `last` were never processed."""
         self.goaway = True
@@ -266,7 +238,7 @@ class H2UpConn:
     def _event(self, ev) -> None:
         """(cv held) One event, to its call."""
         t = type(ev)
-        if t is h2.events.ConnectionTerminated:         # (GOAWAYs are taken before h2: see above)
+        if t is h2.events.ConnectionTerminated:         # (GOAWAYs are taken before h2: lb/http/h2frames.py)
             self._went_away(ev.last_stream_id or 0)
             return
         if t is h2.events.RemoteSettingsChanged:
