@@ -13,7 +13,7 @@ import pytest
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from hpack import Encoder
-from hyperframe.frame import ContinuationFrame, HeadersFrame
+from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame
 
 from tests.h2client import H2Client
 from tests.support import Backend, Edge, request, wait_until
@@ -301,6 +301,20 @@ def test_a_client_allowing_a_huge_hpack_table_does_not_make_the_edge_keep_every_
     finally:
         c.close()
         e.stop()
+
+
+def test_a_client_goaway_ends_the_connection_after_its_streams_are_answered(edge):
+    c = H2Client(edge.port)
+    try:
+        sid = c.request("/slow?ms=300")
+        bye = GoAwayFrame(0)                   # by hand: h2 receives nothing after its own GOAWAY
+        bye.last_stream_id = 0
+        c.sock.sendall(bye.serialize())
+        r = c.response(sid)
+        assert (r["headers"][b":status"], r["reset"]) == (b"200", None)
+        c.until_closed()                       # and then the edge closes it
+    finally:
+        c.close()
 
 
 def test_hpack_bomb_is_refused(edge):

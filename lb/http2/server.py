@@ -38,6 +38,7 @@ from hyperframe.frame import GoAwayFrame
 
 from lb.errors import ClientGone, HttpError
 from lb.http.framing import MAX_HEAD, Reader, linger, request_from_fields
+from lb.http.h2frames import take_goaways
 from lb.http.hpacktable import cap_encoder_table
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
@@ -213,8 +214,10 @@ class Connection:
         self.running = 0                        # streams whose worker has not returned (reset ones too)
         self.outbuf = bytearray()
         self.wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.goaway = False
+        self.goaway = False                    # ours sent, or the client's received: no new streams
         self._closed = False
+        self.inbuf = bytearray()               # received, not yet a whole frame (lb/http/h2frames.py)
+        self.preface_left = len(PREFACE)
         now = monotonic()
         self.resets = Allowance(RESET_BURST, RESET_RATE, now)
         self.control = Allowance(CONTROL_BURST, CONTROL_RATE, now)
@@ -470,8 +473,13 @@ class Connection:
         """Feed the state machine; False when the connection is to end (after what was queued is sent)."""
         now = monotonic()
         with self.cv:
+            head = b""
+            if self.preface_left:                      # the preface is no frame: h2's as it is
+                head, data = data[:self.preface_left], data[self.preface_left:]
+                self.preface_left -= len(head)
+            data, goaways = take_goaways(self.inbuf, data, self.h2.max_inbound_frame_size)
             try:
-                events = self.h2.receive_data(data)
+                events = self.h2.receive_data(head + data)
             except h2.exceptions.ProtocolError as e:
                 # h2 queued the GOAWAY (its code: PROTOCOL_ERROR, FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM for
                 # an oversized header list...); we only say why.
@@ -521,6 +529,13 @@ class Connection:
                 pass                     # a request's trailers: not carried to an HTTP/1.1 backend
             elif t is h2.events.ConnectionTerminated:
                 self.goaway = True
+                return False
+        for _, code in goaways:
+            # The client's GOAWAY (after the streams it opened before it): it opens no more, those open
+            # are still answered -- h2 would have ended the connection with them. One with an error
+            # code ends the connection, as h2 would.
+            self.goaway = True
+            if code != ErrorCodes.NO_ERROR:
                 return False
         if calm is not None:
             client_fault("client %s: HTTP/2 %s: GOAWAY ENHANCE_YOUR_CALM", self.peer_ip, calm)
