@@ -7,6 +7,8 @@ grpc.health.v1.Health answers SERVING, or NOT_SERVING after /test.Echo/Sick.
 """
 
 import argparse
+import signal
+import threading
 import time
 from concurrent import futures
 
@@ -79,6 +81,8 @@ def main():
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     port = server.add_insecure_port(f"127.0.0.1:{a.port}")
     server.start()
+    # SIGTERM: a graceful stop (GOAWAY, the calls in flight finish), as a gRPC server's orchestrator does
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, args=(10,)).start())
     print(f"listening 127.0.0.1:{port} name={a.name}", flush=True)
     server.wait_for_termination()
 

@@ -151,6 +151,34 @@ def test_sigterm_lets_a_call_in_flight_finish(servers):
         e.stop()
 
 
+def test_a_backend_stopping_gracefully_lets_the_calls_in_flight_through_the_edge_finish():
+    import signal
+    import threading
+    b = GrpcBackend("graceful")
+    e = Edge("--backends", b.url, "--health-interval", "30", "--admin", "127.0.0.1:0")
+    out = {}
+    try:
+        with channel(e.port) as ch:
+            slow = ch.unary_unary("/test.Echo/Slow")
+            assert slow(b"1", timeout=10) == b"late"         # the edge's connection to the backend is up
+
+            def call():
+                try:
+                    out["reply"] = slow(b"1500", timeout=20)
+                except grpc.RpcError as ex:
+                    out["error"] = ex
+            t = threading.Thread(target=call)
+            t.start()
+            wait_until(lambda: 'lb_backend_inflight{backend="%s"} 1' % b.url
+                       in request(e.admin_port, "GET", "/metrics").body.decode(), what="the call in flight")
+            b.signal(signal.SIGTERM)                          # grpcio's stop(grace): GOAWAY, then the call ends
+            t.join(20)
+        assert out.get("reply") == b"late", out
+    finally:
+        e.stop()
+        b.stop()
+
+
 def test_a_call_to_a_backend_that_refuses_connections_is_retried_on_another(servers):
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,13 +8,12 @@ import shutil
 import socket
 import ssl
 import subprocess
-import time
 
 import pytest
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from hpack import Encoder
-from hyperframe.frame import ContinuationFrame, HeadersFrame
+from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame
 
 from tests.h2client import H2Client
 from tests.support import Backend, Edge, request, wait_until
@@ -110,6 +109,9 @@ def test_bad_fields_are_refused_on_their_stream_and_the_connection_serves_on(edg
         assert c.response(sid)["headers"][b":status"] == b"400"
         sid = c.request("/", "TRACE")
         assert c.response(sid)["headers"][b":status"] == b"405"
+        sid = c.request("/echo", "POST", headers=[("content-length", "10")])    # END_STREAM on HEADERS
+        r = c.response(sid)
+        assert (r["headers"][b":status"], r["data"]) == (b"400", b"Content-Length but the stream ended without a body\n")
         sid = c.request("/echo")
         assert c.response(sid)["headers"][b":status"] == b"200"
     finally:
@@ -285,6 +287,34 @@ def test_continuation_flood_ends_the_connection(edge):
     finally:
         c.close()
     still_serves(edge)
+
+
+def test_a_client_allowing_a_huge_hpack_table_does_not_make_the_edge_keep_every_response_field(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--request-id-response")
+    c = H2Client(e.port, settings={SettingCodes.HEADER_TABLE_SIZE: 1 << 30})
+    try:
+        for _ in range(200):                 # each answer has an X-Request-Id of its own
+            r = c.response(c.request("/"))
+            assert r["headers"][b":status"] == b"200"
+        # The client's decoder holds what the edge's encoder indexed: at most the edge's own 4 KB.
+        assert c.h2.decoder.header_table._current_size <= 4096
+    finally:
+        c.close()
+        e.stop()
+
+
+def test_a_client_goaway_ends_the_connection_after_its_streams_are_answered(edge):
+    c = H2Client(edge.port)
+    try:
+        sid = c.request("/slow?ms=300")
+        bye = GoAwayFrame(0)                   # by hand: h2 receives nothing after its own GOAWAY
+        bye.last_stream_id = 0
+        c.sock.sendall(bye.serialize())
+        r = c.response(sid)
+        assert (r["headers"][b":status"], r["reset"]) == (b"200", None)
+        c.until_closed()                       # and then the edge closes it
+    finally:
+        c.close()
 
 
 def test_hpack_bomb_is_refused(edge):

@@ -88,48 +88,69 @@ def forward(edge, x, backend, conn, down) -> bool:
     tried: list = []
     try:
         fields = _fields(x, req, peer, trusted, req.content_length if not req.chunked else None)
-        while True:
-            x.counted = backend
-            with backend.lock:
-                backend.inflight += 1
-            try:
-                call = backend.h2.open_call(fields, end=not has_body)
-                break
-            except OSError as e:       # H2Unavailable too: nothing was sent
-                why = str(e) if isinstance(e, H2Unavailable) else (e.strerror or type(e).__name__)
-                pool = "stream limit" in why
-                uncount(x)
-                tried.append(backend)
-                nxt = None
-                if not pool:             # ours, not the backend's: no failure counted, no retry
-                    fw.observe(backend, False, why)
-                    nxt, budgeted, refused = fw.next_try(backend, tried, held)
-                    why += refused
-                if nxt is None or nxt.h2 is None:
-                    return fw.failed(down, x, Failure.POOL if pool else Failure.CONNECT, why,
-                                     keep and not has_body, tried)
-                held = held or budgeted
-                fw.retrying(x, backend, "connect", why, "connect", nxt, len(tried))   # as HTTP/1.1's connect retry
-                backend = nxt
-        failed: list = []
+        body = None         # the whole request body, when it is here already (replayable)
+        pieces = None
         if has_body:
             reader.timeout, reader.deadline = cfg.body_timeout, None
             pieces = iter_chunked(reader, cfg.max_body_size, cfg.body_min_rate) if req.chunked else \
                 iter_fixed(reader, req.content_length, cfg.body_min_rate)
             st = getattr(reader, "stream", None)
             if st is not None and st.body_end:
-                _upload(call, pieces, failed)     # all of it already here (a unary call): no thread for it
-            else:
+                body = pieces        # a unary call: read inline below, kept for a replay
+        replays = 1         # a call the backend refused unprocessed (GOAWAY, REFUSED_STREAM) is tried again
+        while True:
+            while True:
+                x.counted = backend
+                with backend.lock:
+                    backend.inflight += 1
+                try:
+                    call = backend.h2.open_call(fields, end=not has_body)
+                    break
+                except OSError as e:       # H2Unavailable too: nothing was sent
+                    why = str(e) if isinstance(e, H2Unavailable) else (e.strerror or type(e).__name__)
+                    pool = "stream limit" in why
+                    uncount(x)
+                    tried.append(backend)
+                    nxt = None
+                    if not pool:             # ours, not the backend's: no failure counted, no retry
+                        fw.observe(backend, False, why)
+                        nxt, budgeted, refused = fw.next_try(backend, tried, held)
+                        why += refused
+                    if nxt is None or nxt.h2 is None:
+                        return fw.failed(down, x, Failure.POOL if pool else Failure.CONNECT, why,
+                                         keep and not has_body, tried)
+                    held = held or budgeted
+                    fw.retrying(x, backend, "connect", why, "connect", nxt, len(tried))   # as HTTP/1.1's connect retry
+                    backend = nxt
+            failed: list = []
+            if body is not None:
+                try:
+                    body = list(body)
+                except (HttpError, ClientGone, EOFError, OSError) as e:
+                    failed.append(e)
+                    call.reset(ErrorCodes.CANCEL)
+                else:
+                    _upload(call, body, failed)   # all of it already here (a unary call): no thread for it
+            elif has_body:
                 threading.Thread(target=_upload, args=(call, pieces, failed), daemon=True,
                                  name="h2c upload").start()
-        return _relay(edge, x, backend, call, down, stream, deadline, failed, keep)
+            refusable = replays > 0 and not failed and (body is not None or not has_body)
+            keep_on = _relay(edge, x, backend, call, down, stream, deadline, failed, keep, refusable)
+            if keep_on is not _REFUSED:
+                return keep_on
+            replays -= 1
+            uncount(x)
+            log.warning("backend %s refused a call unprocessed; trying it again: %s %s", backend.url,
+                        req.method.decode(), req.target[:200].decode("latin-1"))
     finally:
         uncount(x)
         budget.end(held)
 
 
-def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, keep: bool) -> bool:
-    """The backend's events to `down` as they come, until the answer ends, fails or the client goes."""
+def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, keep: bool,
+           refusable: bool = False):
+    """The answer to `down`; _REFUSED (nothing relayed, nothing counted) when refusable and the backend
+    said it never processed the call: RFC 9113 8.7, safe to try again whatever the method."""
     fw = edge.forwarder
     req = x.req
     status = None
@@ -144,13 +165,7 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
                 raise ClientGone()
             left = min(deadline - now, last + idle - now)
             if left <= 0:
-                call.reset(ErrorCodes.CANCEL)
-                why = "the call's deadline (grpc-timeout) passed" if deadline - now <= 0 else \
-                    "no response within the read timeout"
-                if status is None:
-                    fw.observe(backend, False, why)
-                    return fw.failed(down, x, Failure.TIMEOUT, why, keep and not failed)
-                raise _Cut(why)
+                return _timed_out(fw, x, backend, call, down, status, deadline - now <= 0, keep and not failed)
             ev = call.get(min(left, _CHECK))
             if ev is None:
                 continue
@@ -188,6 +203,9 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
                 down.finish(None)
                 break
             else:    # reset or closed
+                if status is None and refusable and (kind == "refused" or
+                                                     (kind == "reset" and ev[1] == ErrorCodes.REFUSED_STREAM)):
+                    return _REFUSED
                 why = f"backend reset the stream ({ev[1]})" if kind == "reset" else str(ev[1])
                 if status is None:
                     fw.observe(backend, False, why)
@@ -251,6 +269,19 @@ def uncount(x) -> None:
     if b is not None:
         with b.lock:
             b.inflight -= 1
+
+
+_REFUSED = object()
+
+
+def _timed_out(fw, x, backend, call, down, status, deadline_passed: bool, keep: bool) -> bool:
+    """The call ran out of time: a 504 before its head (the backend's failure), a cut answer after it."""
+    call.reset(ErrorCodes.CANCEL)
+    why = "the call's deadline (grpc-timeout) passed" if deadline_passed else "no response within the read timeout"
+    if status is None:
+        fw.observe(backend, False, why)
+        return fw.failed(down, x, Failure.TIMEOUT, why, keep)
+    raise _Cut(why)
 
 
 class _Cut(OSError):

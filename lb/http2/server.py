@@ -38,6 +38,8 @@ from hyperframe.frame import GoAwayFrame
 
 from lb.errors import ClientGone, HttpError
 from lb.http.framing import MAX_HEAD, Reader, linger, request_from_fields
+from lb.http.h2frames import take_goaways
+from lb.http.hpacktable import cap_encoder_table
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
 from lb.http2.downstream import H2Downstream
@@ -212,8 +214,10 @@ class Connection:
         self.running = 0                        # streams whose worker has not returned (reset ones too)
         self.writer = FrameWriter(self)         # the frames on their way to the socket
         self.wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.goaway = False
+        self.goaway = False                    # ours sent, or the client's received: no new streams
         self._closed = False
+        self.inbuf = bytearray()               # received, not yet a whole frame (lb/http/h2frames.py)
+        self.preface_left = len(PREFACE)
         now = monotonic()
         self.resets = Allowance(RESET_BURST, RESET_RATE, now)
         self.control = Allowance(CONTROL_BURST, CONTROL_RATE, now)
@@ -290,11 +294,11 @@ class Connection:
                     if self.goaway and not self.writer.buf:
                         return
                     if now - idle_since > idle_limit:
-                        self._go_away(ErrorCodes.NO_ERROR)
+                        _go_away(self, ErrorCodes.NO_ERROR)
                         self.writer.write()
                         return
                 if edge.closing and not self.goaway:
-                    self._go_away(ErrorCodes.NO_ERROR)      # SIGTERM: finish the streams open, take no more
+                    _go_away(self, ErrorCodes.NO_ERROR)      # SIGTERM: finish the streams open, take no more
                     continue
                 if self.writer.buf:
                     stalled_since = stalled_since or now
@@ -352,33 +356,17 @@ class Connection:
         except OSError:
             return b""
 
-    def _go_away(self, code, why: str | None = None) -> None:
-        """(the connection thread) GOAWAY. NO_ERROR is the graceful one (a drain, an idle connection): the
-        streams open go on to their end, new ones are refused. h2 has no such state -- after its own
-        close_connection() nothing more may be sent -- so that frame is written here, past h2."""
-        with self.cv:
-            if not self.goaway:
-                self.goaway = True
-                if code == ErrorCodes.NO_ERROR:
-                    f = GoAwayFrame(0)
-                    f.last_stream_id = self.h2.highest_inbound_stream_id
-                    f.error_code = code
-                    self.writer.buf += self.h2.data_to_send()
-                    self.writer.buf += f.serialize()
-                    return
-                try:
-                    self.h2.close_connection(code, additional_data=why.encode() if why else None)
-                except h2.exceptions.ProtocolError:
-                    pass
-        if code == ErrorCodes.ENHANCE_YOUR_CALM:
-            self.edge.metrics.inc("lb_http2_goaways_total", reason=why or "calm")
-
     def _receive(self, data: bytes) -> bool:
         """Feed the state machine; False when the connection is to end (after what was queued is sent)."""
         now = monotonic()
         with self.cv:
+            head = b""
+            if self.preface_left:                      # the preface is no frame: h2's as it is
+                head, data = data[:self.preface_left], data[self.preface_left:]
+                self.preface_left -= len(head)
+            data, goaways = take_goaways(self.inbuf, data, self.h2.max_inbound_frame_size)
             try:
-                events: list = self.h2.receive_data(data)     # (of Any: dispatched on type(ev) below)
+                events = self.h2.receive_data(head + data)
             except h2.exceptions.ProtocolError as e:
                 # h2 queued the GOAWAY (its code: PROTOCOL_ERROR, FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM for
                 # an oversized header list...); we only say why.
@@ -419,6 +407,9 @@ class Connection:
                 if not self.resets.take(now):
                     calm = "too many stream resets"
             elif t in (h2.events.PingReceived, h2.events.RemoteSettingsChanged, h2.events.UnknownFrameReceived):
+                if t is h2.events.RemoteSettingsChanged:
+                    with self.cv:
+                        cap_encoder_table(self.h2)
                 if not self.control.take(now):
                     calm = "too many control frames"
             elif t is h2.events.TrailersReceived:
@@ -426,9 +417,16 @@ class Connection:
             elif t is h2.events.ConnectionTerminated:
                 self.goaway = True
                 return False
+        for _, code in goaways:
+            # The client's GOAWAY (after the streams it opened before it): it opens no more, those open
+            # are still answered -- h2 would have ended the connection with them. One with an error
+            # code ends the connection, as h2 would.
+            self.goaway = True
+            if code != ErrorCodes.NO_ERROR:
+                return False
         if calm is not None:
             client_fault("client %s: HTTP/2 %s: GOAWAY ENHANCE_YOUR_CALM", self.peer_ip, calm)
-            self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, calm)
+            _go_away(self, ErrorCodes.ENHANCE_YOUR_CALM, calm)
             return False
         return True
 
@@ -450,7 +448,7 @@ class Connection:
         if full:
             edge.metrics.inc("lb_http2_streams_total", outcome="refused")
             if not self.resets.take(monotonic()):
-                self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, "too many refused streams")
+                _go_away(self, ErrorCodes.ENHANCE_YOUR_CALM, "too many refused streams")
             return
         method, path, authority, ctype, fields = _request_head(ev.headers)
         st.grpc = grpc.is_grpc(ctype)
@@ -462,6 +460,10 @@ class Connection:
                 st.body_end = True
         try:
             req = request_from_fields(method or b"", path or b"", authority, fields)
+            if ended and req.content_length:
+                # h2 checks a length against the DATA that came, not against none at all (RFC 9113 8.1.1:
+                # malformed); unchecked, the pipeline waited for a body that cannot come, then said 499.
+                raise HttpError(400, "Content-Length but the stream ended without a body")
         except HttpError as e:
             _workers().submit(_refuse_stream, self, st, e)
             return
@@ -594,3 +596,25 @@ def _serve_stream(conn: Connection, st: Stream, req) -> None:
 def serve(edge, sock, peer_ip: str, over_tls: bool, accepted=None, cert=None, first: bytes = b"") -> None:
     """Serve one client connection in HTTP/2 (the preface is in `first` or still to come)."""
     Connection(edge, sock, peer_ip, over_tls, accepted, cert, first).serve()
+
+
+def _go_away(conn: Connection, code, why: str | None = None) -> None:
+    """(the connection thread) GOAWAY. NO_ERROR is the graceful one (a drain, an idle connection): the
+    streams open go on to their end, new ones are refused. h2 has no such state -- after its own
+    close_connection() nothing more may be sent -- so that frame is written here, past h2."""
+    with conn.cv:
+        if not conn.goaway:
+            conn.goaway = True
+            if code == ErrorCodes.NO_ERROR:
+                f = GoAwayFrame(0)
+                f.last_stream_id = conn.h2.highest_inbound_stream_id
+                f.error_code = code
+                conn.writer.buf += conn.h2.data_to_send()
+                conn.writer.buf += f.serialize()
+                return
+            try:
+                conn.h2.close_connection(code, additional_data=why.encode() if why else None)
+            except h2.exceptions.ProtocolError:
+                pass
+    if code == ErrorCodes.ENHANCE_YOUR_CALM:
+        conn.edge.metrics.inc("lb_http2_goaways_total", reason=why or "calm")

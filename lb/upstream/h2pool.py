@@ -25,6 +25,9 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
+from lb.http.h2frames import take_goaways
+from lb.http.hpacktable import cap_encoder_table
+
 log = logging.getLogger("edge")
 
 MAX_CONNS = 4                  # connections per backend (each carries up to its peer's stream limit)
@@ -38,13 +41,15 @@ class H2Unavailable(OSError):
 
 class Call:
     """One stream to the backend. events(): ("headers", fields, ended) | ("data", bytes, n) |
-    ("trailers", fields) | ("end",) | ("reset", code) | ("closed", why)."""
+    ("trailers", fields) | ("end",) | ("reset", code) | ("closed", why) | ("refused", why): the
+    backend's GOAWAY said it never processed this stream."""
 
-    __slots__ = ("conn", "sid", "q", "done")
+    __slots__ = ("conn", "sid", "q", "done", "unacked")
     q: queue.SimpleQueue[tuple]     # the events, as the connection's reader puts them
 
     def __init__(self, conn: "H2UpConn", sid: int):
         self.conn, self.sid, self.q, self.done = conn, sid, queue.SimpleQueue(), False
+        self.unacked = 0          # DATA received (queued or being relayed) not yet given back as window
 
     def get(self, timeout: float | None):
         try:
@@ -74,6 +79,7 @@ class H2UpConn:
         self.calls: dict[int, Call] = {}
         self.dead = False
         self.goaway = False
+        self.inbuf = bytearray()        # received, not yet a complete frame
         with self.cv:
             self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,
@@ -106,6 +112,9 @@ class H2UpConn:
             try:
                 self.h2.send_headers(sid, fields, end_stream=end)
                 self._flush()
+            except h2.exceptions.TooManyStreamsError:
+                self.calls.pop(sid, None)       # the connection is full, not broken: its calls go on
+                raise H2Unavailable("HTTP/2 connection at its stream limit") from None
             except (OSError, h2.exceptions.ProtocolError) as e:
                 self.calls.pop(sid, None)
                 self.dead = True
@@ -141,6 +150,10 @@ class H2UpConn:
 
     def ack(self, call: Call, n: int) -> None:
         with self.cv:
+            n = min(n, call.unacked)       # (what _close_ours gave back already is not given twice)
+            if n <= 0:
+                return
+            call.unacked -= n
             try:
                 self.h2.acknowledge_received_data(n, call.sid)
                 self._flush()
@@ -150,19 +163,37 @@ class H2UpConn:
     def reset(self, call: Call, code) -> None:
         """The client cancelled (or we gave up): the backend's stream is cancelled too."""
         with self.cv:
-            if call.sid in self.calls:
-                self.calls.pop(call.sid, None)
-                call.done = True
-                try:
-                    self.h2.reset_stream(call.sid, code)
-                    self._flush()
-                except (OSError, h2.exceptions.ProtocolError):
-                    pass
+            self.calls.pop(call.sid, None)
+            call.done = True
+            self._close_ours(call, code)
 
     def finished(self, call: Call) -> None:
+        """The answer is relayed. A request still uploading when the backend ended its answer (it answered
+        early) is cancelled: its stream is closed on our side too, or it stays half-open and counts
+        against the backend's SETTINGS_MAX_CONCURRENT_STREAMS (h2 then refuses the next call)."""
         with self.cv:
             call.done = True
             self.calls.pop(call.sid, None)
+            self._close_ours(call, ErrorCodes.CANCEL)
+
+    def _close_ours(self, call: Call, code) -> None:
+        """(cv held) RST_STREAM unless the stream is closed already (the call popped from `calls` when
+        the backend ended its side, which does not close ours). And what the call received but never
+        relayed (a client gone mid-answer) is the connection's window back: unreturned, every such call
+        shrank the connection's window for good, until no call on it could receive a byte."""
+        sid, n, call.unacked = call.sid, call.unacked, 0
+        st = self.h2.streams.get(sid)
+        try:
+            if st is not None and not st.closed:
+                self.h2.reset_stream(sid, code)
+        except h2.exceptions.ProtocolError:
+            pass
+        try:
+            if n:
+                self.h2.acknowledge_received_data(n, sid)     # (a closed stream's: the connection's alone)
+            self._flush()
+        except (OSError, h2.exceptions.ProtocolError):
+            pass
 
     def _read_loop(self) -> None:
         why = "closed by the backend"
@@ -172,11 +203,17 @@ class H2UpConn:
                 if not data:
                     break
                 with self.cv:
-                    events = self.h2.receive_data(data)
+                    data, goaways = take_goaways(self.inbuf, data, self.h2.max_inbound_frame_size)
+                    for last, _ in goaways:
+                        self._went_away(last)
+                    events = self.h2.receive_data(data) if data else []
                     for ev in events:
                         self._event(ev)
                     self._flush()
                     self.cv.notify_all()
+                    if self.goaway and not self.calls:
+                        why = "went away (GOAWAY), its calls done"
+                        break                # ours to close: the backend waits for us to (RFC 9113 6.8)
         except (OSError, h2.exceptions.ProtocolError) as e:
             why = f"{type(e).__name__}: {e}"
         finally:
@@ -191,16 +228,22 @@ class H2UpConn:
             except OSError:
                 pass
 
+    def _went_away(self, last: int) -> None:
+        """(cv held) The backend's GOAWAY: no more calls here; those past `last` were never processed."""
+        self.goaway = True
+        for sid, c in list(self.calls.items()):
+            if sid > last:           # never processed: the caller may try it elsewhere
+                self.calls.pop(sid, None)
+                c.q.put(("refused", "GOAWAY before it was processed"))
+
     def _event(self, ev) -> None:
         """(cv held) One event, to its call."""
         t = type(ev)
-        if t is h2.events.ConnectionTerminated:
-            self.goaway = True
-            last = ev.last_stream_id or 0
-            for lost_sid, lost in list(self.calls.items()):
-                if lost_sid > last:      # never processed: the caller may try it elsewhere
-                    self.calls.pop(lost_sid, None)
-                    lost.q.put(("closed", "GOAWAY before it was processed"))
+        if t is h2.events.ConnectionTerminated:         # (GOAWAYs are taken before h2: lb/http/h2frames.py)
+            self._went_away(ev.last_stream_id or 0)
+            return
+        if t is h2.events.RemoteSettingsChanged:
+            cap_encoder_table(self.h2)       # however big a table the backend allows
             return
         sid: int = getattr(ev, "stream_id", 0)     # 0 (or none): a connection's event
         c = self.calls.get(sid) if sid else None
@@ -213,6 +256,7 @@ class H2UpConn:
         elif t is h2.events.InformationalResponseReceived:
             pass
         elif t is h2.events.DataReceived:
+            c.unacked += ev.flow_controlled_length
             c.q.put(("data", ev.data, ev.flow_controlled_length))
         elif t is h2.events.TrailersReceived:
             c.q.put(("trailers", ev.headers))
