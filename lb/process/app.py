@@ -15,18 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import replace
 
 from limiter.redis import url as redis_url
-from limiter.memory import MemoryStore
 
-from lb import __version__, logs
+from lb import logs
 from lb.ops import fanout
 from lb.ops import metrics as metrics_mod
-from lb.process import sdnotify
+from lb.process import actions, resolving, sdnotify, status
 from lb.limiting import store
 from lb.limiting.store import redis_files
 from lb.ops.accesslog import AccessLog
@@ -34,7 +32,7 @@ from lb.ops.admin import start_admin
 from lb.upstream.backends import BackendSpec, make_backend
 from lb.upstream.balancer import Balancer
 from lb.config.load import Config, admin_token, load
-from lb.errors import ConfigError, ResolveError, StartError
+from lb.errors import ConfigError, StartError
 from lb.upstream.health import HealthChecker
 from lb.limiting.identity import Identifier
 from lb.limiting.keys import draw_label_secret
@@ -43,18 +41,15 @@ from lb.ops.metrics import Metrics
 from lb.netaddr import held, hostport
 from lb.upstream.outlier import Ejector
 from lb.proxy.tunnel import close_all as close_tunnels
-from lb.proxy import hedge
 from lb.proxy.edge import Edge, EdgeServer
 from lb.upstream.breaker import Breaker
 from lb.upstream import pools as pools_mod
-from lb.upstream.resolve import is_address, lookup
 from lb.upstream.retrybudget import RetryBudget
 
 log = logging.getLogger("edge")
 
 # Settings a running process cannot take on; a reload names them in one line.
 NEED_RESTART = ("listen", "admin", "workers", "cpu_affinity")
-RESOLVE_TIMEOUT = 2.0     # one DNS question; a resolver silent this long is a failed resolution
 POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeout", "pool_idle_timeout", "no_pool")
 
 
@@ -122,7 +117,7 @@ class App:
         self.resolutions = {"ok": 0, "failed": 0}
         self._resolving: threading.Thread | None = None    # the re-resolution thread, once a resolver is set
         try:
-            specs = self._concrete(cfg.backends, cfg)
+            specs = resolving.concrete(self, cfg.backends, cfg)
         except ConfigError as e:
             raise StartError(str(e)) from None
         backends = [make_backend(s, cfg, breaker=self.breaker) for s in specs]
@@ -166,9 +161,9 @@ class App:
         self.published = self.published_ctl = None
         if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
             self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
-                                                 lambda: self.metrics.snapshot(self._live(), worker))
+                                                 lambda: self.metrics.snapshot(status.live(self), worker))
             assert worker is not None    # a rundir is given to workers only (lb/process/supervisor.py), with their index
-            self.published_ctl = fanout.listen(fanout.ctl_path(rundir, worker), self._apply_forwarded)
+            self.published_ctl = fanout.listen(fanout.ctl_path(rundir, worker), lambda action, route: actions.apply_forwarded(self, action, route))
             for route in fanout.drained_routes(rundir):     # drained before this worker (re)started
                 b = self.find_backend(route)
                 if b is not None and not b.drained:
@@ -192,79 +187,7 @@ class App:
         self.metrics.declare_backends(b.url for b in backends)
         for b in backends:
             self._watch(b)
-        self._start_resolving()
-
-    # -- DNS-named backends (lb/upstream/resolve.py) ----------------------------------------------------------
-
-    def _concrete(self, specs, cfg) -> list[BackendSpec]:
-        """The backends the configured ones stand for: with a resolver set, a DNS name is one backend per
-        address (the addresses known, or asked now); an IP literal, or any name without a resolver, is one.
-        Raises ConfigError for a name that does not resolve (at start, or new in a reload)."""
-        out = []
-        for spec in specs:
-            if cfg.resolver is None or is_address(spec.host):
-                out.append(spec)
-                continue
-            addrs = self.resolved.get(spec.url)
-            if addrs is None:
-                try:
-                    addrs, _ = lookup(spec.host, cfg.resolver, RESOLVE_TIMEOUT)
-                except ResolveError as e:
-                    raise ConfigError(f"backends: {spec.url}: {spec.host} does not resolve with resolver "
-                                      f"{cfg.resolver} ({e})") from None
-                self.resolved[spec.url] = addrs
-                self.resolutions["ok"] += 1
-            out += [_at(spec, a) for a in addrs]
-        return out
-
-    def _start_resolving(self) -> None:
-        if self.cfg.resolver is not None and self._resolving is None:
-            self._resolving = threading.Thread(target=self._resolve_loop, daemon=True, name="resolve")
-            self._resolving.start()
-
-    def _resolve_loop(self) -> None:
-        """Every resolve_interval (sooner when a record's TTL is shorter, never more than once a second)."""
-        while True:
-            cfg = self.cfg
-            wait = cfg.resolve_interval
-            if cfg.resolver is not None:
-                for spec in cfg.backends:
-                    if not is_address(spec.host):
-                        ttl = self._resolve(spec, cfg)
-                        if ttl is not None:
-                            wait = min(wait, max(1.0, ttl))
-            time.sleep(wait if cfg.resolver is not None else 1.0)
-
-    def _resolve(self, spec: BackendSpec, cfg) -> float | None:
-        """Ask again for one name; a changed set is applied. A failure keeps the last good set, logged once."""
-        try:
-            addrs, ttl = lookup(spec.host, cfg.resolver, RESOLVE_TIMEOUT)
-        except ResolveError as e:
-            self.resolutions["failed"] += 1
-            if spec.url not in self.resolve_failing:
-                log.warning("backend %s: resolving %s failed (%s); its last addresses stay: %s", spec.url,
-                            spec.host, e, ", ".join(self.resolved.get(spec.url, ())) or "none")
-            self.resolve_failing[spec.url] = str(e)
-            return None
-        self.resolutions["ok"] += 1
-        if self.resolve_failing.pop(spec.url, None) is not None:
-            log.info("backend %s: %s resolves again", spec.url, spec.host)
-        with self._reload_lock:
-            if self.cfg is not cfg or addrs == self.resolved.get(spec.url):
-                return ttl     # unchanged, or a reload came between (it resolved with what it knew)
-            self.resolved[spec.url] = addrs
-            want = {s.url: s for s in (_at(spec, a) for a in addrs)}
-            mine = spec.url + " ("
-            old = self.balancer.backends
-            removed = [b for b in old if b.spec.address and b.url.startswith(mine) and b.url not in want]
-            have = {b.url for b in old}
-            added = [make_backend(s, cfg, joined_at=time.monotonic(), breaker=self.breaker)   # slow start, if on
-                     for u, s in want.items() if u not in have]
-            self.balancer.set_backends([b for b in old if b not in removed] + added)
-            self._joined_and_left(added, removed)
-            log.info("backend %s: %s resolves to %s (%d added, %d draining)", spec.url, spec.host,
-                     ", ".join(addrs), len(added), len(removed))
-        return ttl
+        resolving.start_resolving(self)
 
     def _set_routes(self, cfg: Config) -> None:
         """[[pools]] and [[routes]]: named pools built, or updated in place (kept backends keep their state),
@@ -362,203 +285,28 @@ class App:
         self.metrics.declare_rules(stage.declared)
         return stage
 
-    # -- status, metrics, readiness ------------------------------------------------------------------
+    # -- status, metrics, admin actions: lb/process/status.py, lb/process/actions.py (the admin port calls these)
 
     def status(self) -> dict:
-        self.edge.sweep_ejections()     # an ejection whose time is up shows as over, traffic or not
-        for p in self.pools.values():
-            p.sweep_ejections(self.metrics)
-        now = time.monotonic()
-        return {
-            "listen": hostport(*self.server.server_address[:2]),
-            "tls": bool(self.edge.tls),
-            "worker": self.worker, "pid": os.getpid(),
-            "strategy": self.cfg.strategy,
-            "connections": self.server.active,
-            "ready": self.not_ready() is None,
-            "draining": self.stopping,
-            "limit": self.cfg.limit, "algorithm": self.cfg.algorithm, "store": redis_url.redact(self.cfg.store),
-            "shaping": {"max_delay": self.cfg.max_delay, "held": self.edge.holds.n, "max_delayed": self.cfg.max_delayed,
-                        "max_in_flight": self.cfg.max_in_flight, "status": self.cfg.limit_status},
-            "retries": {"max": self.cfg.retries, "in_flight": self.retry_budget.retrying,
-                        "budget_now": self.retry_budget.allowed(), "peak": self.retry_budget.peak,
-                        "on": list(self.cfg.retry_on), "per_try_timeout": self.cfg.per_try_timeout,
-                        "by_condition": self.metrics.by_label("lb_retries_by_condition_total", "condition")},
-            "breaker": self.breaker.status(),
-            "hedge": hedge.status(self.cfg, self.metrics),
-            "resolver": self.cfg.resolver, "resolve_interval": self.cfg.resolve_interval,
-            "resolved": {u: {"addresses": a, **({"failing": self.resolve_failing[u]} if u in self.resolve_failing else {})}
-                         for u, a in self.resolved.items()},
-            "rules": self.edge.limiter.status() if self.edge.limiter is not None else [],
-            "known_keys": len(self.cfg.keys), "unknown_keys": self.cfg.unknown_keys,
-            "backends": [self.backend_status(b, now) for b in self.balancer.backends],
-            "pools": {p.name: {"strategy": p.balancer.strategy, "breaker": p.breaker.status(),
-                               "backends": [self.backend_status(b, now, p.balancer) for b in p.backends]}
-                      for p in self.pools.values()},
-            "routes": self.edge.router.status() if self.edge.router is not None else [],
-            **self._operator_status(),
-        }
-
-    def _operator_status(self) -> dict:
-        """What the dashboard shows beside the backends: build, uptime, the store, the key table and the
-        most rejected clients -- the last two over every worker with --workers, as /metrics sums them."""
-        stage = self.edge.limiter
-        others = self._other_snapshots()
-        out = {"version": __version__, "python": sys.version.split()[0], "uptime": round(time.time() - self.metrics.started, 1),
-               "workers": self.cfg.workers if self.rundir is not None else 1,
-               "admin_writes": bool(getattr(self, "admin_token", None)),   # the admin token (issue 24) wires this
-               "store_up": None, "key_table": None,
-               "top_limited": metrics_mod.top_keys([{"top": self.metrics.top_now()}, *others])}
-        if stage is not None:
-            for lim in (getattr(stage, "limiters", None) or {}).values():
-                link = getattr(lim, "link", None)
-                if link is not None:
-                    out["store_up"] = bool(link.up) and out["store_up"] is not False
-            out["key_table"] = stage.table()
-        return out
-
-    def _other_snapshots(self) -> list:
-        if self.rundir is None:
-            return []
-        return metrics_mod.gather(os.path.join(self.rundir, f"worker-{i}.sock")
-                                  for i in range(self.cfg.workers) if i != self.worker)
+        return status.status(self)
 
     def backend_status(self, b, now: float, balancer=None) -> dict:
-        balancer = balancer or self.balancer
-        return {"url": b.url, "route": b.route, "weight": b.weight,
-                "effective_weight": round(balancer.effective_weight(b, now), 3),
-                "state": b.state, "in_rotation": b.in_rotation, "health": "UP" if b.up else "DOWN",
-                "drained": b.drained, "ejected": b.ejected,
-                "ejected_for": round(max(0.0, b.ejected_until - now), 3) if b.ejected else 0,
-                "times_ejected": b.times_ejected, "fail_streak": b.fail_streak, "pass_streak": b.pass_streak,
-                "last_probe": b.last_probe, "inflight": b.inflight,
-                "resting_for": round(max(0.0, balancer.resting.get(b, 0.0) - balancer.clock()), 3),
-                **({"pool": b.cluster.name} if b.cluster is not None and b.cluster.name != "default" else {}),
-                **({"name": b.spec.url, "address": b.spec.address} if b.spec.address else {})}
-
-    # -- admin actions ------------------------------------------------------------------------------
-
-    def find_backend(self, name: str):
-        """A backend by its route id (as in /status and the sticky cookie) or its HOST:PORT; POOL:ID or
-        POOL:HOST:PORT names one of a named pool's (a URL in two pools is two backends), else the default
-        pool's is found first."""
-        pool, sep, rest = name.partition(":")
-        if sep and pool in self.pools:
-            groups = [self.pools[pool].backends]
-            name = rest
-        else:
-            groups = [self.balancer.backends, *(p.backends for p in self.pools.values())]
-        for bs in groups:
-            for b in bs:
-                if name in (b.route, f"{b.spec.host}:{b.spec.port}", hostport(b.spec.host, b.spec.port)):
-                    return b
-        return None
-
-    def set_drained(self, b, drained: bool) -> dict:
-        """Drain: no new requests (sticky clients are reassigned), in-flight ones finish. Enable: back."""
-        if b.drained != drained:
-            b.drained = drained
-            b.refresh()
-            self.metrics.admin_action(b.url, "drain" if drained else "enable")
-            log.warning("backend %s %s by the admin API (%d in flight)", b.url,
-                        "DRAINED" if drained else "ENABLED", b.inflight)
-        return self.backend_status(b, time.monotonic())
-
-    def drain_everywhere(self, b, drained: bool) -> tuple[dict, dict[int, str]]:
-        """set_drained here, then in every other worker of --workers N; ({worker: why} of those that did not)."""
-        st = self.set_drained(b, drained)
-        failed = {}
-        if self.rundir is not None:
-            name = f"{b.cluster.name}:{b.route}" if b.cluster is not None and b.cluster.name in self.pools else b.route
-            fanout.remember(self.rundir, name, drained)
-            action = "drain" if drained else "enable"
-            failed = fanout.send(self.rundir, [i for i in range(self.cfg.workers) if i != self.worker], action, name)
-            if failed:
-                log.error("backend %s: %s applied here but not by worker(s) %s", b.url, action,
-                          "; ".join(f"{i}: {why}" for i, why in sorted(failed.items())))
-        return st, failed
-
-    def _apply_forwarded(self, action: str, route: str) -> str | None:
-        b = self.find_backend(route)
-        if b is None:
-            return "no such backend"     # a reload in this worker that the others have not had yet
-        self.set_drained(b, action == "drain")
-        return None
-
-    def _live(self) -> dict:
-        """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
-        out: dict[tuple[str, tuple], float] = {("lb_client_connections", ()): self.server.active,
-               ("lb_refused_connections_total", ()): self.edge.refused_connections,
-               ("lb_idle_connections_closed_total", ()): self.edge.idle_closed,
-               ("lb_buffer_memory_bytes", ()): self.edge.buffers.used,
-               ("lb_buffer_temp_files", ()): self.edge.buffers.files}
-        if self.cfg.resolver is not None:
-            for result, n in self.resolutions.items():
-                out[("lb_dns_resolutions_total", (("result", result),))] = n
-            for u, a in self.resolved.items():
-                out[("lb_dns_addresses", (("backend", u),))] = len(a)
-        for b in self.balancer.backends:
-            lab = (("backend", b.url),)
-            out[("lb_backend_up", lab)] = 1 if b.up else 0
-            out[("lb_backend_in_rotation", lab)] = 1 if b.in_rotation else 0
-            out[("lb_backend_ejected", lab)] = 1 if b.ejected else 0
-            out[("lb_backend_drained", lab)] = 1 if b.drained else 0
-            out[("lb_backend_inflight", lab)] = b.inflight
-            out.setdefault(("lb_requests_total", lab), 0)
-        for p in self.pools.values():      # a URL in two pools: one backend label (lb/upstream/pools.py)
-            for b in p.backends:
-                lab = (("backend", b.url),)
-                out[("lb_backend_up", lab)] = max(out.get(("lb_backend_up", lab), 0), 1 if b.up else 0)
-                out[("lb_backend_in_rotation", lab)] = max(out.get(("lb_backend_in_rotation", lab), 0),
-                                                           1 if b.in_rotation else 0)
-                out.setdefault(("lb_backend_ejected", lab), 1 if b.ejected else 0)
-                out.setdefault(("lb_backend_drained", lab), 1 if b.drained else 0)
-                out[("lb_backend_inflight", lab)] = out.get(("lb_backend_inflight", lab), 0) + b.inflight
-                out.setdefault(("lb_requests_total", lab), 0)
-        stage = self.edge.limiter
-        self._key_tables(stage, out)
-        for lim in (getattr(stage, "limiters", None) or {}).values():
-            link = getattr(lim, "link", None)
-            if link is not None:
-                out[("lb_limiter_store_up", (("store", redis_url.redact(self.cfg.store)),))] = 1 if link.up else 0
-        return out
-
-    @staticmethod
-    def _key_tables(stage, out: dict) -> None:
-        """lb_limiter_keys / lb_limiter_table_full_total by rule: the built-in rule's limiters (default,
-        overrides, tiers; one limiter may serve several) and each [[rules]] table's."""
-        from lb.limiting.rules import BUILTIN
-        if stage is None:
-            return
-        groups = {BUILTIN: [getattr(stage, "default", None), *getattr(stage, "overrides", {}).values(),
-                            *getattr(stage, "tiers", {}).values()]}
-        for r in getattr(stage, "rules", ()):
-            groups.setdefault(r.name, []).append(r.limiter)
-        for rule, lims in groups.items():
-            lims = list({id(x): x for x in lims if x is not None and hasattr(x, "full")}.values())
-            if not lims:
-                continue
-            lab = (("rule", rule),)
-            out[("lb_limiter_table_full_total", lab)] = sum(x.full for x in lims)
-            tables = [x for x in lims if isinstance(x, MemoryStore)]
-            if tables:
-                out[("lb_limiter_keys", lab)] = sum(len(x) for x in tables)
+        return status.backend_status(self, b, now, balancer)
 
     def render_metrics(self) -> str:
-        others = self._other_snapshots()     # any worker's /metrics is the sum of all of them
-        live = self._live()
-        # counters kept elsewhere are added to this process's own, not double counted
-        for k in [k for k in live if k[0] == "lb_requests_total"]:
-            if k in self.metrics.counters:
-                del live[k]
-        return self.metrics.render(live, others, self.worker)
+        return status.render_metrics(self)
 
     def peek_limits(self, who: str, api_key: bytes | None = None) -> tuple[int, dict]:
-        """GET /limits/KEY: the client's state in each limit now, unchanged (LimitStage.peek)."""
-        stage = self.edge.limiter
-        if stage is None:
-            return 404, {"error": "rate limiting is off"}
-        return stage.peek(who, api_key)
+        return status.peek_limits(self, who, api_key)
+
+    def find_backend(self, name: str):
+        return actions.find_backend(self, name)
+
+    def set_drained(self, b, drained: bool) -> dict:
+        return actions.set_drained(self, b, drained)
+
+    def drain_everywhere(self, b, drained: bool) -> tuple[dict, dict[int, str]]:
+        return actions.drain_everywhere(self, b, drained)
 
     def not_ready(self) -> str | None:
         """None when ready; else why not (for /readyz)."""
@@ -647,7 +395,7 @@ class App:
             if new.resolver != old.resolver:
                 self.resolved = {}              # another resolver: every name asked again
             try:
-                specs = self._concrete(new.backends, new)
+                specs = resolving.concrete(self, new.backends, new)
             except ConfigError as e:
                 log.error("reload rejected, the running configuration stays: %s", e)
                 sdnotify.notify("READY=1")
@@ -703,7 +451,7 @@ class App:
                      f", {len(reweighted)} reweighted: {', '.join(reweighted)}" if reweighted else "",
                      new.limit or "off", len(new.rules), len(new.keys), ", new connection pools" if old_pools else "")
             sdnotify.notify("READY=1", f"STATUS=serving {len(keep)} backends")
-            self._start_resolving()
+            resolving.start_resolving(self)
             self._memory_policy(new)   # Redis's own configuration may have changed too
             if old_log is not None:
                 old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
@@ -803,8 +551,3 @@ class App:
             self.access_log.close()
         for s in self.demo_servers:
             s.shutdown()
-
-
-def _at(spec: BackendSpec, address: str) -> BackendSpec:
-    """One address of a DNS-named backend: its own backend, shown as `URL (ADDRESS)`."""
-    return replace(spec, url=f"{spec.url} ({address})", address=address)
