@@ -17,10 +17,6 @@ MAX_FUNCTION = 80
 
 # "path:Qualified.name" (its size when exempted, for the record).
 EXEMPT = {
-    # The process's wiring: every change of this session adds to it; split it once they have landed.
-    "lb/process/app.py:App": 643,
-    "lb/process/app.py:App.__init__": 93,
-    "lb/process/app.py:App.reload": 95,
     # The request parser: one pass over the fields on the request path (its owner is reworking it: i31).
     "lb/http/framing.py:parse_request": 109,
 }

@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 from lb.errors import ConfigError, ResolveError
+from lb.process.membership import joined_and_left
 from lb.upstream.backends import BackendSpec, make_backend
 from lb.upstream.resolve import is_address, lookup
 
@@ -86,7 +87,7 @@ def resolve(app, spec: BackendSpec, cfg) -> float | None:
         added = [make_backend(s, cfg, joined_at=time.monotonic(), breaker=app.breaker)   # slow start, if on
                  for u, s in want.items() if u not in have]
         app.balancer.set_backends([b for b in old if b not in removed] + added)
-        app._joined_and_left(added, removed)
+        joined_and_left(app, added, removed)
         log.info("backend %s: %s resolves to %s (%d added, %d draining)", spec.url, spec.host,
                  ", ".join(addrs), len(added), len(removed))
     return ttl
