@@ -413,13 +413,39 @@ def parse_request(head: bytes) -> Request:
         r._headers = None
         r.raw, r.spans = head, spans
         fields = [(lname, value) for _, _, lname, value in spans]
+    keep_alive = _read_fields(r, fields, version == b"HTTP/1.1")
+    if r.chunked and r.content_length is not None:
+        raise HttpError(400, "both Content-Length and Transfer-Encoding")
+    if version == b"HTTP/1.0" and (r.chunked or r.expect_continue):
+        raise HttpError(400, "chunked body or Expect on HTTP/1.0")
+    if r.host is None:
+        if version == b"HTTP/1.1":
+            raise HttpError(400, "missing Host header")
+        r.host = b""
+    if target[:1] != b"/":
+        if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
+            # absolute-form: served only for the Host it names; the edge is not an open forward proxy.
+            rest = target.split(b"://", 1)[1]
+            authority, slash, path = rest.partition(b"/")
+            if authority.lower() != r.host.lower():
+                raise HttpError(400, "absolute-form target for another host")
+            r.target = b"/" + path
+        else:
+            # asterisk-form (OPTIONS *) too: it asks the edge itself, and nginx refuses it as well
+            raise HttpError(400, "invalid request target")
+    r.keep_alive = keep_alive
+    return r
+
+
+def _read_fields(r: Request, fields, keep_alive: bool) -> bool:
+    """The fields the edge acts on, checked and kept on r (in one loop per request, not a call per field);
+    returns keep_alive as the Connection header leaves it (given the version's default)."""
     r.content_length = None
     r.chunked = False
     r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = r.client_cert = None
     r.expect_continue = False
     tokens: set[bytes] = set()
     te_seen = False
-    keep_alive = version == b"HTTP/1.1"
     for lname, value in fields:
         if lname not in _REQUEST_FIELDS:
             continue                   # (most of a browser's headers: one set lookup, not eleven compares)
@@ -476,28 +502,8 @@ def parse_request(head: bytes) -> Request:
             r.fwd_host = value
         elif lname == b"cookie":
             r.cookie = value if r.cookie is None else r.cookie + b"; " + value
-    if r.chunked and r.content_length is not None:
-        raise HttpError(400, "both Content-Length and Transfer-Encoding")
-    if version == b"HTTP/1.0" and (r.chunked or r.expect_continue):
-        raise HttpError(400, "chunked body or Expect on HTTP/1.0")
-    if r.host is None:
-        if version == b"HTTP/1.1":
-            raise HttpError(400, "missing Host header")
-        r.host = b""
-    if target[:1] != b"/":
-        if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
-            # absolute-form: served only for the Host it names; the edge is not an open forward proxy.
-            rest = target.split(b"://", 1)[1]
-            authority, slash, path = rest.partition(b"/")
-            if authority.lower() != r.host.lower():
-                raise HttpError(400, "absolute-form target for another host")
-            r.target = b"/" + path
-        else:
-            # asterisk-form (OPTIONS *) too: it asks the edge itself, and nginx refuses it as well
-            raise HttpError(400, "invalid request target")
     r.conn_tokens = tokens
-    r.keep_alive = keep_alive
-    return r
+    return keep_alive
 
 
 # A field value relayed into an HTTP/1.1 head: any CR, LF, NUL or other control but HTAB would split or cut
