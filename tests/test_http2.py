@@ -3,6 +3,7 @@
 ending the offending stream or connection with the right code while the edge keeps serving."""
 
 import json
+import re
 from collections import deque
 import shutil
 import socket
@@ -176,6 +177,30 @@ def test_access_log_and_metrics_say_http2(edge):
     assert " proto=" not in line            # HTTP/1.1 lines are as they were
     m = request(edge.admin_port, "GET", "/metrics").body.decode()
     assert 'lb_http2_streams_total{outcome="served"}' in m and "lb_http2_connections_total" in m
+
+
+def test_requests_are_counted_by_protocol_from_zero(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--admin", "127.0.0.1:0")
+
+    def count(protocol: str) -> float:
+        m = request(e.admin_port, "GET", "/metrics").body.decode()
+        return float(re.search(r'^lb_requests_by_protocol_total\{protocol="%s"\} (\S+)$' % protocol, m, re.M)[1])
+
+    try:
+        assert count("HTTP/1.1") == 0 and count("HTTP/2") == 0 and count("HTTP/1.0") == 0
+        for _ in range(3):
+            assert request(e.port, "GET", "/echo").status == 200
+        c = H2Client(e.port)
+        try:
+            for _ in range(2):
+                assert c.response(c.request("/echo"))["headers"][b":status"] == b"200"
+            assert c.response(c.request("/nowhere", "BREW"))["headers"][b":status"]    # the edge's own answer too
+        finally:
+            c.close()
+        assert wait_until(lambda: count("HTTP/2") == 3, what="3 HTTP/2 requests counted")
+        assert count("HTTP/1.1") == 3 and count("HTTP/1.0") == 0
+    finally:
+        e.stop()
 
 
 # ------------------------------------------------------------------------- the edge's own answers
