@@ -3,14 +3,17 @@
 ending the offending stream or connection with the right code while the edge keeps serving."""
 
 import json
+import re
 from collections import deque
 import shutil
 import socket
 import ssl
 import subprocess
+import time
 
 import pytest
 from h2.errors import ErrorCodes
+from h2.events import DataReceived
 from h2.settings import SettingCodes
 from hpack import Encoder
 from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame
@@ -176,6 +179,30 @@ def test_access_log_and_metrics_say_http2(edge):
     assert 'lb_http2_streams_total{outcome="served"}' in m and "lb_http2_connections_total" in m
 
 
+def test_requests_are_counted_by_protocol_from_zero(backend):
+    e = Edge("--backends", backend.url, "--health-interval", "30", "--admin", "127.0.0.1:0")
+
+    def count(protocol: str) -> float:
+        m = request(e.admin_port, "GET", "/metrics").body.decode()
+        return float(re.search(r'^lb_requests_by_protocol_total\{protocol="%s"\} (\S+)$' % protocol, m, re.M)[1])
+
+    try:
+        assert count("HTTP/1.1") == 0 and count("HTTP/2") == 0 and count("HTTP/1.0") == 0
+        for _ in range(3):
+            assert request(e.port, "GET", "/echo").status == 200
+        c = H2Client(e.port)
+        try:
+            for _ in range(2):
+                assert c.response(c.request("/echo"))["headers"][b":status"] == b"200"
+            assert c.response(c.request("/nowhere", "BREW"))["headers"][b":status"]    # the edge's own answer too
+        finally:
+            c.close()
+        assert wait_until(lambda: count("HTTP/2") == 3, what="3 HTTP/2 requests counted")
+        assert count("HTTP/1.1") == 3 and count("HTTP/1.0") == 0
+    finally:
+        e.stop()
+
+
 # ------------------------------------------------------------------------- the edge's own answers
 
 def test_a_limit_over_http2_is_429_with_its_headers_and_grpc_gets_resource_exhausted(backend):
@@ -246,21 +273,60 @@ def test_rapid_reset_gets_goaway_enhance_your_calm_and_starts_bounded_work(edge,
     assert backend.stats()["count"] - before <= 400
 
 
-@pytest.mark.parametrize("flood", ["ping", "settings"])
-def test_ping_and_settings_floods_get_goaway_enhance_your_calm(edge, flood):
+@pytest.mark.parametrize("flood", ["ping", "settings", "priority", "window_update"])
+def test_control_frame_floods_get_goaway_enhance_your_calm(edge, flood):
     c = H2Client(edge.port)
     try:
-        for i in range(2000):
+        for i in range(20000 if flood in ("priority", "window_update") else 2000):
             if flood == "ping":
                 c.h2.ping(b"%08d" % i)
-            else:
+            elif flood == "settings":
                 c.h2.update_settings({})
+            elif flood == "priority":
+                c.h2.prioritize(1 + 2 * (i % 1000), weight=16)    # idle streams too: no stream is opened
+            else:
+                c.h2.increment_flow_control_window(1)
             try:
                 c.flush()
             except OSError:
                 break
         c.until_closed()
         assert c.goaway is not None and c.goaway.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        c.close()
+    still_serves(edge)
+    if flood in ("priority", "window_update"):
+        m = request(edge.admin_port, "GET", "/metrics").body.decode()
+        assert 'lb_http2_goaways_total{reason="too many PRIORITY/WINDOW_UPDATE frames"}' in m
+
+
+def test_a_browser_s_priority_frames_and_a_window_update_per_data_frame_are_not_a_flood(edge):
+    """As Firefox: PRIORITY frames with each request; as a strict client: WINDOW_UPDATE for the stream and
+    the connection after every DATA frame of a download far larger than any burst."""
+    c = H2Client(edge.port)
+    try:
+        for _ in range(300):
+            sid = c.request("/echo")
+            for dep in range(5):
+                c.h2.prioritize(sid, weight=16 + dep, depends_on=0)
+            c.flush()
+            assert c.response(sid)["headers"][b":status"] == b"200"
+        sid = c.request("/big?bytes=4000000")
+        frames = 0
+        r = c.responses[sid]
+        end = time.monotonic() + 30
+        while not r["ended"] and time.monotonic() < end:
+            seen = len(c.events)
+            assert c.pump(ack=False), f"connection ended (goaway: {c.goaway})"
+            for ev in c.events[seen:]:
+                if isinstance(ev, DataReceived) and ev.flow_controlled_length:
+                    frames += 1
+                    if not r["ended"]:
+                        c.h2.increment_flow_control_window(ev.flow_controlled_length, stream_id=sid)
+                    c.h2.increment_flow_control_window(ev.flow_controlled_length)
+            c.flush()
+        assert r["ended"] and len(r["data"]) == 4000000 and c.goaway is None
+        assert frames > 200          # past the frames' own burst: their DATA is what kept them allowed
     finally:
         c.close()
     still_serves(edge)

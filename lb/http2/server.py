@@ -9,7 +9,7 @@ not read one stream holds up that stream's backend, never the other streams; a s
 progress for send_timeout is reset.
 
 What a peer can make the edge do without asking for work is bounded too (lb/http2/guard.py): resets
-(rapid reset, CVE-2023-44487) and control frames (PING/SETTINGS floods) spend per-connection allowances,
+(rapid reset, CVE-2023-44487) and control frames (PING/SETTINGS/PRIORITY/WINDOW_UPDATE floods) spend per-connection allowances,
 and past them the connection gets GOAWAY ENHANCE_YOUR_CALM; streams still running after their client
 reset them count against max_concurrent_streams, so resets cannot start unbounded backend work; header
 blocks are bounded by SETTINGS_MAX_HEADER_LIST_SIZE (an HPACK bomb) and by h2's limit on CONTINUATION
@@ -44,7 +44,8 @@ from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
 from lb.http2.downstream import H2Downstream
 from lb.http2.writer import FrameWriter
-from lb.http2.guard import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, Allowance
+from lb.http2.guard import (CONTROL_BURST, CONTROL_RATE, NOPROGRESS_BURST, NOPROGRESS_PER_REQUEST,
+                            NOPROGRESS_RATE, RESET_BURST, RESET_RATE, Allowance)
 from lb.logs import client_fault
 
 log = logging.getLogger("edge")
@@ -221,6 +222,7 @@ class Connection:
         now = monotonic()
         self.resets = Allowance(RESET_BURST, RESET_RATE, now)
         self.control = Allowance(CONTROL_BURST, CONTROL_RATE, now)
+        self.noprogress = Allowance(NOPROGRESS_BURST, NOPROGRESS_RATE, now)    # PRIORITY, WINDOW_UPDATE
         cfg = edge.cfg
         self.max_streams = cfg.http2_max_concurrent_streams
         self.h2 = _state_machine(self.max_streams)
@@ -378,6 +380,7 @@ class Connection:
         for ev in events:
             t = type(ev)
             if t is h2.events.RequestReceived:
+                self.noprogress.earn(NOPROGRESS_PER_REQUEST)
                 self._request(ev)
             elif t is h2.events.DataReceived:
                 with self.cv:
@@ -412,6 +415,9 @@ class Connection:
                         cap_encoder_table(self.h2)
                 if not self.control.take(now):
                     calm = "too many control frames"
+            elif t is h2.events.PriorityUpdated or t is h2.events.WindowUpdated:
+                if not self.noprogress.take(now):
+                    calm = "too many PRIORITY/WINDOW_UPDATE frames"
             elif t is h2.events.TrailersReceived:
                 pass                     # a request's trailers: not carried to an HTTP/1.1 backend
             elif t is h2.events.ConnectionTerminated:

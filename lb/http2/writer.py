@@ -15,6 +15,8 @@ from time import monotonic
 import h2.exceptions
 from h2.errors import ErrorCodes
 
+from lb.http2.guard import NOPROGRESS_PER_DATA
+
 log = logging.getLogger("edge")
 
 OUT_HIGH = 1 << 20             # bytes waiting for the socket past which no stream is pumped
@@ -106,6 +108,7 @@ def _frame_stream(h, st, budget: int, now: float) -> int:
             h.send_data(sid, item[:n])
             st.out[0] = item[n:]
         st.out_n -= n
+        st.conn.noprogress.earn(NOPROGRESS_PER_DATA)      # the client's WINDOW_UPDATEs for it are progress
         st.progress = now
         budget -= n
         if budget <= 0:

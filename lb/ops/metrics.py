@@ -91,6 +91,8 @@ FAMILIES = {
                                           "max_concurrent_streams, or the workers all busy), reset by client."),
     "lb_http2_goaways_total": ("counter", "HTTP/2 connections ended by the edge's GOAWAY for the peer's "
                                           "behaviour, by reason (floods, rapid reset, protocol errors)."),
+    "lb_requests_by_protocol_total": ("counter", "Requests answered, by the protocol the client spoke "
+                                                 "(HTTP/1.0, HTTP/1.1, HTTP/2): one per access-log line."),
     "lb_worker_requests_total": ("counter", "Requests answered by each worker process (balance check)."),
     "lb_backend_up": ("gauge", "1 when the backend passes its active health checks (with workers: in every one)."),
     "lb_backend_in_rotation": ("gauge", "1 when the backend takes new requests: up, not ejected, not drained."),
@@ -143,6 +145,9 @@ _DURATION = {i: ("lb_request_duration_seconds", (("code", c),)) for i, c in enum
 _UPSTREAM_KINDS = ("connect", "reset", "timeout", "protocol", "pool")
 _EDGE_CODES = ("400", "413", "429", "499", "502", "503", "504")
 TRANSITIONS = ("UP", "DOWN", "EJECTED", "DRAINED")
+# The protocol counter's keys, made once, by the request line's version (the parsers accept no other).
+_PROTOCOL = {v: ("lb_requests_by_protocol_total", (("protocol", v.decode()),))
+             for v in (b"HTTP/1.0", b"HTTP/1.1", b"HTTP/2")}
 
 
 def _duration(status: int) -> tuple[str, tuple]:
@@ -201,6 +206,8 @@ class Metrics:
             self.counters[("lb_edge_responses_total", (("code", code),))] = 0
         for cond in RETRY_CONDITIONS:
             self.counters[("lb_retries_by_condition_total", (("condition", cond),))] = 0
+        for k in _PROTOCOL.values():
+            self.counters[k] = 0
         for k in _DURATION.values():
             self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
         self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
@@ -278,6 +285,12 @@ class Metrics:
             if unavailable:
                 self._inc("lb_unavailable_total")
             self._observe(*_duration(status), seconds)
+
+    def answered(self, version: bytes) -> None:
+        """A request's outcome is known (Edge.record): counted by the protocol the client spoke."""
+        k = _PROTOCOL.get(version) or _PROTOCOL[b"HTTP/1.1"]
+        with self.lock:
+            self.counters[k] += 1
 
     def tunnel_opened(self) -> None:
         with self.lock:

@@ -350,6 +350,7 @@ class Edge:
     def record(self, x: "Exchange", status: int) -> None:
         """The request's outcome is known: the access-log line (once per request)."""
         x.status = status
+        self.metrics.answered(x.req.version)
         access_log = self.access_log       # once: a reload may turn it off between two reads
         if access_log is not None:
             r = x.reader
