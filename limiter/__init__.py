@@ -14,8 +14,8 @@ import re
 
 from limiter.algorithms import ALGORITHMS, MAX_COUNT, MIN_WINDOW, Decision, TokenBucket
 from limiter.memory import MemoryStore
-from limiter.shaping import shaped
 from limiter.redis.url import SCHEMES as REDIS_SCHEMES
+from limiter.shaping import shaped
 
 __all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
 

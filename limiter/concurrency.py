@@ -109,7 +109,7 @@ class RedisInFlight:
     def __init__(self, limit: int, url: str, *, prefix: str = "edge:inflight:", ttl: float = 360.0,
                  timeout: float = 0.05, on_error: str = "fail-open", retry_interval: float = 0.5,
                  password_file=None, ca_file=None, cert_file=None, key_file=None, clock=time, **_ignored):
-        from redis.exceptions import RedisError   # limiter imports redis only when a Redis store is used
+        from redis.exceptions import RedisError  # limiter imports redis only when a Redis store is used
 
         from limiter.redis.connect import link_for
         from limiter.redis.url import parse

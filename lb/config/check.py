@@ -31,8 +31,8 @@ def problems(cfg) -> list[str]:
     if cfg.access_log and cfg.access_log != "-":
         out += _writable(cfg.access_log, "access_log")
     if cfg.store != "memory":
-        from limiter.redis import url as redis_url
         from lb.limiting.store import redis_files
+        from limiter.redis import url as redis_url
         target = redis_url.parse(cfg.store, **redis_files(cfg))   # parsed already: it does not raise here
         if target.socket and not os.path.exists(target.socket):
             out.append(f"limits.store {target.display}: No such file or directory")

@@ -250,7 +250,7 @@ class Rules(Kind):
     """[[rules]]: lb/limiting/rules.py parses them (RuleSpec per table)."""
 
     def file(self, value, key):
-        from lb.limiting.rules import parse_rules     # the limiting room owns the rule grammar
+        from lb.limiting.rules import parse_rules  # the limiting room owns the rule grammar
         try:
             return parse_rules(value)
         except ValueError as e:

@@ -17,13 +17,13 @@ from typing import Any
 
 from lb import __version__
 from lb.config.docs import help_text
+
 # The names the rest of the code imports from lb.config.load, its one door: the value kinds and specs
 # (kinds.py), the checks (validate.py).
 from lb.config.kinds import parse_backend_url, parse_hostport  # noqa: F401
-from lb.errors import ConfigError
 from lb.config.schema import SETTINGS, Config, file_keys
-from lb.config.validate import (admin_token, check_rate, check_upgrades, redis_files, tls_listener,  # noqa: F401
-                                validate)
+from lb.config.validate import admin_token, check_rate, check_upgrades, redis_files, tls_listener, validate  # noqa: F401
+from lb.errors import ConfigError
 
 _FILE = file_keys()          # {"": the top-level keys, "health": [health]'s, ...}
 _BY_NAME = {s.name: s for s in SETTINGS}

@@ -44,8 +44,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from lb.config.kinds import (BACKENDS, BOOL, CERTIFICATES, HOSTPORT, KEYS, LIST, MS, ONOFF, PERCENT, RATES,
-                             RETRY_ON, RULES, SECONDS, SECONDS0, STR, STREAK, BackendSpec, CertSpec, Kind, Num)
+from lb.config.kinds import (
+    BACKENDS,
+    BOOL,
+    CERTIFICATES,
+    HOSTPORT,
+    KEYS,
+    LIST,
+    MS,
+    ONOFF,
+    PERCENT,
+    RATES,
+    RETRY_ON,
+    RULES,
+    SECONDS,
+    SECONDS0,
+    STR,
+    STREAK,
+    BackendSpec,
+    CertSpec,
+    Kind,
+    Num,
+)
 from lb.config.routes import POOLS, ROUTES
 
 STRATEGIES = ("round-robin", "weighted", "least-request")

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 
-from limiter.redis import url as redis_url
-
 from lb import logs
+from lb.config.schema import REJECT_STATUSES, SETTINGS, Config
 from lb.errors import ConfigError
 from lb.http.tls import CertSpec
 from lb.limiting.store import redis_files  # noqa: F401  (load.py's door)
-from lb.config.schema import REJECT_STATUSES, SETTINGS, Config
 from lb.netaddr import network, split_hostport
+from limiter.redis import url as redis_url
+
 
 def check_rate(value: str, key: str) -> str:
     from limiter import parse_rate  # the limiter owns the N/PERIOD grammar
@@ -195,7 +195,7 @@ def validate(c: Config) -> list[str]:
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     if c.pools or c.routes or any(getattr(r, "route", None) for r in c.rules):
-        from lb.config import routes          # [[pools]], [[routes]] and a rule's match.route, across tables
+        from lb.config import routes  # [[pools]], [[routes]] and a rule's match.route, across tables
         bad += routes.validate(c)
     return bad
 

@@ -17,8 +17,8 @@ from time import monotonic, time
 from typing import TYPE_CHECKING
 
 from lb.errors import ClientGone, HttpError, UpstreamError
-from lb.http.chunked import CHUNK, END, NEED, TRAILER, ChunkedDecoder
 from lb.http import gate
+from lb.http.chunked import CHUNK, END, NEED, TRAILER, ChunkedDecoder
 
 if TYPE_CHECKING:
     from lb.http.tls import ClientCert

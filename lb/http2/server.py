@@ -43,9 +43,17 @@ from lb.http.hpacktable import cap_encoder_table
 from lb.http2 import grpc
 from lb.http2.bridge import StreamSocket
 from lb.http2.downstream import H2Downstream
+from lb.http2.guard import (
+    CONTROL_BURST,
+    CONTROL_RATE,
+    NOPROGRESS_BURST,
+    NOPROGRESS_PER_REQUEST,
+    NOPROGRESS_RATE,
+    RESET_BURST,
+    RESET_RATE,
+    Allowance,
+)
 from lb.http2.writer import FrameWriter
-from lb.http2.guard import (CONTROL_BURST, CONTROL_RATE, NOPROGRESS_BURST, NOPROGRESS_PER_REQUEST,
-                            NOPROGRESS_RATE, RESET_BURST, RESET_RATE, Allowance)
 from lb.logs import client_fault
 
 log = logging.getLogger("edge")

@@ -26,16 +26,15 @@ import threading
 from time import sleep
 from typing import Any, NamedTuple
 
+from lb import netaddr
+from lb.limiting import views
+from lb.limiting.identity import MAX_KEY, ip_key, kind_name
+from lb.limiting.keys import KeyRegistry, KeySpec, key_label
+from lb.limiting.rules import BUILTIN, Matcher, normalize_path
 from limiter import build, parse_rate
 from limiter.compose import allow_all
 from limiter.concurrency import InFlight
 from limiter.shaping import Delayed
-
-from lb import netaddr
-from lb.limiting.identity import MAX_KEY, ip_key, kind_name
-from lb.limiting import views
-from lb.limiting.keys import KeyRegistry, KeySpec, key_label
-from lb.limiting.rules import BUILTIN, Matcher, normalize_path
 
 log = logging.getLogger("edge")
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import os
 from time import monotonic
 
-from limiter.redis import url as redis_url
-
 from lb.logs import redact
+from limiter.redis import url as redis_url
 
 
 def redis_files(c) -> dict:
@@ -72,6 +71,7 @@ def memory_policy(cfg, timeout: float = 1.0) -> list[tuple[int, str]]:
     if cfg.store == "memory":
         return []
     import logging
+
     from redis.exceptions import RedisError
     target = redis_url.parse(cfg.store, **redis_files(cfg))
     out = []

@@ -6,11 +6,10 @@ Off the request path: lb/limiting/stage.py decides, this module only describes.
 
 from __future__ import annotations
 
-from limiter import MemoryStore
-
 from lb import netaddr
 from lb.limiting.identity import ip_key
 from lb.limiting.rules import BUILTIN
+from limiter import MemoryStore
 
 
 def rules_status(stage) -> list[dict]:

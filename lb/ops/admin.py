@@ -35,11 +35,11 @@ import threading
 from time import monotonic
 from urllib.parse import unquote, urlsplit
 
+from lb.errors import ClientGone, HttpError
+from lb.http.framing import Reader, http_date, iter_chunked, own_response, parse_request, send, send_timeout
+from lb.netaddr import bind_options, family, ip
 from lb.ops import dashboard
 from lb.ops.accesslog import escape
-from lb.http.framing import Reader, http_date, iter_chunked, own_response, parse_request, send, send_timeout
-from lb.errors import ClientGone, HttpError
-from lb.netaddr import bind_options, family, ip
 
 log = logging.getLogger("edge")
 

@@ -19,29 +19,28 @@ import threading
 import time
 from dataclasses import replace
 
-from limiter.redis import url as redis_url
-
 from lb import logs
-from lb.ops import fanout
-from lb.ops import metrics as metrics_mod
-from lb.process import actions, parts, reloading, resolving, sdnotify, status
-from lb.limiting import store
-from lb.ops.admin import AdminServer, start_admin
-from lb.upstream.backends import BackendSpec, make_backend
-from lb.upstream.balancer import Balancer
 from lb.config.load import Config, admin_token
 from lb.errors import ConfigError, StartError
-from lb.upstream.health import HealthChecker
+from lb.limiting import store
 from lb.limiting.identity import Identifier
 from lb.limiting.keys import draw_label_secret
 from lb.limiting.stage import SharedTables
-from lb.ops.metrics import Metrics
 from lb.netaddr import held, hostport
-from lb.upstream.outlier import Ejector
-from lb.proxy.tunnel import close_all as close_tunnels
+from lb.ops import fanout
+from lb.ops import metrics as metrics_mod
+from lb.ops.admin import AdminServer, start_admin
+from lb.ops.metrics import Metrics
+from lb.process import actions, parts, reloading, resolving, sdnotify, status
 from lb.proxy.edge import Edge, EdgeServer
+from lb.proxy.tunnel import close_all as close_tunnels
+from lb.upstream.backends import BackendSpec, make_backend
+from lb.upstream.balancer import Balancer
 from lb.upstream.breaker import Breaker
+from lb.upstream.health import HealthChecker
+from lb.upstream.outlier import Ejector
 from lb.upstream.retrybudget import RetryBudget
+from limiter.redis import url as redis_url
 
 log = logging.getLogger("edge")
 

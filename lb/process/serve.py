@@ -18,9 +18,7 @@ import threading
 import time
 
 from lb.netaddr import migrate_req
-from lb.process import memory
-from lb.process import sdnotify
-from lb.process import signals
+from lb.process import memory, sdnotify, signals
 from lb.process.signals import HANDLED
 
 log = logging.getLogger("edge")

@@ -8,13 +8,12 @@ import os
 import sys
 import time
 
-from limiter.memory import MemoryStore
-from limiter.redis import url as redis_url
-
 from lb import __version__
 from lb.netaddr import hostport
 from lb.ops import metrics as metrics_mod
 from lb.proxy import hedge
+from limiter.memory import MemoryStore
+from limiter.redis import url as redis_url
 
 
 def status(app) -> dict:

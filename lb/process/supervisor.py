@@ -30,10 +30,10 @@ from collections import deque
 from dataclasses import replace
 
 from lb import logs
-from lb.process import sdnotify
-from lb.netaddr import bind_options, family, hostport
-from lb.process.serve import watchdog_interval
 from lb.errors import StartError
+from lb.netaddr import bind_options, family, hostport
+from lb.process import sdnotify
+from lb.process.serve import watchdog_interval
 
 
 def exit_reason(status: int) -> str:
@@ -128,10 +128,10 @@ def _shared_tables(cfg):
 
 def _inherit_tls(cfg) -> None:
     """One TLS context for every worker to inherit, so one set of session-ticket keys (lb/http/tls.py)."""
-    from lb.http import tls
     from lb.config.check import certificate_warnings
     from lb.config.load import tls_listener
     from lb.errors import ConfigError
+    from lb.http import tls
     try:
         tls.inherited = tls_listener(cfg)
     except ConfigError as e:

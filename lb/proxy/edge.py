@@ -14,32 +14,32 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-import ssl
-import time
 import socketserver
+import ssl
 import threading
+import time
 from time import monotonic
 
 from lb import netaddr
+from lb.errors import ClientGone, HttpError
 from lb.http import gate, tls
+from lb.http.framing import Reader, Request, linger, own_response, parse_request, send_timeout
+from lb.limiting.identity import Identifier
+from lb.limiting.rules import configured_subjects
+from lb.limiting.stage import Holds
 from lb.logs import client_fault
 from lb.proxy import replies
 from lb.proxy.conn import ClientConn
 from lb.proxy.downstream import H1Downstream
-from lb.proxy.h2stream import StreamDownstream
 from lb.proxy.exchange import Exchange
 from lb.proxy.forward import Forwarder
+from lb.proxy.h2stream import StreamDownstream
 from lb.proxy.pipeline import Pipeline, new_request_id
 from lb.proxy.spool import Budget
-from lb.limiting.identity import Identifier
-from lb.limiting.rules import configured_subjects
-from lb.upstream.outlier import Ejector
-from lb.limiting.stage import Holds
 from lb.upstream.breaker import Breaker
+from lb.upstream.outlier import Ejector
 from lb.upstream.pools import Pool
 from lb.upstream.retrybudget import RetryBudget
-from lb.http.framing import Reader, Request, linger, own_response, parse_request, send_timeout
-from lb.errors import ClientGone, HttpError
 
 log = logging.getLogger("edge")
 

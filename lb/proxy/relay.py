@@ -15,8 +15,8 @@ import socket
 import ssl
 from time import monotonic
 
-from lb.http.chunked import CHUNK, CHUNK_END, END, NEED, ChunkedDecoder
 from lb.errors import ClientGone, HttpError, UpstreamError
+from lb.http.chunked import CHUNK, CHUNK_END, END, NEED, ChunkedDecoder
 from lb.http.framing import RESPONSE_NAMES, Reader, linger, not_relayed, send
 from lb.http.plan import response_plan
 from lb.proxy.downstream import SMALL_BODY

@@ -15,7 +15,8 @@ import socket
 import ssl
 from time import monotonic
 
-from urllib3.exceptions import ClosedPoolError, HTTPError as Urllib3Error
+from urllib3.exceptions import ClosedPoolError
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from lb.errors import ClientGone, HttpError, PoolExhausted, UpstreamError
 from lb.http.framing import HOP_BY_HOP, REQUEST_NAMES, Reader, Request, parse_response

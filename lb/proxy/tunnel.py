@@ -26,7 +26,6 @@ from time import monotonic
 from lb.http.framing import Reader, not_relayed
 from lb.upstream.failures import Failure
 
-
 PIECE = 65536
 _WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"     # RFC 6455 1.3
 

@@ -10,8 +10,6 @@ its last response) is closed instead of reused: those bytes would be read as the
 
 from __future__ import annotations
 
-from typing import Any
-
 import hashlib
 import logging
 import queue
@@ -22,7 +20,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import urllib3
 from urllib3.exceptions import ClosedPoolError, EmptyPoolError

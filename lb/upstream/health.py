@@ -16,10 +16,10 @@ import ssl
 import threading
 from time import monotonic
 
-from lb.upstream.backends import Backend
-from lb.netaddr import hostport
-from lb.http.framing import Reader, parse_response
 from lb.errors import HttpError, UpstreamError
+from lb.http.framing import Reader, parse_response
+from lb.netaddr import hostport
+from lb.upstream.backends import Backend
 
 log = logging.getLogger("edge")
 

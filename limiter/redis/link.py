@@ -34,11 +34,19 @@ from collections import deque
 from time import monotonic
 
 import redis
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis._parsers.base import BaseParser
-from redis.exceptions import (AskError, ClusterDownError, InvalidResponse, NoScriptError, ReadOnlyError, RedisError,
-                               ResponseError, TryAgainError)
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    InvalidResponse,
+    NoScriptError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 

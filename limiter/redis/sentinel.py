@@ -29,7 +29,6 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from redis.retry import Retry
 
 from limiter.redis.link import RedisLink
