@@ -103,9 +103,9 @@ def reopen_stderr() -> bool:
     try:
         a, b = os.stat(_stderr_path), os.fstat(2)
         if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
-            return False      # not moved: keep the description the workers share (and its offset)
+            return False  # not moved: keep the description the workers share (and its offset)
     except OSError:
-        pass                  # moved away and not recreated: open a new one
+        pass  # moved away and not recreated: open a new one
     try:
         fd = os.open(_stderr_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
     except OSError as e:
@@ -119,6 +119,7 @@ def reopen_stderr() -> bool:
 
 # -- lines a client can cause -----------------------------------------------------------------------
 
+
 class ClientFaults:
     """Log lines whose number a client decides (malformed requests, bad handshakes): a flood of them
     must not fill the disk, while one now and then is still seen. The first of a quiet spell is a
@@ -129,18 +130,19 @@ class ClientFaults:
     schedule(delay, fn) runs fn later (a timer thread; injected in the tests).
     """
 
-    def __init__(self, logger: logging.Logger, every: float = 10.0, burst: int = 5, schedule=None,
-                 what: str = "client errors"):
+    def __init__(
+        self, logger: logging.Logger, every: float = 10.0, burst: int = 5, schedule=None, what: str = "client errors"
+    ):
         self.log, self.every, self.burst, self.what = logger, every, burst, what
         self.schedule = schedule or _timer
         self.lock = threading.Lock()
-        self.open = False          # a window is running (its summary is scheduled)
-        self.count = 0             # faults in this window (after the one that opened it)
+        self.open = False  # a window is running (its summary is scheduled)
+        self.count = 0  # faults in this window (after the one that opened it)
         self.last = ""
         os.register_at_fork(after_in_child=self._forget)
 
     def _forget(self) -> None:
-        self.lock = threading.Lock()       # a worker starts with no window (the timer stayed behind)
+        self.lock = threading.Lock()  # a worker starts with no window (the timer stayed behind)
         self.open, self.count, self.last = False, 0, ""
 
     def __call__(self, msg: str, *args) -> None:
@@ -167,8 +169,14 @@ class ClientFaults:
                 self.open = False
                 return
             self.schedule(self.every, self.flush)
-        self.log.warning("%d more %s in the last %g s (%d not logged; last: %s)", n, self.what, self.every,
-                         max(0, n - self.burst), last)
+        self.log.warning(
+            "%d more %s in the last %g s (%d not logged; last: %s)",
+            n,
+            self.what,
+            self.every,
+            max(0, n - self.burst),
+            last,
+        )
 
 
 def _timer(delay: float, fn) -> None:

@@ -19,7 +19,7 @@ def split_hostport(value: str) -> tuple[str, str] | None:
             return None
         return host, rest[1:]
     host, sep, port = value.rpartition(":")
-    if not sep or not host or ":" in host:      # an IPv6 address needs its brackets
+    if not sep or not host or ":" in host:  # an IPv6 address needs its brackets
         return None
     return host, port
 
@@ -40,7 +40,7 @@ def bind_options(sock: socket.socket, host: str) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if host == "::" else 1)
         except OSError:
-            pass    # an IPv6-only kernel: [::] serves IPv6 only
+            pass  # an IPv6-only kernel: [::] serves IPv6 only
 
 
 def held(host: str, port: int) -> bool:
@@ -49,7 +49,7 @@ def held(host: str, port: int) -> bool:
     --takeover) and a second edge still learns it is not alone. SO_REUSEADDR: connections a stopped edge
     left in TIME_WAIT do not hold the port."""
     if not port:
-        return False                     # port 0: a free one is picked
+        return False  # port 0: a free one is picked
     s = socket.socket(family(host))
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -58,6 +58,7 @@ def held(host: str, port: int) -> bool:
         return False
     except OSError as e:
         import errno
+
         return e.errno == errno.EADDRINUSE
     finally:
         s.close()

@@ -20,8 +20,19 @@ from limiter.shaping import shaped
 __all__ = ["ALGORITHMS", "Decision", "build", "parse_rate", "MemoryStore"]
 
 
-def build(algorithm: str, limit: int, window: float, *, store: str = "memory", burst=None, max_keys: int = 100_000,
-          clock=None, cost: int = 1, max_delay: float = 0.0, **redis_options):
+def build(
+    algorithm: str,
+    limit: int,
+    window: float,
+    *,
+    store: str = "memory",
+    burst=None,
+    max_keys: int = 100_000,
+    clock=None,
+    cost: int = 1,
+    max_delay: float = 0.0,
+    **redis_options,
+):
     """A limiter with allow(key, now=None) -> Decision (now None: the store reads `clock` itself, under
     the key's lock where it has one).
 
@@ -51,16 +62,24 @@ def build(algorithm: str, limit: int, window: float, *, store: str = "memory", b
         from limiter.redis import shaping as redis_shaping  # noqa: F401  (registers its scripts with the Redis store)
     if store == "shm":  # limiter.shm: the table the supervisor shared with its workers before fork
         from limiter.shm import ShmStore
-        return ShmStore(algo, redis_options.pop("shm_arena", None), name=redis_options.pop("prefix", None),
-                        **({"clock": clock} if clock else {}), **redis_options)
+
+        return ShmStore(
+            algo,
+            redis_options.pop("shm_arena", None),
+            name=redis_options.pop("prefix", None),
+            **({"clock": clock} if clock else {}),
+            **redis_options,
+        )
     if store == "memory":
         if redis_options:
             raise ValueError(f"options {', '.join(sorted(redis_options))} only apply to store='redis://...'")
         return MemoryStore(algo, max_keys=max_keys, **({"clock": clock} if clock else {}))
     if isinstance(store, str) and store.partition("://")[0] in REDIS_SCHEMES:
         from limiter.redis.store import RedisStore  # imports redis only when it is used
+
         return RedisStore(algo, store, max_keys=max_keys, **({"clock": clock} if clock else {}), **redis_options)
     from limiter.redis.url import parse
+
     parse(store)  # raises the one-line reason (never echoing a password)
     raise AssertionError("unreachable")
 

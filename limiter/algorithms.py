@@ -169,7 +169,9 @@ class TokenBucket(_Algorithm):
         cap = self.capacity
         if state is None:
             tokens = cap - 1.0
-            return (tokens, now), _new(Decision, (True, self.limit, int(tokens), _delta(now + self.per_token, now), 0.0))
+            return (tokens, now), _new(
+                Decision, (True, self.limit, int(tokens), _delta(now + self.per_token, now), 0.0)
+            )
         tokens, stamp = state
         T = self.per_token
         if tokens >= 1.0 or now >= stamp + (1.0 - tokens) * T:
@@ -211,7 +213,7 @@ class FixedWindow(_Algorithm):
 
     def step(self, state, now):
         w = self.window
-        k = int(now // w)           # _window_index inlined: step() is the per-request hot path
+        k = int(now // w)  # _window_index inlined: step() is the per-request hot path
         if (k + 1) * w <= now:
             k += 1
         elif k * w > now:
@@ -352,7 +354,7 @@ class SlidingCounter(_Algorithm):
 
     def step(self, state, now):
         w = self.window
-        k = int(now // w)           # _window_index inlined: step() is the per-request hot path
+        k = int(now // w)  # _window_index inlined: step() is the per-request hot path
         if (k + 1) * w <= now:
             k += 1
         elif k * w > now:
@@ -389,13 +391,7 @@ class SlidingCounter(_Algorithm):
             return (k, 0, cur), _new(Decision, (True, limit, limit - cur, reset, 0.0))
         return (k, prev, cur), _new(
             Decision,
-            (
-                False,
-                limit,
-                0,
-                _delta(self._at(k, prev, cur, limit - 1), now),
-                _delta(self._at(k, prev, cur, 0), now),
-            ),
+            (False, limit, 0, _delta(self._at(k, prev, cur, limit - 1), now), _delta(self._at(k, prev, cur, 0), now)),
         )
 
     def _step_older(self, state, now):

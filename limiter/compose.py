@@ -39,15 +39,17 @@ def allow_all(checks, now: float | None = None):
     if kinds == {MemoryStore}:
         return allow_all_memory(checks, now)
     from limiter.shm import ShmStore, allow_all_shm
+
     if kinds == {ShmStore}:  # --workers N with the memory store
         return allow_all_shm(checks, now)
     from limiter.redis.store import RedisStore  # only when a Redis store is in use
+
     if kinds == {RedisStore} and len({lim.link for lim, _, _ in checks}) == 1:
         from limiter.redis.multi import allow_all_redis
+
         return allow_all_redis(checks, checks[0][0].clock() if now is None else now)
     # Any other store (or a mix): one decision after another -- correct per limit, but neither atomic
     # across limits nor all-or-nothing (a limit that admitted spends even when another rejects, as
     # Envoy's descriptors do). A store that can do better gets its own branch above.
     ds = [lim.allow(key) if now is None else lim.allow(key, now) for lim, key, _ in checks]
     return all(d.allowed for d, (_, _, e) in zip(ds, checks) if e), ds
-

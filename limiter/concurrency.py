@@ -93,26 +93,41 @@ class _Script3:
 
     def __init__(self, text: str):
         import hashlib
+
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
         self.head = b"*6\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % self.sha.encode()
 
     def pack(self, key: bytes, now: float, member: bytes) -> bytes:
         n = repr(float(now)).encode()
-        return b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (self.head, len(key), key, len(n), n,
-                                                              len(member), member)
+        return b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (self.head, len(key), key, len(n), n, len(member), member)
 
 
 class RedisInFlight:
     """Requests in flight per key across every edge on one Redis (see the module's docstring)."""
 
-    def __init__(self, limit: int, url: str, *, prefix: str = "edge:inflight:", ttl: float = 360.0,
-                 timeout: float = 0.05, on_error: str = "fail-open", retry_interval: float = 0.5,
-                 password_file=None, ca_file=None, cert_file=None, key_file=None, clock=time, **_ignored):
+    def __init__(
+        self,
+        limit: int,
+        url: str,
+        *,
+        prefix: str = "edge:inflight:",
+        ttl: float = 360.0,
+        timeout: float = 0.05,
+        on_error: str = "fail-open",
+        retry_interval: float = 0.5,
+        password_file=None,
+        ca_file=None,
+        cert_file=None,
+        key_file=None,
+        clock=time,
+        **_ignored,
+    ):
         from redis.exceptions import RedisError  # limiter imports redis only when a Redis store is used
 
         from limiter.redis.connect import link_for
         from limiter.redis.url import parse
+
         self._error = RedisError
         self.limit = _check_limit(limit)
         if not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
@@ -131,6 +146,7 @@ class RedisInFlight:
 
     def _call(self, node, script, key: bytes, member: bytes) -> bytes:
         from limiter.redis.batch import Call
+
         cmd = script.pack(key, self.clock(), member)
         if node.batcher is not None:
             return node.batcher.call(script, cmd)
@@ -154,7 +170,7 @@ class RedisInFlight:
                     node.succeeded()
                 return (node, k, member) if reply == 1 or reply == b"1" else None
         self.degraded += 1
-        return None if self.on_error == "fail-closed" else (None, k, member)   # admitted, no slot held
+        return None if self.on_error == "fail-closed" else (None, k, member)  # admitted, no slot held
 
     def release(self, slot) -> None:
         node, k, member = slot
@@ -162,16 +178,15 @@ class RedisInFlight:
             return
         try:
             self._call(node, self._release, k, member)
-        except self._error as e:   # the member's score ends it at ttl; one line, the request is done
+        except self._error as e:  # the member's score ends it at ttl; one line, the request is done
             log.warning("in-flight slot not released in Redis (it expires in %gs): %s", self.ttl, e)
-
 
 
 # ------------------------------------------------------------------------------ across worker processes
 
-_ROW = struct.Struct("=16sii")   # digest, pid, count
+_ROW = struct.Struct("=16sii")  # digest, pid, count
 _EMPTY = bytes(16)
-PROBE = 32                       # rows a key may use, from its home row
+PROBE = 32  # rows a key may use, from its home row
 
 
 class SharedTable:
@@ -179,7 +194,7 @@ class SharedTable:
 
     def __init__(self, rows: int = 65536):
         self.rows = max(PROBE, rows)
-        self.mem = mmap.mmap(-1, self.rows * _ROW.size)   # anonymous MAP_SHARED: the same bytes after fork
+        self.mem = mmap.mmap(-1, self.rows * _ROW.size)  # anonymous MAP_SHARED: the same bytes after fork
         fd, path = tempfile.mkstemp(prefix="edge-inflight-lock-")
         os.unlink(path)
         os.ftruncate(fd, 1)
@@ -188,7 +203,7 @@ class SharedTable:
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _after_fork(self):
-        self.tlock = threading.Lock()     # a lock held by another thread of the parent stays behind
+        self.tlock = threading.Lock()  # a lock held by another thread of the parent stays behind
 
     def close(self):
         self.mem.close()
@@ -243,7 +258,7 @@ class ShmInFlight:
                     elif tag == _EMPTY and free is None:
                         free = off
                 if total >= self.limit:
-                    for off, pid, n in others:      # a dead worker's rows: reclaimed when they would refuse
+                    for off, pid, n in others:  # a dead worker's rows: reclaimed when they would refuse
                         if not _alive(pid):
                             _ROW.pack_into(mem, off, _EMPTY, 0, 0)
                             total -= n
@@ -254,7 +269,7 @@ class ShmInFlight:
                 if mine is not None:
                     _ROW.pack_into(mem, mine[0], digest, me, mine[1] + 1)
                     return mine[0]
-                if free is None:                    # PROBE rows of other keys in flight: refuse, counted
+                if free is None:  # PROBE rows of other keys in flight: refuse, counted
                     self.full += 1
                     return None
                 _ROW.pack_into(mem, free, digest, me, 1)
@@ -277,5 +292,6 @@ class ShmInFlight:
 
     def count(self, key) -> int:
         digest, home = self._where(key)
-        return sum(n for off in self._rows(home) for tag, _, n in [_ROW.unpack_from(self.table.mem, off)]
-                   if tag == digest)
+        return sum(
+            n for off in self._rows(home) for tag, _, n in [_ROW.unpack_from(self.table.mem, off)] if tag == digest
+        )

@@ -66,8 +66,21 @@ class TableFullDecision(Decision):
 class MemoryStore:
     """allow(key, now=None) for one algorithm, with state held in this process."""
 
-    __slots__ = ("algorithm", "limit", "max_keys", "full", "_locks", "_mask", "_states", "_heap", "_grow",
-                 "_step", "_expires", "_clock", "_said_full")
+    __slots__ = (
+        "algorithm",
+        "limit",
+        "max_keys",
+        "full",
+        "_locks",
+        "_mask",
+        "_states",
+        "_heap",
+        "_grow",
+        "_step",
+        "_expires",
+        "_clock",
+        "_said_full",
+    )
 
     def __init__(self, algorithm, max_keys: int = 100_000, stripes: int = 64, clock=_time):
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys <= 0:
@@ -185,10 +198,17 @@ class MemoryStore:
         if t - self._said_full >= 60.0:
             self._said_full = t
             a = self.algorithm
-            log.warning("limiter key table full: %s %d/%gs holds max_keys = %d states, none reclaimable (each "
-                        "would decide differently from a fresh key); new keys get 503 until one expires "
-                        "(the soonest in %.3gs); raise max_keys if these are real clients (%d refused so far)",
-                        a.name, a.limit, a.window, self.max_keys, wait, self.full)
+            log.warning(
+                "limiter key table full: %s %d/%gs holds max_keys = %d states, none reclaimable (each "
+                "would decide differently from a fresh key); new keys get 503 until one expires "
+                "(the soonest in %.3gs); raise max_keys if these are real clients (%d refused so far)",
+                a.name,
+                a.limit,
+                a.window,
+                self.max_keys,
+                wait,
+                self.full,
+            )
         return _new(TableFullDecision, (False, self.limit, 0, wait, wait))
 
     def __len__(self):
@@ -219,10 +239,10 @@ def allow_all_memory(checks, now: float | None = None):
     held = sorted({id(lk): lk for lk in locks}.items())
     for _, lk in held:
         lk.acquire()
-    grows: Sequence[tuple[int, threading.Lock]] = ()    # the growth locks held (by id), when a key is new
+    grows: Sequence[tuple[int, threading.Lock]] = ()  # the growth locks held (by id), when a key is new
     try:
         if now is None:
-            now = checks[0][0]._clock()   # under the locks, as MemoryStore.allow reads it
+            now = checks[0][0]._clock()  # under the locks, as MemoryStore.allow reads it
         states = [lim._states.get(key) for lim, key, _ in checks]
         if None in states:
             grows = sorted({id(lim._grow): lim._grow for (lim, _, _), st in zip(checks, states) if st is None}.items())
@@ -234,7 +254,7 @@ def allow_all_memory(checks, now: float | None = None):
             if state is None:
                 new, d = lim._step(None, now)
                 if d[0]:
-                    full = lim._room(now, lock)     # a new key needs room under the global cap
+                    full = lim._room(now, lock)  # a new key needs room under the global cap
                     if full is not None:
                         new, d = None, full
             else:
@@ -245,7 +265,7 @@ def allow_all_memory(checks, now: float | None = None):
                 admitted = False
         if admitted:
             for (lim, key, _), state, (new, d) in zip(checks, states, trials):
-                if d[0]:                  # (a dry-run check that would have rejected stays unchanged)
+                if d[0]:  # (a dry-run check that would have rejected stays unchanged)
                     if state is None:
                         lim._add(key, new)
                     else:

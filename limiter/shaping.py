@@ -72,8 +72,7 @@ def check_shaping(algorithm, cost, max_delay):
         raise ValueError(f"cost must be a positive integer (units per request), got {cost!r}")
     most = algorithm.capacity if isinstance(algorithm, TokenBucket) else algorithm.limit
     if cost > most:
-        raise ValueError(f"cost {cost} is more than the limit's {most} units: such a request could never "
-                         f"be admitted")
+        raise ValueError(f"cost {cost} is more than the limit's {most} units: such a request could never be admitted")
     d = float(max_delay) if isinstance(max_delay, (int, float)) else math.nan
     if isinstance(max_delay, bool) or not (0.0 <= d < _INF):
         raise ValueError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")
@@ -112,25 +111,27 @@ class ShapedTokenBucket(_Shaped, TokenBucket):
     def step(self, state, now):
         cap, c, T = self.capacity, self.cost, self.per_token
         tokens, stamp = (float(cap), now) if state is None else state
-        due = stamp + (c - tokens) * T          # the instant c tokens are there
+        due = stamp + (c - tokens) * T  # the instant c tokens are there
         if tokens >= c or now >= due:
             if now > stamp:
                 tokens = cap if now >= stamp + (cap - tokens) * T else tokens + (now - stamp) * self.rate
                 stamp = now
-            if tokens < c:   # the threshold said yes; the refill product rounded just below c
+            if tokens < c:  # the threshold said yes; the refill product rounded just below c
                 tokens = float(c)
             tokens -= c
-            return (tokens, stamp), _new(Decision, (True, self.limit, max(0, int(tokens)),
-                                                    _delta(stamp + (cap - tokens) * T, now), 0.0))
+            return (tokens, stamp), _new(
+                Decision, (True, self.limit, max(0, int(tokens)), _delta(stamp + (cap - tokens) * T, now), 0.0)
+            )
         wait = _delta(due, now)
         if wait <= self.max_delay:
-            if now > stamp:     # below c <= cap, so no cap applies on the way
+            if now > stamp:  # below c <= cap, so no cap applies on the way
                 tokens += (now - stamp) * self.rate
                 stamp = now
             tokens -= c
             return (tokens, stamp), _held(self.limit, _delta(stamp + (cap - tokens) * T, now), wait)
-        return state, _new(Decision, (False, self.limit, 0, _delta(stamp + (cap - tokens) * T, now),
-                                      _retry(due, self.max_delay, now)))
+        return state, _new(
+            Decision, (False, self.limit, 0, _delta(stamp + (cap - tokens) * T, now), _retry(due, self.max_delay, now))
+        )
 
 
 class ShapedFixedWindow(_Shaped, FixedWindow):
@@ -142,7 +143,7 @@ class ShapedFixedWindow(_Shaped, FixedWindow):
         if state is None or state[0] < k:
             sk, count = k, 0
         else:
-            sk, count = state                   # sk > k: a reservation (or a racing thread's newer instant)
+            sk, count = state  # sk > k: a reservation (or a racing thread's newer instant)
         if sk > k and most == 0.0:
             # Without delay mode a newer window is a racing thread's: counted there, as the base rule does.
             if count + c <= n:
@@ -151,7 +152,7 @@ class ShapedFixedWindow(_Shaped, FixedWindow):
             d = _delta((sk + 1) * w, now)
             return state, _new(Decision, (False, n, 0, d, d))
         if count + c > n:
-            sk, count = sk + 1, 0               # the next window (c <= N: it has room)
+            sk, count = sk + 1, 0  # the next window (c <= N: it has room)
         if sk == k:
             count += c
             return (sk, count), _new(Decision, (True, n, n - count, _delta((sk + 1) * w, now), 0.0))
@@ -159,7 +160,7 @@ class ShapedFixedWindow(_Shaped, FixedWindow):
         wait = _delta(start, now)
         if wait <= most:
             return (sk, count + c), _held(n, _delta((sk + 1) * w, now), wait)
-        whole = (sk + 1) * w if count else start   # the quota is whole when the last counted window ends
+        whole = (sk + 1) * w if count else start  # the quota is whole when the last counted window ends
         return state, _new(Decision, (False, n, 0, _delta(whole, now), _retry(start, most, now)))
 
 
@@ -175,16 +176,16 @@ class ShapedSlidingLog(_Shaped, SlidingLog):
             state = []
         elif state and state[0] <= now:
             del state[: bisect_right(state, now)]
-        m = len(state) - (n - c)                # entries that must have left before this request fits
+        m = len(state) - (n - c)  # entries that must have left before this request fits
         if m <= 0:
             e = now + w
             for _ in range(c):
                 if not state or e >= state[-1]:
                     state.append(e)
-                else:          # an out-of-order instant from another thread (or a reservation ahead)
+                else:  # an out-of-order instant from another thread (or a reservation ahead)
                     insort(state, e)
             return state, _new(Decision, (True, n, max(0, n - len(state)), _delta(state[-1], now), 0.0))
-        due = state[m - 1]                      # > now: entries <= now were pruned
+        due = state[m - 1]  # > now: entries <= now were pruned
         wait = _delta(due, now)
         if wait <= self.max_delay:
             # due itself: the m-th entry counts while t < e, so at t = due it has left
@@ -207,18 +208,20 @@ class ShapedSlidingCounter(_Shaped, SlidingCounter):
             if k > sk:
                 prev, cur = (cur, 0) if k == sk + 1 else (0, 0)
                 sk = k
-        due = self._at(sk, prev, cur, c - 1)    # earliest instant (>= sk*W) with estimate + c - 1 < N
+        due = self._at(sk, prev, cur, c - 1)  # earliest instant (>= sk*W) with estimate + c - 1 < N
         # Without delay mode a state ahead of now is a racing thread's: judged at its window's start.
         if due <= (now if self.max_delay > 0.0 or sk == k else max(now, sk * w)):
             t, wait = now if sk == k else sk * w, 0.0
         else:
             wait = _delta(due, now)
             if wait > self.max_delay or self.max_delay == 0.0:
-                return state, _new(Decision, (False, n, 0, _delta(self._at(sk, prev, cur, n - 1), now),
-                                              _retry(due, self.max_delay, now)))
+                return state, _new(
+                    Decision,
+                    (False, n, 0, _delta(self._at(sk, prev, cur, n - 1), now), _retry(due, self.max_delay, now)),
+                )
             t = due
         kt = self._window_index(t)
-        if kt > sk:                              # the run instant is in a later window: roll forward
+        if kt > sk:  # the run instant is in a later window: roll forward
             prev, cur = (cur, 0) if kt == sk + 1 else (0, 0)
             sk = kt
         cur += c
@@ -235,5 +238,9 @@ class ShapedSlidingCounter(_Shaped, SlidingCounter):
         return (sk, prev, cur), _new(Decision, (True, n, r, reset, 0.0))
 
 
-_SHAPED: dict[type, Any] = {TokenBucket: ShapedTokenBucket, FixedWindow: ShapedFixedWindow,
-                            SlidingLog: ShapedSlidingLog, SlidingCounter: ShapedSlidingCounter}
+_SHAPED: dict[type, Any] = {
+    TokenBucket: ShapedTokenBucket,
+    FixedWindow: ShapedFixedWindow,
+    SlidingLog: ShapedSlidingLog,
+    SlidingCounter: ShapedSlidingCounter,
+}

@@ -75,9 +75,9 @@ def _codec(algorithm) -> _Codec:
     if isinstance(algorithm, SlidingCounter):
         return _Codec("=qqq", lambda v: v, lambda s: s)
     if isinstance(algorithm, SlidingLog):
-        n = getattr(algorithm, "max_entries", algorithm.limit)   # delay mode logs ahead (limiter.shaping)
+        n = getattr(algorithm, "max_entries", algorithm.limit)  # delay mode logs ahead (limiter.shaping)
         pad = (0.0,) * n
-        return _Codec(f"=q{n}d", lambda v: list(v[1:1 + v[0]]), lambda s: (len(s), *s, *pad[len(s):]))
+        return _Codec(f"=q{n}d", lambda v: list(v[1 : 1 + v[0]]), lambda s: (len(s), *s, *pad[len(s) :]))
     raise ValueError(f"no shared-memory layout for {algorithm!r}")
 
 
@@ -126,8 +126,10 @@ class ShmStore:
             raise ValueError("the shared-memory store needs an Arena created before fork (limiter.shm.Arena)")
         codec = _codec(algorithm)
         if codec.size > arena.state_bytes:
-            raise ValueError(f"{algorithm!r} needs {codec.size} bytes of state per key; the shared table "
-                             f"holds {arena.state_bytes} (created at start-up; restart to resize)")
+            raise ValueError(
+                f"{algorithm!r} needs {codec.size} bytes of state per key; the shared table "
+                f"holds {arena.state_bytes} (created at start-up; restart to resize)"
+            )
         self.algorithm = algorithm
         self.limit = algorithm.limit
         self.arena = arena
@@ -135,7 +137,7 @@ class ShmStore:
         self.full = 0
         self._said_full = -1e18
         self._id = (name or f"{algorithm.name}:{algorithm.limit}/{algorithm.window!r}").encode() + b"\0"
-        self.tag = hashlib.blake2b(self._id, digest_size=2).digest()   # the last 2 bytes of each of its slots' digest
+        self.tag = hashlib.blake2b(self._id, digest_size=2).digest()  # the last 2 bytes of each of its slots' digest
         self._codec = codec
         self._step = algorithm.step
         self._expires = algorithm.expires_at
@@ -181,10 +183,17 @@ class ShmStore:
         if t - self._said_full >= 60.0:  # one line, then at most one a minute (per process)
             self._said_full = t
             a = self.algorithm
-            log.warning("limiter key table full: %s %d/%gs: every slot a new key may take (%d from each of its two homes) "
-                        "holds a live state of the shared table (%d slots); new keys there get 503 until one "
-                        "expires; raise max_keys if these are real clients (%d refused so far in this process)",
-                        a.name, a.limit, a.window, PROBE, self.arena.slots, self.full)
+            log.warning(
+                "limiter key table full: %s %d/%gs: every slot a new key may take (%d from each of its two homes) "
+                "holds a live state of the shared table (%d slots); new keys there get 503 until one "
+                "expires; raise max_keys if these are real clients (%d refused so far in this process)",
+                a.name,
+                a.limit,
+                a.window,
+                PROBE,
+                self.arena.slots,
+                self.full,
+            )
         return _new(TableFullDecision, (False, self.limit, 0, w, w))
 
     def _write(self, off, digest, new):

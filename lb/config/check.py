@@ -33,7 +33,8 @@ def problems(cfg) -> list[str]:
     if cfg.store != "memory":
         from lb.limiting.store import redis_files
         from limiter.redis import url as redis_url
-        target = redis_url.parse(cfg.store, **redis_files(cfg))   # parsed already: it does not raise here
+
+        target = redis_url.parse(cfg.store, **redis_files(cfg))  # parsed already: it does not raise here
         if target.socket and not os.path.exists(target.socket):
             out.append(f"limits.store {target.display}: No such file or directory")
         for host, _ in target.hosts:
@@ -48,6 +49,7 @@ def problems(cfg) -> list[str]:
 
 def certificate_warnings(cfg) -> list[str]:
     from lb.http.tls import CertSpec, cert_info, duplicate_names, expired
+
     specs = [CertSpec(cfg.tls_cert, cfg.tls_key), *cfg.tls_certificates]
     out = [f"tls: {s.cert}: expired {cert_info(s.cert)['notAfter']}" for s in specs if expired(cert_info(s.cert))]
     out += [f"tls: {d} both claim the name (the first serves it)" for d in duplicate_names(specs)]

@@ -46,6 +46,7 @@ def help_text(s: Setting) -> str:
 
 # -------------------------------------------------------------------------- the configuration reference's table
 
+
 def _marked(help: str) -> str:
     """--help's plain text as the README writes it: flags in backticks, arrows."""
     return re.sub(r"(?<![`\w-])(--[a-z][a-z0-9-]*)", r"`\1`", help).replace(" -> ", " → ")
@@ -66,7 +67,9 @@ def markdown() -> str:
         if s.flag and s.env:
             flag += f", env `{s.env}`"
         toml = " or ".join(s.kind.toml_shown(p) for p in s.toml) or "—"
-        rows.append(f"| {_cell(flag)} | {_cell(toml)} | {_cell(default_text(s) or '—')} | {_cell(s.doc or _marked(s.help))} |")
+        rows.append(
+            f"| {_cell(flag)} | {_cell(toml)} | {_cell(default_text(s) or '—')} | {_cell(s.doc or _marked(s.help))} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -79,7 +82,7 @@ def readme_table(text: str) -> str | None:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         return None
-    return text[start + len(BEGIN):end].strip("\n") + "\n"
+    return text[start + len(BEGIN) : end].strip("\n") + "\n"
 
 
 def write_readme(path: str) -> None:
@@ -89,7 +92,7 @@ def write_readme(path: str) -> None:
     if start < 0 or end < start:
         raise SystemExit(f"{path}: no {BEGIN!r} ... {END!r} markers")
     with open(path, "w", encoding="utf-8") as f:
-        f.write(text[:start + len(BEGIN)] + "\n" + markdown() + text[end:])
+        f.write(text[: start + len(BEGIN)] + "\n" + markdown() + text[end:])
 
 
 def main(argv: list[str]) -> int:
@@ -103,7 +106,5 @@ def main(argv: list[str]) -> int:
     return 2
 
 
-
-
-if __name__ == "__main__":          # python3 -m lb.config.docs --markdown | --write docs/reference/configuration.md
+if __name__ == "__main__":  # python3 -m lb.config.docs --markdown | --write docs/reference/configuration.md
     sys.exit(main(sys.argv[1:]))

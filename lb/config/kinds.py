@@ -26,6 +26,7 @@ class Kind:
     """The shape of one setting's value. Subclasses override file() and, where a flag spells it
     differently, flag(); `action` is the flag's argparse action (None: it takes one value), `metavar`
     how --help and the README write its value (None: the setting's own, or argparse's NAME)."""
+
     action: str | None = None
     metavar: str | None = None
 
@@ -53,6 +54,7 @@ class Str(Kind):
 
 class Bool(Kind):
     """true/false in the file; a switch (no value) as a flag."""
+
     action = "store_true"
 
     def file(self, value, key):
@@ -66,6 +68,7 @@ class Bool(Kind):
 
 class OnOff(Kind):
     """true/false in the file, on|off too (nginx's spelling); a flag takes on|off."""
+
     metavar = "on|off"
 
     def file(self, value, key):
@@ -79,14 +82,15 @@ class OnOff(Kind):
 @dataclass(frozen=True)
 class Num(Kind):
     """The range of one numeric setting: every number is finite and inside [lo, hi] (or 0, if zero)."""
+
     integer: bool
     lo: float
     hi: float
-    zero: bool = False                            # 0 allowed too ("none", "off") below lo
+    zero: bool = False  # 0 allowed too ("none", "off") below lo
 
     @property
-    def metavar(self) -> str:                     # type: ignore[override]
-        return "S" if not self.integer and self.lo == MS else "N"     # seconds, or a count
+    def metavar(self) -> str:  # type: ignore[override]
+        return "S" if not self.integer and self.lo == MS else "N"  # seconds, or a count
 
     def file(self, value, key):
         if isinstance(value, bool):
@@ -105,9 +109,9 @@ class Num(Kind):
 
 
 DAY = 86400.0
-MS = 0.001      # the shortest duration: `1e-300` is no timeout anyone means (and rounds to 1 us in the kernel)
-SECONDS = Num(False, MS, DAY)                     # a duration that must be > 0
-SECONDS0 = Num(False, MS, DAY, zero=True)         # a duration where 0 means "none"
+MS = 0.001  # the shortest duration: `1e-300` is no timeout anyone means (and rounds to 1 us in the kernel)
+SECONDS = Num(False, MS, DAY)  # a duration that must be > 0
+SECONDS0 = Num(False, MS, DAY, zero=True)  # a duration where 0 means "none"
 STREAK = Num(True, 1, 1000)
 PERCENT = Num(False, 0.0, 100.0)
 
@@ -139,7 +143,7 @@ class List(Kind):
 
 
 class RetryOn(Kind):
-    """"connect,503" or ["connect", "503"]: the conditions lb/upstream/retrypolicy.py knows."""
+    """ "connect,503" or ["connect", "503"]: the conditions lb/upstream/retrypolicy.py knows."""
 
     def file(self, value, key):
         if not isinstance(value, (str, list)):
@@ -152,11 +156,12 @@ class RetryOn(Kind):
 
 class RateTable(Kind):
     """A table of "key" = "N/PERIOD" ([limits.keys], [limits.tiers]); the flag: KEY=N/PERIOD, repeatable."""
+
     action = "append"
 
     def file(self, value, key):
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise ConfigError(f"{key}: expected a table of \"key\" = \"N/PERIOD\", got {value!r}")
+            raise ConfigError(f'{key}: expected a table of "key" = "N/PERIOD", got {value!r}')
         return tuple(value.items())
 
     def flag(self, value, key):
@@ -200,13 +205,20 @@ def parse_backend_url(url: str, weight, key: str) -> BackendSpec:
     except ValueError:
         raise ConfigError(f"{key}: bad backend URL {url!r}") from None
     if parts.scheme not in ("http", "https", "h2c") or not parts.hostname or parts.path not in ("", "/") or parts.query:
-        raise ConfigError(f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT], https://... or h2c://... "
-                          f"(HTTP/2, gRPC), [IPV6] in brackets, no path)")
+        raise ConfigError(
+            f"{key}: bad backend URL {url!r} (expected http://HOST[:PORT], https://... or h2c://... "
+            f"(HTTP/2, gRPC), [IPV6] in brackets, no path)"
+        )
     if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
         raise ConfigError(f"{key}: weight must be a whole number >= 1, got {weight!r} for {url}")
     port = port or (443 if parts.scheme == "https" else 80)
-    return BackendSpec(url=f"{parts.scheme}://{hostport(parts.hostname, port)}", weight=weight,
-                       host=parts.hostname, port=port, scheme=parts.scheme)
+    return BackendSpec(
+        url=f"{parts.scheme}://{hostport(parts.hostname, port)}",
+        weight=weight,
+        host=parts.hostname,
+        port=port,
+        scheme=parts.scheme,
+    )
 
 
 class Backends(Kind):
@@ -251,6 +263,7 @@ class Rules(Kind):
 
     def file(self, value, key):
         from lb.limiting.rules import parse_rules  # the limiting room owns the rule grammar
+
         try:
             return parse_rules(value)
         except ValueError as e:
@@ -271,4 +284,11 @@ class KeyTables(Kind):
 
 
 STR, BOOL, ONOFF, HOSTPORT, LIST = Str(), Bool(), OnOff(), HostPort(), List()
-RETRY_ON, RATES, CERTIFICATES, BACKENDS, RULES, KEYS = RetryOn(), RateTable(), Certificates(), Backends(), Rules(), KeyTables()
+RETRY_ON, RATES, CERTIFICATES, BACKENDS, RULES, KEYS = (
+    RetryOn(),
+    RateTable(),
+    Certificates(),
+    Backends(),
+    Rules(),
+    KeyTables(),
+)

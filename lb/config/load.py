@@ -25,7 +25,7 @@ from lb.config.schema import SETTINGS, Config, file_keys
 from lb.config.validate import admin_token, check_rate, check_upgrades, redis_files, tls_listener, validate  # noqa: F401
 from lb.errors import ConfigError
 
-_FILE = file_keys()          # {"": the top-level keys, "health": [health]'s, ...}
+_FILE = file_keys()  # {"": the top-level keys, "health": [health]'s, ...}
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
@@ -40,10 +40,10 @@ def read_file(path: str, problems: list[str]) -> dict:
     except tomllib.TOMLDecodeError as e:
         problems.append(f"--config {path}: not valid TOML: {e}")
         return {}
-    except UnicodeDecodeError as e:        # tomllib decodes the whole file first: a binary or Latin-1 file
+    except UnicodeDecodeError as e:  # tomllib decodes the whole file first: a binary or Latin-1 file
         problems.append(f"--config {path}: not valid TOML: not UTF-8 (byte {e.start})")
         return {}
-    except RecursionError:                 # tomllib parses nested arrays/tables recursively
+    except RecursionError:  # tomllib parses nested arrays/tables recursively
         problems.append(f"--config {path}: not valid TOML: nested too deeply")
         return {}
     out: dict = {}
@@ -78,8 +78,9 @@ def _read_table(section: str, table: dict, problems: list[str]) -> dict:
 
 
 def build_argparser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="edge.py", description="An L7 load balancer and rate limiter.",
-                                argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(
+        prog="edge.py", description="An L7 load balancer and rate limiter.", argument_default=argparse.SUPPRESS
+    )
     p.add_argument("--version", action="version", version=f"edge {__version__}")
     for s in SETTINGS:
         if s.flag:
@@ -93,7 +94,7 @@ def build_argparser() -> argparse.ArgumentParser:
 
 
 def _escaped(text: str) -> str:
-    return text.replace("%", "%%")        # argparse formats help with %-style (%(default)s)
+    return text.replace("%", "%%")  # argparse formats help with %-style (%(default)s)
 
 
 def _from_flags(ns: argparse.Namespace, problems: list[str]) -> dict:
@@ -115,8 +116,12 @@ def _values_may_start_with_dash(argv: list[str], parser: argparse.ArgumentParser
     out, i = [], 0
     while i < len(argv):
         tok = argv[i]
-        if tok in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") \
-                and argv[i + 1].split("=", 1)[0] not in known:
+        if (
+            tok in takes_value
+            and i + 1 < len(argv)
+            and argv[i + 1].startswith("-")
+            and argv[i + 1].split("=", 1)[0] not in known
+        ):
             out.append(f"{tok}={argv[i + 1]}")
             i += 2
             continue
@@ -136,8 +141,9 @@ def load(argv: list[str] | None = None) -> Config:
     if path:
         values.update(read_file(path, problems))
     values.update(_from_flags(ns, problems))
-    if values.get("pools"):     # a pool's own [health]/[upstream] keys, read with this table's kinds
+    if values.get("pools"):  # a pool's own [health]/[upstream] keys, read with this table's kinds
         from lb.config.routes import typed_overrides
+
         values["pools"] = typed_overrides(values["pools"], _FILE, problems)
     try:
         values["keys"] = _known_keys(values)
@@ -152,12 +158,13 @@ def load(argv: list[str] | None = None) -> Config:
     problems += later
     if problems:
         raise ConfigError(*problems)
-    return replace(cfg, upgrades=check_upgrades(cfg.upgrades))   # normalised (lower case, a set)
+    return replace(cfg, upgrades=check_upgrades(cfg.upgrades))  # normalised (lower case, a set)
 
 
 def _known_keys(values: dict) -> tuple:
     """[[keys]] tables, then the api_keys_file's (read now: a reload re-reads it)."""
     from lb.limiting.keys import check_unique, parse_keys, parse_tiers, read_keys_file
+
     try:
         tiers = parse_tiers(dict(values.get("tiers", ())), "limits.tiers")
         keys = parse_keys(values.get("keys", []), tiers, "keys")
@@ -167,5 +174,3 @@ def _known_keys(values: dict) -> tuple:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return keys
-
-

@@ -39,15 +39,43 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 # What a pool may set of [upstream]: what its backends' connection pools and its circuit breaker are made of.
 # Retries, their budget and conditions, timeouts of the whole response and buffering stay edge-wide.
-POOL_UPSTREAM = ("connect_timeout", "read_timeout", "pool_maxsize", "pool_timeout", "pool_idle_timeout", "no_pool",
-                 "max_requests", "max_pending")
+POOL_UPSTREAM = (
+    "connect_timeout",
+    "read_timeout",
+    "pool_maxsize",
+    "pool_timeout",
+    "pool_idle_timeout",
+    "no_pool",
+    "max_requests",
+    "max_pending",
+)
 # Header names the edge owns, which no route may set or remove: the framing it writes itself, the
 # hop-by-hop fields, Host, the forwarding and request-id fields it appends, the rate-limit answer.
-OWNED = frozenset({
-    "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade",
-    "proxy-connection", "proxy-authenticate", "proxy-authorization", "host", "x-forwarded-for",
-    "x-forwarded-proto", "x-forwarded-host", "x-forwarded-port", "x-forwarded-client-cert", "x-request-id",
-    "retry-after", "ratelimit", "ratelimit-policy", "forwarded"})
+OWNED = frozenset(
+    {
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "host",
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-forwarded-port",
+        "x-forwarded-client-cert",
+        "x-request-id",
+        "retry-after",
+        "ratelimit",
+        "ratelimit-policy",
+        "forwarded",
+    }
+)
 OWNED_PREFIXES = ("x-forwarded-", "x-ratelimit-", "proxy-")
 VARIABLES = ("$remote_addr", "$request_id", "$host")
 _VAR = re.compile(r"\$[A-Za-z_][A-Za-z0-9_]*")
@@ -57,15 +85,15 @@ _VAR = re.compile(r"\$[A-Za-z_][A-Za-z0-9_]*")
 class PoolSpec:
     name: str
     backends: tuple[BackendSpec, ...]
-    strategy: str | None = None            # None: the top level's
-    overrides: tuple = ()                   # ((Config field, value), ...) from its health/upstream tables
-    raw: tuple = ()                         # ((section, key, value), ...) as read, until typed_overrides
+    strategy: str | None = None  # None: the top level's
+    overrides: tuple = ()  # ((Config field, value), ...) from its health/upstream tables
+    raw: tuple = ()  # ((section, key, value), ...) as read, until typed_overrides
 
 
 @dataclass(frozen=True)
 class HeaderRules:
-    set: tuple[tuple[str, str], ...] = ()   # (Name as written, value with $variables)
-    remove: tuple[str, ...] = ()            # lower-case names
+    set: tuple[tuple[str, str], ...] = ()  # (Name as written, value with $variables)
+    remove: tuple[str, ...] = ()  # lower-case names
 
     def __bool__(self) -> bool:
         return bool(self.set or self.remove)
@@ -76,10 +104,10 @@ class RouteSpec:
     name: str
     pool: str | None = None
     split: tuple[tuple[str, int], ...] = ()  # ((pool, weight), ...)
-    path_prefix: str | None = None           # normalised (lb.limiting.rules.normalize_path)
-    host: str | None = None                  # lower case, no port; "*.example.com" for any subdomain
+    path_prefix: str | None = None  # normalised (lb.limiting.rules.normalize_path)
+    host: str | None = None  # lower case, no port; "*.example.com" for any subdomain
     methods: tuple[str, ...] = ()
-    headers: tuple[tuple[str, str], ...] = ()   # (lower-case name, exact value)
+    headers: tuple[tuple[str, str], ...] = ()  # (lower-case name, exact value)
     request_headers: HeaderRules = HeaderRules()
     response_headers: HeaderRules = HeaderRules()
     allow: tuple[str, ...] = ()
@@ -92,8 +120,9 @@ class RouteSpec:
 
 def _name(value, where: str, what: str) -> str:
     if value is None:
-        raise ConfigError(f"{where}.name: missing; every [[{what}]] table needs one (metrics, logs and /status call "
-                          f"it by its name)")
+        raise ConfigError(
+            f"{where}.name: missing; every [[{what}]] table needs one (metrics, logs and /status call it by its name)"
+        )
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ConfigError(f"{where}.name: letters, digits, '_', '.', '-' (at most 64), got {value!r}")
     return value
@@ -107,7 +136,7 @@ def _unknown(table: dict, known: tuple, where: str) -> None:
 
 def _cidrs(values, key: str) -> tuple[str, ...]:
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise ConfigError(f"{key}: expected a list of CIDRs like [\"10.0.0.0/8\"], got {values!r}")
+        raise ConfigError(f'{key}: expected a list of CIDRs like ["10.0.0.0/8"], got {values!r}')
     for v in values:
         try:
             network(v)
@@ -128,13 +157,15 @@ def parse_pools(value) -> tuple[PoolSpec, ...]:
             name = _name(p.get("name"), where, "pools")
             where = f"pools[{i}] ({name})"
             if name == DEFAULT_POOL:
-                raise ConfigError(f"{where}.name: {DEFAULT_POOL!r} is the pool of --backends / [[backends]]; "
-                                  f"choose another name")
+                raise ConfigError(
+                    f"{where}.name: {DEFAULT_POOL!r} is the pool of --backends / [[backends]]; choose another name"
+                )
             if name in seen:
                 raise ConfigError(f"{where}.name: two pools are named {name!r}")
             seen.add(name)
             strategy = p.get("strategy")
             from lb.upstream.balancer import STRATEGIES
+
             if strategy is not None and strategy not in STRATEGIES:
                 raise ConfigError(f"{where}.strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
             bs = p.get("backends")
@@ -157,8 +188,10 @@ def parse_pools(value) -> tuple[PoolSpec, ...]:
                     raise ConfigError(f"{where}.{section}: expected a table like {{ interval = 2 }}")
                 for k, v in t.items():
                     if section == "upstream" and k not in POOL_UPSTREAM:
-                        raise ConfigError(f"{where}.upstream.{k}: not a per-pool setting (per pool: "
-                                          f"{', '.join(POOL_UPSTREAM)}; the rest is [upstream]'s, edge-wide)")
+                        raise ConfigError(
+                            f"{where}.upstream.{k}: not a per-pool setting (per pool: "
+                            f"{', '.join(POOL_UPSTREAM)}; the rest is [upstream]'s, edge-wide)"
+                        )
                     raw.append((section, k, v))
             out.append(PoolSpec(name, tuple(specs), strategy, raw=tuple(raw)))
         except ConfigError as e:
@@ -172,6 +205,7 @@ def typed_overrides(pools: tuple, table: dict, problems: list[str]) -> tuple:
     """Each pool's health/upstream keys read with the settings table's own kinds (table: load's
     {section: {key: Setting}}), as (Config field, value); a bad one is a problem naming pools[i]."""
     from dataclasses import replace
+
     out = []
     for i, p in enumerate(pools):
         typed = []
@@ -190,7 +224,7 @@ def typed_overrides(pools: tuple, table: dict, problems: list[str]) -> tuple:
 
 def _header_rules(t, where: str) -> HeaderRules:
     if not isinstance(t, dict):
-        raise ConfigError(f"{where}: expected a table like {{ set = {{ \"X-Name\" = \"value\" }}, remove = [\"Server\"] }}")
+        raise ConfigError(f'{where}: expected a table like {{ set = {{ "X-Name" = "value" }}, remove = ["Server"] }}')
     _unknown(t, ("set", "remove"), where)
     sets, removes = t.get("set", {}), t.get("remove", [])
     if not isinstance(sets, dict) or not isinstance(removes, list):
@@ -202,8 +236,10 @@ def _header_rules(t, where: str) -> HeaderRules:
             raise ConfigError(f"{where}.set.{n}: expected a printable one-line string, got {v!r}")
         for var in _VAR.findall(v.replace("$$", "")):
             if var not in VARIABLES:
-                raise ConfigError(f"{where}.set.{n}: unknown variable {var} (known: {', '.join(VARIABLES)}; "
-                                  f"a literal $ is written $$)")
+                raise ConfigError(
+                    f"{where}.set.{n}: unknown variable {var} (known: {', '.join(VARIABLES)}; "
+                    f"a literal $ is written $$)"
+                )
         out_set.append((n, v.strip()))
     for n in removes:
         _header_name(n, f"{where}.remove")
@@ -215,27 +251,31 @@ def _header_name(n, where: str) -> None:
         raise ConfigError(f"{where}: not a header name: {n!r}")
     low = n.lower()
     if low in OWNED or low.startswith(OWNED_PREFIXES):
-        raise ConfigError(f"{where}: {n} is the edge's own (framing, Host, X-Forwarded-*, X-Request-Id, the rate-limit "
-                          f"headers): a route can neither set nor remove it")
+        raise ConfigError(
+            f"{where}: {n} is the edge's own (framing, Host, X-Forwarded-*, X-Request-Id, the rate-limit "
+            f"headers): a route can neither set nor remove it"
+        )
 
 
 def parse_routes(value) -> tuple[RouteSpec, ...]:
     from lb.limiting.rules import normalize_path
+
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
         raise ConfigError("routes: expected [[routes]] tables with name, match and pool (or split)")
     out, seen, problems = [], set(), []
     for i, r in enumerate(value):
         where = f"routes[{i}]"
         try:
-            _unknown(r, ("name", "match", "pool", "split", "request_headers", "response_headers", "allow", "deny"),
-                     where)
+            _unknown(
+                r, ("name", "match", "pool", "split", "request_headers", "response_headers", "allow", "deny"), where
+            )
             name = _name(r.get("name"), where, "routes")
             where = f"routes[{i}] ({name})"
             if name in seen:
                 raise ConfigError(f"{where}.name: two routes are named {name!r}")
             seen.add(name)
             if ("pool" in r) == ("split" in r):
-                raise ConfigError(f"{where}: needs pool = \"NAME\" or split = [{{ pool, weight }}, ...], one of the two")
+                raise ConfigError(f'{where}: needs pool = "NAME" or split = [{{ pool, weight }}, ...], one of the two')
             pool = r.get("pool")
             split: tuple[tuple[str, int], ...] = ()
             if "pool" in r and (not isinstance(pool, str) or not pool):
@@ -243,11 +283,11 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
             if "split" in r:
                 sp = r["split"]
                 if not isinstance(sp, list) or not sp:
-                    raise ConfigError(f"{where}.split: empty; expected [{{ pool = \"a\", weight = 90 }}, ...]")
+                    raise ConfigError(f'{where}.split: empty; expected [{{ pool = "a", weight = 90 }}, ...]')
                 parts: list[tuple[str, int]] = []
                 for j, s in enumerate(sp):
                     if not isinstance(s, dict):
-                        raise ConfigError(f"{where}.split[{j}]: expected {{ pool = \"NAME\", weight = N }}")
+                        raise ConfigError(f'{where}.split[{j}]: expected {{ pool = "NAME", weight = N }}')
                     _unknown(s, ("pool", "weight"), f"{where}.split[{j}]")
                     w = s.get("weight", 1)
                     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
@@ -261,10 +301,12 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
                 split = tuple(parts)
             m = r.get("match", {})
             if not isinstance(m, dict):
-                raise ConfigError(f"{where}.match: expected a table like {{ path_prefix = \"/v2/\" }}")
+                raise ConfigError(f'{where}.match: expected a table like {{ path_prefix = "/v2/" }}')
             _unknown(m, ("path_prefix", "host", "methods", "headers"), f"{where}.match")
             prefix = m.get("path_prefix")
-            if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.isascii()):
+            if prefix is not None and (
+                not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.isascii()
+            ):
                 raise ConfigError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
             host = m.get("host")
             if host is not None and (not isinstance(host, str) or not host or any(c in host for c in " /:@")):
@@ -273,22 +315,29 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
             if isinstance(methods, str):
                 methods = [methods]
             if not isinstance(methods, list) or not all(isinstance(x, str) and _TOKEN.fullmatch(x) for x in methods):
-                raise ConfigError(f"{where}.match.methods: expected a list of methods like [\"GET\"], got {methods!r}")
+                raise ConfigError(f'{where}.match.methods: expected a list of methods like ["GET"], got {methods!r}')
             hs = m.get("headers", {})
-            if not isinstance(hs, dict) or not all(isinstance(k, str) and _TOKEN.fullmatch(k) and isinstance(v, str)
-                                                   for k, v in hs.items()):
-                raise ConfigError(f"{where}.match.headers: expected a table of name = \"exact value\", got {hs!r}")
+            if not isinstance(hs, dict) or not all(
+                isinstance(k, str) and _TOKEN.fullmatch(k) and isinstance(v, str) for k, v in hs.items()
+            ):
+                raise ConfigError(f'{where}.match.headers: expected a table of name = "exact value", got {hs!r}')
             allow = _cidrs(r.get("allow", []), f"{where}.allow")
             deny = _cidrs(r.get("deny", []), f"{where}.deny")
-            out.append(RouteSpec(
-                name=name, pool=pool, split=split,
-                path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
-                host=host.lower().rstrip(".") if host else None,
-                methods=tuple(x.upper() for x in methods),
-                headers=tuple(sorted((k.lower(), v) for k, v in hs.items())),
-                request_headers=_header_rules(r.get("request_headers", {}), f"{where}.request_headers"),
-                response_headers=_header_rules(r.get("response_headers", {}), f"{where}.response_headers"),
-                allow=allow, deny=deny))
+            out.append(
+                RouteSpec(
+                    name=name,
+                    pool=pool,
+                    split=split,
+                    path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
+                    host=host.lower().rstrip(".") if host else None,
+                    methods=tuple(x.upper() for x in methods),
+                    headers=tuple(sorted((k.lower(), v) for k, v in hs.items())),
+                    request_headers=_header_rules(r.get("request_headers", {}), f"{where}.request_headers"),
+                    response_headers=_header_rules(r.get("response_headers", {}), f"{where}.response_headers"),
+                    allow=allow,
+                    deny=deny,
+                )
+            )
         except ConfigError as e:
             problems.extend(e.problems)
     if problems:
@@ -321,8 +370,10 @@ def validate(c) -> list[str]:
         if not pc.health_path.startswith("/"):
             bad.append(f"pools[{i}] ({p.name}).health.path: must start with '/', got {pc.health_path!r}")
         if pc.health_timeout is not None and pc.health_timeout >= pc.health_interval:
-            bad.append(f"pools[{i}] ({p.name}).health.timeout: must be shorter than the interval "
-                       f"({pc.health_interval:g}), got {pc.health_timeout:g}")
+            bad.append(
+                f"pools[{i}] ({p.name}).health.timeout: must be shorter than the interval "
+                f"({pc.health_interval:g}), got {pc.health_timeout:g}"
+            )
     names = {DEFAULT_POOL, *(p.name for p in c.pools)}
     for i, r in enumerate(c.routes):
         for p in r.pools:
@@ -331,14 +382,18 @@ def validate(c) -> list[str]:
                 bad.append(f"routes[{i}] ({r.name}).{key}: no pool named {p!r} (pools: {', '.join(sorted(names))})")
         for j, earlier in enumerate(c.routes[:i]):
             if _covers(earlier, r):
-                bad.append(f"routes[{i}] ({r.name}).match: unreachable: routes[{j}] ({earlier.name}) matches every "
-                           f"request it would (first match wins); put it first or narrow routes[{j}]")
+                bad.append(
+                    f"routes[{i}] ({r.name}).match: unreachable: routes[{j}] ({earlier.name}) matches every "
+                    f"request it would (first match wins); put it first or narrow routes[{j}]"
+                )
                 break
     route_names = {r.name for r in c.routes}
     for rule in c.rules:
         if getattr(rule, "route", None) is not None and rule.route not in route_names:
-            bad.append(f"rules ({rule.name}).match.route: no route named {rule.route!r}"
-                       f"{' (routes: ' + ', '.join(sorted(route_names)) + ')' if route_names else ' (no [[routes]])'}")
+            bad.append(
+                f"rules ({rule.name}).match.route: no route named {rule.route!r}"
+                f"{' (routes: ' + ', '.join(sorted(route_names)) + ')' if route_names else ' (no [[routes]])'}"
+            )
     return bad
 
 

@@ -18,6 +18,7 @@ from limiter.redis import url as redis_url
 
 def check_rate(value: str, key: str) -> str:
     from limiter import parse_rate  # the limiter owns the N/PERIOD grammar
+
     if str(value).lstrip().startswith("-"):
         raise ConfigError(f"{key}: N in N/PERIOD must be a whole number >= 1, got {value!r}")
     try:
@@ -38,7 +39,7 @@ def admin_token(c: "Config") -> bytes | None:
     if env is not None and c.admin_token_file:
         raise ConfigError(f"admin.token_file: set it or the environment variable {ENV_ADMIN_TOKEN}, not both")
     if c.admin_token_file:
-        path = os.path.expandvars(c.admin_token_file)      # ${CREDENTIALS_DIRECTORY}
+        path = os.path.expandvars(c.admin_token_file)  # ${CREDENTIALS_DIRECTORY}
         try:
             with open(path, "rb") as f:
                 token = f.readline().strip()
@@ -52,7 +53,7 @@ def admin_token(c: "Config") -> bytes | None:
             raise ConfigError(f"{ENV_ADMIN_TOKEN}: empty (unset it to turn admin writes off)")
     else:
         return None
-    if not all(0x21 <= ch <= 0x7e for ch in token):
+    if not all(0x21 <= ch <= 0x7E for ch in token):
         raise ConfigError("admin token: printable ASCII without blanks (it travels in an Authorization header)")
     return token
 
@@ -61,7 +62,7 @@ def check_cidrs(values, key: str) -> tuple[str, ...]:
     out = []
     for v in values:
         try:
-            out.append(str(network(str(v).strip())))     # ::ffff:10.0.0.0/104 is shown as 10.0.0.0/8
+            out.append(str(network(str(v).strip())))  # ::ffff:10.0.0.0/104 is shown as 10.0.0.0/8
         except ValueError:
             raise ConfigError(f"{key}: not an address or CIDR: {v!r}") from None
     return tuple(out)
@@ -72,7 +73,7 @@ def check_upgrades(values) -> frozenset:
     for v in values:
         t = str(v).strip().lower() if isinstance(v, str) else None
         if not t or not t.isascii() or t.encode().translate(None, _TOKEN_CHARS):
-            raise ConfigError(f"server.upgrades: not a protocol name: {v!r} (e.g. \"websocket\")")
+            raise ConfigError(f'server.upgrades: not a protocol name: {v!r} (e.g. "websocket")')
         out.add(t)
     return frozenset(out)
 
@@ -84,39 +85,57 @@ def check_tls(c: Config) -> None:
     if bool(c.tls_cert) != bool(c.tls_key):
         raise ConfigError("tls: cert and key go together (--tls-cert FILE --tls-key FILE)")
     from lb.http.tls import CLIENT_AUTH, MIN_VERSIONS
+
     if c.tls_min_version not in MIN_VERSIONS:
-        raise ConfigError(f"tls.min_version: {c.tls_min_version!r} is not one of {', '.join(MIN_VERSIONS)} "
-                          f"(TLS 1.0 and 1.1 are not offered)")
+        raise ConfigError(
+            f"tls.min_version: {c.tls_min_version!r} is not one of {', '.join(MIN_VERSIONS)} "
+            f"(TLS 1.0 and 1.1 are not offered)"
+        )
     if c.tls_client_auth not in CLIENT_AUTH:
         raise ConfigError(f"tls.client_auth: {c.tls_client_auth!r} is not one of {', '.join(CLIENT_AUTH)}")
     if not c.tls_cert and (c.tls_certificates or c.tls_client_ca or c.tls_strict_sni):
-        raise ConfigError("tls: certificates, strict_sni and client_ca need the default certificate "
-                          "(--tls-cert/--tls-key, [tls] cert/key)")
+        raise ConfigError(
+            "tls: certificates, strict_sni and client_ca need the default certificate "
+            "(--tls-cert/--tls-key, [tls] cert/key)"
+        )
     if c.tls_client_auth != "require" and not c.tls_client_ca:
         raise ConfigError("tls.client_auth: needs tls.client_ca (the CA client certificates are checked against)")
     if c.tls_client_crl and not c.tls_client_ca:
         raise ConfigError("tls.client_crl: needs tls.client_ca (the CA whose revocations it lists)")
     if c.tls_cert:
-        tls_listener(c)          # every pair must load, and the client CA and CRL must be usable
+        tls_listener(c)  # every pair must load, and the client CA and CRL must be usable
     if c.ca_file:
         import ssl
+
         try:
             ssl.create_default_context(cafile=c.ca_file)
         except (OSError, ssl.SSLError) as e:
-            raise ConfigError(f"upstream.ca_file: cannot use {c.ca_file}: {getattr(e, 'strerror', None) or e}") from None
+            raise ConfigError(
+                f"upstream.ca_file: cannot use {c.ca_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
 
 
 def tls_listener(c: Config):
     """The listener's SSLContext for this configuration, read from disk (ConfigError when it cannot serve)."""
     from lb.http.tls import listener_context
-    assert c.tls_cert is not None and c.tls_key is not None    # called with [tls] cert set; validate() pairs the key
-    return listener_context(CertSpec(c.tls_cert, c.tls_key), c.tls_certificates, c.tls_strict_sni,
-                            ciphers=c.tls_ciphers, min_version=c.tls_min_version, client_ca=c.tls_client_ca,
-                            client_auth=c.tls_client_auth, client_crl=c.tls_client_crl, http2=c.http2)
+
+    assert c.tls_cert is not None and c.tls_key is not None  # called with [tls] cert set; validate() pairs the key
+    return listener_context(
+        CertSpec(c.tls_cert, c.tls_key),
+        c.tls_certificates,
+        c.tls_strict_sni,
+        ciphers=c.tls_ciphers,
+        min_version=c.tls_min_version,
+        client_ca=c.tls_client_ca,
+        client_auth=c.tls_client_auth,
+        client_crl=c.tls_client_crl,
+        http2=c.http2,
+    )
 
 
 def _is_ip(host: str) -> bool:
     from lb.upstream.resolve import is_address
+
     return is_address(host)
 
 
@@ -142,14 +161,18 @@ def validate(c: Config) -> list[str]:
 
     bad += choice_problems(c)
     if not all(isinstance(n, str) and n and n.isprintable() and not set(n) & set("&=? ") for n in c.log_redact_params):
-        bad.append(f"server.log_redact_params: expected a list of query parameter names, got {list(c.log_redact_params)!r}")
+        bad.append(
+            f"server.log_redact_params: expected a list of query parameter names, got {list(c.log_redact_params)!r}"
+        )
     if not c.backends and not c.demo:
         bad.append("backends: none configured (use --backends URL,... or [[backends]], or --demo)")
     if c.resolver is not None and c.resolver != "system":
         parts = split_hostport(c.resolver)
         if parts is None or not parts[1].isdigit() or not 0 < int(parts[1]) <= 65535 or not _is_ip(parts[0]):
-            bad.append(f"upstream.resolver: expected \"system\" or IP:PORT of a DNS server (e.g. \"127.0.0.1:53\"), "
-                       f"got {c.resolver!r}")
+            bad.append(
+                f'upstream.resolver: expected "system" or IP:PORT of a DNS server (e.g. "127.0.0.1:53"), '
+                f"got {c.resolver!r}"
+            )
     seen = set()
     for b in c.backends:
         if b.url in seen:
@@ -158,8 +181,9 @@ def validate(c: Config) -> list[str]:
     if not c.health_path.startswith("/"):
         bad.append(f"health.path: must start with '/', got {c.health_path!r}")
     if c.health_timeout is not None and c.health_timeout >= c.health_interval:
-        bad.append(f"health.timeout: must be shorter than the interval ({c.health_interval:g}), "
-                   f"got {c.health_timeout:g}")
+        bad.append(
+            f"health.timeout: must be shorter than the interval ({c.health_interval:g}), got {c.health_timeout:g}"
+        )
     if c.limit is not None:
         check(check_rate, c.limit, "limits.default")
     for k, rate in c.key_limits:
@@ -189,13 +213,14 @@ def validate(c: Config) -> list[str]:
     check(admin_token, c)
     for h in c.admin_allowed_hosts:
         if not isinstance(h, str) or not h or any(ch in h for ch in " /:@[]"):
-            bad.append(f"admin.allowed_hosts: expected host names like \"edge-1.example.internal\", got {h!r}")
+            bad.append(f'admin.allowed_hosts: expected host names like "edge-1.example.internal", got {h!r}')
     if c.temp_dir is not None and not (os.path.isdir(c.temp_dir) and os.access(c.temp_dir, os.W_OK | os.X_OK)):
         bad.append(f"server.temp_dir: not a writable directory: {c.temp_dir!r}")
     if c.workers > 1 and c.demo:
         bad.append("workers: --demo runs its backends inside the edge; use --workers 1 with --demo")
     if c.pools or c.routes or any(getattr(r, "route", None) for r in c.rules):
         from lb.config import routes  # [[pools]], [[routes]] and a rule's match.route, across tables
+
         bad += routes.validate(c)
     return bad
 
@@ -203,12 +228,15 @@ def validate(c: Config) -> list[str]:
 def _validate_shaping(c: Config) -> None:
     """Delay mode, costs, in-flight limits and the rejection status: where each can be exact."""
     if c.limit_status not in REJECT_STATUSES:
-        raise ConfigError(f"limits.status: {c.limit_status} is not one of {', '.join(map(str, sorted(REJECT_STATUSES)))}")
+        raise ConfigError(
+            f"limits.status: {c.limit_status} is not one of {', '.join(map(str, sorted(REJECT_STATUSES)))}"
+        )
 
 
 def _validate_limits(c: Config) -> None:
     """Rules, known keys, overrides and the allowlist: each entry names its kind and makes sense."""
     from lb.limiting.identity import kind_name
+
     names = {k.name for k in c.keys}
     seen: dict[str, tuple[str, str]] = {}
     for k, rate in c.key_limits:
@@ -216,20 +244,26 @@ def _validate_limits(c: Config) -> None:
             ident = kind_name(k, c.ipv6_prefix)
         except ValueError as e:
             raise ConfigError(f"limits.keys: {k!r}: {e}") from None
-        if ident in seen:        # the last would silently win: the operator meant one of them
-            raise ConfigError(f"limits.keys: {seen[ident][0]!r}={seen[ident][1]} and {k!r}={rate} both set {ident}'s "
-                              f"limit (--key-limit / [limits.keys]); keep one")
+        if ident in seen:  # the last would silently win: the operator meant one of them
+            raise ConfigError(
+                f"limits.keys: {seen[ident][0]!r}={seen[ident][1]} and {k!r}={rate} both set {ident}'s "
+                f"limit (--key-limit / [limits.keys]); keep one"
+            )
         seen[ident] = (k, rate)
         if c.keys and ident.startswith("key:") and ident[4:] not in names:
-            raise ConfigError(f"limits.keys: {k!r}: with known keys, an override names a key in [[keys]] "
-                              f"or api_keys_file (known: {', '.join(sorted(names))})")
+            raise ConfigError(
+                f"limits.keys: {k!r}: with known keys, an override names a key in [[keys]] "
+                f"or api_keys_file (known: {', '.join(sorted(names))})"
+            )
     for entry in c.exempt:
         if not isinstance(entry, str):
-            raise ConfigError(f"limits.exempt: expected strings like \"10.0.0.0/8\" or \"key:NAME\", got {entry!r}")
+            raise ConfigError(f'limits.exempt: expected strings like "10.0.0.0/8" or "key:NAME", got {entry!r}')
         if entry.startswith("key:"):
             if entry[4:] not in names:
-                raise ConfigError(f"limits.exempt: {entry!r} is not a known key (exempt keys must be listed in "
-                                  f"[[keys]] or api_keys_file, or anyone could claim the name)")
+                raise ConfigError(
+                    f"limits.exempt: {entry!r} is not a known key (exempt keys must be listed in "
+                    f"[[keys]] or api_keys_file, or anyone could claim the name)"
+                )
         else:
             check_cidrs([entry[3:] if entry.startswith("ip:") else entry], "limits.exempt")
     for r in c.rules:

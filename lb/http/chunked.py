@@ -38,15 +38,24 @@ def chunk_size(line: bytes) -> int:
 
 
 class ChunkedDecoder:
-    __slots__ = ("error", "max_line", "max_trailer_line", "max_trailers", "state", "size", "left", "consumed",
-                 "trailers")
+    __slots__ = (
+        "error",
+        "max_line",
+        "max_trailer_line",
+        "max_trailers",
+        "state",
+        "size",
+        "left",
+        "consumed",
+        "trailers",
+    )
 
     def __init__(self, error, max_line: int = 1024, max_trailer_line: int = 8192, max_trailers: int = 0):
         self.error = error
         self.max_line, self.max_trailer_line, self.max_trailers = max_line, max_trailer_line, max_trailers
         self.state = _SIZE
-        self.size = 0          # the current chunk's declared size
-        self.left = 0          # of which still to come
+        self.size = 0  # the current chunk's declared size
+        self.left = 0  # of which still to come
         self.consumed = 0
         self.trailers = 0
 
@@ -117,8 +126,8 @@ class ChunkedDecoder:
         if i >= 0:
             if i == 0 or buf[i - 1] != 13:
                 raise self.error("bare LF in a chunked body")
-            line = bytes(buf[:i - 1])
-            del buf[:i + 1]
+            line = bytes(buf[: i - 1])
+            del buf[: i + 1]
             self.consumed += i + 1
             return line
         if len(buf) > limit + 1:

@@ -31,12 +31,23 @@ MAX_HEADER_LINE = 8192
 MAX_HEAD = 65536
 MAX_HEADERS = 100
 MAX_CHUNK_LINE = 1024
-MAX_TRAILERS = 32           # trailer lines of a chunked request body (all dropped)
+MAX_TRAILERS = 32  # trailer lines of a chunked request body (all dropped)
 
 # Connection-level headers: never forwarded in either direction (RFC 9110 7.6.1), nor any header that
 # Connection names. Keep-Alive and Proxy-* are the de-facto additions.
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
-                        b"trailer", b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+    }
+)
 
 # A response's fields the edge never relays as the backend wrote them (relay(), and the 101 of a tunnel):
 # hop-by-hop ones, the framing (the edge writes its own), and -- only where the edge writes its own --
@@ -82,19 +93,26 @@ _BARE_EOL = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 # empty value, a long line, a malformed line, a bad byte, an absolute-form target...) takes the line-by-line
 # path, which gives the same answer or names the error. Possessive quantifiers: no backtracking.
 _TCHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
-_CANON_FIELDS = rb"(?:\r\n[" + _TCHARS + rb"]++: [^\x00-\x20\x7f][\t\x20-\x7e\x80-\xff]*+(?<![ \t])){0,%d}+" % MAX_HEADERS
+_CANON_FIELDS = (
+    rb"(?:\r\n[" + _TCHARS + rb"]++: [^\x00-\x20\x7f][\t\x20-\x7e\x80-\xff]*+(?<![ \t])){0,%d}+" % MAX_HEADERS
+)
 _FAST_REQUEST = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Z]++) (/[\x21-\x7e\x80-\xff]*+) (HTTP/1\.[01])" + _CANON_FIELDS)
 _FAST_RESPONSE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*+)?" + _CANON_FIELDS)
 # The fields a parser or a relay acts on, found where they are, in the lowercased head (bytes.lower: ASCII
 # only, the same offsets; a case-blind pattern is half as fast again). Names match whole (': ' follows).
-_HOP = rb"connection|keep-alive|proxy-connection|transfer-encoding|te|trailer|upgrade|proxy-authenticate|" \
-       rb"proxy-authorization|content-length|close"
-_REQUEST_ONLY = rb"host|expect|x-api-key|x-request-id|x-forwarded-for|x-forwarded-proto|x-forwarded-host|" \
-                rb"x-forwarded-client-cert|cookie"
+_HOP = (
+    rb"connection|keep-alive|proxy-connection|transfer-encoding|te|trailer|upgrade|proxy-authenticate|"
+    rb"proxy-authorization|content-length|close"
+)
+_REQUEST_ONLY = (
+    rb"host|expect|x-api-key|x-request-id|x-forwarded-for|x-forwarded-proto|x-forwarded-host|"
+    rb"x-forwarded-client-cert|cookie"
+)
 _RESPONSE_ONLY = rb"ratelimit|ratelimit-policy|x-request-id"
 _REQUEST_SPECIAL = re.compile(rb"\r\n(" + _HOP + rb"|" + _REQUEST_ONLY + rb"): ")
-_RESPONSE_SPECIAL = re.compile(rb"\r\n(" + _HOP + rb"|" + _RESPONSE_ONLY + rb"|x-ratelimit-[" + _TCHARS.lower()
-                               + rb"]*): ")
+_RESPONSE_SPECIAL = re.compile(
+    rb"\r\n(" + _HOP + rb"|" + _RESPONSE_ONLY + rb"|x-ratelimit-[" + _TCHARS.lower() + rb"]*): "
+)
 # The names each pattern finds (but X-RateLimit-*): a Connection token outside them is a field the fast
 # path did not locate, so a head naming one is written line by line (lb/http/plan.py).
 REQUEST_NAMES = frozenset((_HOP + b"|" + _REQUEST_ONLY).split(b"|"))
@@ -117,12 +135,12 @@ def _spans(pattern: re.Pattern, head: bytes, start: int) -> list[tuple[int, int,
 
 
 _TIMEVAL = struct.Struct("@ll")
-_UNSET = -1.0                             # Reader.applied before any timeout was set
+_UNSET = -1.0  # Reader.applied before any timeout was set
 
 
 def _timeval(seconds: float | None) -> bytes:
     if seconds is None:
-        return _TIMEVAL.pack(0, 0)        # 0 = wait forever
+        return _TIMEVAL.pack(0, 0)  # 0 = wait forever
     usec = int(seconds % 1 * 1e6)
     return _TIMEVAL.pack(int(seconds), usec if seconds >= 1 else max(1, usec))
 
@@ -139,7 +157,7 @@ def kernel_timeout(sock: socket.socket, seconds: float | None, send: bool = True
         sock.settimeout(seconds)
         return
     if sock.gettimeout() is not None:
-        sock.settimeout(None)             # blocking (one ioctl), e.g. after urllib3's connect timeout
+        sock.settimeout(None)  # blocking (one ioctl), e.g. after urllib3's connect timeout
     tv = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     if send:
@@ -166,11 +184,11 @@ class Reader:
     def __init__(self, sock: socket.socket, send_bound: float | None = None):
         self.sock = sock
         self.buf = bytearray()
-        self.got = 0            # bytes received on the connection (the access log's bytes_received)
-        self.mark = 0           # `got` less the buffer when the current request's head began
+        self.got = 0  # bytes received on the connection (the access log's bytes_received)
+        self.mark = 0  # `got` less the buffer when the current request's head began
         self.timeout: float | None = None
         self.deadline: float | None = None
-        self.applied: float | None = _UNSET     # the timeout last set on sock
+        self.applied: float | None = _UNSET  # the timeout last set on sock
         # A TLS client's send_timeout: its socket has one timeout for both directions, so after each
         # read fill() puts this back -- else a write inherits what the read left of a deadline (a head
         # completed near header_timeout: ~0 s to write the response). Plain sockets: send_timeout().
@@ -193,19 +211,19 @@ class Reader:
                 raise socket.timeout("deadline")
             t = left if t is None or left < t else t
         if t != self.applied:
-            kernel_timeout(self.sock, t, send=False)   # the send bound is apply()'s or send_timeout()'s
+            kernel_timeout(self.sock, t, send=False)  # the send bound is apply()'s or send_timeout()'s
             self.applied = t
         g = gate.current
-        gated = g is not None and g.leave()     # a connection thread gives its slot up while it waits
+        gated = g is not None and g.leave()  # a connection thread gives its slot up while it waits
         try:
             data = self.sock.recv(65536)
         except BlockingIOError:
-            raise socket.timeout("timed out") from None   # SO_RCVTIMEO expired
+            raise socket.timeout("timed out") from None  # SO_RCVTIMEO expired
         finally:
             if gated and g is not None:
-                g.enter(not self.new_work or bool(self.buf))   # (more of a head already begun: under way)
+                g.enter(not self.new_work or bool(self.buf))  # (more of a head already begun: under way)
             if self.send_bound is not None and self.applied != self.send_bound:
-                self.sock.settimeout(self.send_bound)       # TLS: the next write's bound
+                self.sock.settimeout(self.send_bound)  # TLS: the next write's bound
                 self.applied = self.send_bound
         if not data:
             return False
@@ -213,8 +231,9 @@ class Reader:
         self.got += len(data)
         return True
 
-    def read_head(self, max_head: int = MAX_HEAD, max_first_line: int = MAX_REQUEST_LINE,
-                  what: str = "request") -> bytes | None:
+    def read_head(
+        self, max_head: int = MAX_HEAD, max_first_line: int = MAX_REQUEST_LINE, what: str = "request"
+    ) -> bytes | None:
         """Bytes up to the blank line (excluded), or None on EOF before any byte.
 
         A head (`what`: request or response) with a bare CR or LF is refused as soon as the byte
@@ -234,14 +253,14 @@ class Reader:
                 if i > max_head:
                     raise HttpError(431, "request header block too large")
                 head = bytes(buf[:i])
-                del buf[:i + 4]
+                del buf[: i + 4]
                 return head
             if buf.find(CRLF, 0, max_first_line + 2) < 0 and len(buf) > max_first_line:
                 raise HttpError(414, "request line too long")
             if len(buf) > max_head:
                 raise HttpError(431, "request header block too large")
             m = _BARE_EOL.search(buf, checked)
-            if m is not None and (m.end() < len(buf) or buf[-1] == 10):   # a final CR awaits its LF
+            if m is not None and (m.end() < len(buf) or buf[-1] == 10):  # a final CR awaits its LF
                 raise HttpError(400, f"bare CR or LF in the {what} head")
             checked = max(0, len(buf) - 1)
             scan = max(0, len(buf) - 3)
@@ -260,8 +279,8 @@ class Reader:
             if i >= 0:
                 if i == 0 or buf[i - 1] != 13:
                     raise HttpError(400, "bare LF in a chunked body")
-                line = bytes(buf[:i - 1])
-                del buf[:i + 1]
+                line = bytes(buf[: i - 1])
+                del buf[: i + 1]
                 return line
             if len(buf) > limit + 1:
                 raise HttpError(400, "chunk line too long")
@@ -293,14 +312,34 @@ class Reader:
 
 # ------------------------------------------------------------------------------------------ requests
 
+
 class Request:
     """A parsed request head. `raw`: the head as received, and `spans` its fast_fields() when it is
     canonical (None otherwise): upstream_head then writes the head from slices of it. `headers`, the
     [(name, lowercase name, value)] list, is made from `raw` only when someone asks for it; setting it
     (a request made from other fields, HTTP/2's) drops raw, so nothing relays bytes it does not match."""
-    __slots__ = ("method", "target", "version", "_headers", "content_length", "chunked", "keep_alive",
-                 "host", "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie",
-                 "request_id", "client_cert", "raw", "spans")
+
+    __slots__ = (
+        "method",
+        "target",
+        "version",
+        "_headers",
+        "content_length",
+        "chunked",
+        "keep_alive",
+        "host",
+        "expect_continue",
+        "conn_tokens",
+        "api_key",
+        "xff",
+        "proto",
+        "fwd_host",
+        "cookie",
+        "request_id",
+        "client_cert",
+        "raw",
+        "spans",
+    )
     # (the types, for mypy: parse_request sets every one)
     method: bytes
     target: bytes
@@ -326,7 +365,7 @@ class Request:
     def headers(self) -> list[tuple[bytes, bytes, bytes]]:
         h = self._headers
         if h is None:
-            assert self.raw is not None     # (set together: one or the other is there)
+            assert self.raw is not None  # (set together: one or the other is there)
             h = self._headers = _split_headers(self.raw.split(CRLF), 1)
         return h
 
@@ -366,9 +405,21 @@ def _check_bytes(head: bytes) -> None:
 
 
 # The request fields parse_request looks at; every other one is only carried.
-_REQUEST_FIELDS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect", b"x-api-key",
-                             b"x-request-id", b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host",
-                             b"cookie"})
+_REQUEST_FIELDS = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"expect",
+        b"x-api-key",
+        b"x-request-id",
+        b"x-forwarded-for",
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
+        b"cookie",
+    }
+)
 
 
 def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:
@@ -380,16 +431,16 @@ def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:
         raise HttpError(400, "malformed request line")
     method, target, version = parts
     if not method or method.translate(None, _TCHAR) or method != method.upper():
-        raise HttpError(400, "invalid method")     # a token, and (as nginx requires) no lowercase
+        raise HttpError(400, "invalid method")  # a token, and (as nginx requires) no lowercase
     if method == b"TRACE":
-        raise HttpError(405, "TRACE is not allowed")   # it would echo credentials back (nginx: 405 too)
+        raise HttpError(405, "TRACE is not allowed")  # it would echo credentials back (nginx: 405 too)
     m = _VERSION.match(version)
     if not m:
         raise HttpError(400, "invalid HTTP version")
     if m.group(1) != b"1":
         raise HttpError(505, "HTTP version not supported")
     if m.group(2) > b"1":
-        version = b"HTTP/1.1"    # a later 1.x is served as the highest minor we speak (RFC 9110 2.5)
+        version = b"HTTP/1.1"  # a later 1.x is served as the highest minor we speak (RFC 9110 2.5)
     if not target or _TARGET_BAD.search(target):
         raise HttpError(400, "invalid request target")
     return method, target, version
@@ -448,7 +499,7 @@ def _read_fields(r: Request, fields, keep_alive: bool) -> bool:
     te_seen = False
     for lname, value in fields:
         if lname not in _REQUEST_FIELDS:
-            continue                   # (most of a browser's headers: one set lookup, not eleven compares)
+            continue  # (most of a browser's headers: one set lookup, not eleven compares)
         if lname == b"host":
             if r.host is not None:
                 raise HttpError(400, "duplicate Host header")
@@ -512,8 +563,13 @@ _VALUE_BAD = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _LOWER_TCHAR = bytes(c for c in _TCHAR if not 65 <= c <= 90)
 
 
-def request_from_fields(method: bytes, target: bytes, authority: bytes | None,
-                        headers: list[tuple[bytes, bytes]], version: bytes = b"HTTP/2") -> Request:
+def request_from_fields(
+    method: bytes,
+    target: bytes,
+    authority: bytes | None,
+    headers: list[tuple[bytes, bytes]],
+    version: bytes = b"HTTP/2",
+) -> Request:
     """A Request from an HTTP/2 (or 3) stream's fields, checked by parse_request's rules: the same
     Request, so every stage after it is the same. headers: the regular fields as (lowercase name,
     value), pseudo-fields taken out. The caller sets chunked when a body follows without a length
@@ -524,9 +580,9 @@ def request_from_fields(method: bytes, target: bytes, authority: bytes | None,
     if method == b"TRACE":
         raise HttpError(405, "TRACE is not allowed")
     if method == b"CONNECT":
-        raise HttpError(405, "CONNECT is not allowed")      # the edge is no tunnel for HTTP/2 streams
+        raise HttpError(405, "CONNECT is not allowed")  # the edge is no tunnel for HTTP/2 streams
     if not target or target[:1] != b"/" or _TARGET_BAD.search(target):
-        raise HttpError(400, "invalid request target")       # asterisk-form too, as parse_request
+        raise HttpError(400, "invalid request target")  # asterisk-form too, as parse_request
     if len(headers) > MAX_HEADERS:
         raise HttpError(431, f"more than {MAX_HEADERS} header fields")
     r = Request()
@@ -552,10 +608,10 @@ def request_from_fields(method: bytes, target: bytes, authority: bytes | None,
                 if host_field is not None:
                     raise HttpError(400, "duplicate Host header")
                 host_field = value
-                continue                      # written once below, from :authority when there is one
+                continue  # written once below, from :authority when there is one
             if lname == b"cookie":
                 r.cookie = value if r.cookie is None else r.cookie + b"; " + value
-                continue                      # one Cookie line below: HTTP/1.1 wants one (RFC 6265 5.4)
+                continue  # one Cookie line below: HTTP/1.1 wants one (RFC 6265 5.4)
             if lname == b"content-length":
                 if not value.isdigit() or len(value) > 15:
                     raise HttpError(400, "invalid Content-Length")
@@ -565,7 +621,7 @@ def request_from_fields(method: bytes, target: bytes, authority: bytes | None,
             elif lname in (b"transfer-encoding", b"connection"):
                 raise HttpError(400, "connection-specific header in an HTTP/2 request")
             elif lname == b"expect":
-                continue                      # 100-continue is implicit in HTTP/2's flow control
+                continue  # 100-continue is implicit in HTTP/2's flow control
             elif lname == b"x-api-key":
                 if r.api_key is not None:
                     raise HttpError(400, "more than one X-Api-Key header")
@@ -605,7 +661,7 @@ def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: in
     """
     buf = reader.buf
     dec = ChunkedDecoder(_bad_chunk, MAX_CHUNK_LINE, MAX_HEADER_LINE, MAX_TRAILERS)
-    out = bytearray()             # data gathered, not yet yielded
+    out = bytearray()  # data gathered, not yet yielded
     t0 = monotonic()
     if min_rate:
         body_deadline(reader, t0, 0, min_rate)
@@ -616,7 +672,7 @@ def iter_chunked(reader: Reader, max_body: int, min_rate: float = 0.0, piece: in
             if len(out) >= piece:
                 yield bytes(out)
                 out.clear()
-        elif ev == NEED:          # the next read may wait: pass on what we have first
+        elif ev == NEED:  # the next read may wait: pass on what we have first
             if out:
                 yield bytes(out)
                 out.clear()
@@ -662,10 +718,23 @@ def body_deadline(reader: Reader, t0: float, received: int, min_rate: float) -> 
 
 # ----------------------------------------------------------------------------------------- responses
 
+
 class ResponseHead:
     """A parsed response head; `raw`, `spans` and the lazy `headers` as for Request."""
-    __slots__ = ("status", "status_line", "_headers", "content_length", "chunked", "codings", "close", "early",
-                 "conn_tokens", "raw", "spans")
+
+    __slots__ = (
+        "status",
+        "status_line",
+        "_headers",
+        "content_length",
+        "chunked",
+        "codings",
+        "close",
+        "early",
+        "conn_tokens",
+        "raw",
+        "spans",
+    )
     # (the types, for mypy: parse_response sets every one)
     status: int
     status_line: bytes
@@ -683,7 +752,7 @@ class ResponseHead:
     def headers(self) -> list[tuple[bytes, bytes, bytes]]:
         h = self._headers
         if h is None:
-            assert self.raw is not None     # (set together: one or the other is there)
+            assert self.raw is not None  # (set together: one or the other is there)
             h = self._headers = _split_headers(self.raw.split(CRLF), 1)
         return h
 
@@ -744,8 +813,8 @@ def parse_response(head: bytes) -> ResponseHead:
     r.status_line = status_line
     r.content_length = None
     r.chunked = False
-    r.codings = b""           # transfer codings other than a final chunked, relayed as they are
-    r.early = False           # answered before the request was sent whole (set by the forwarder)
+    r.codings = b""  # transfer codings other than a final chunked, relayed as they are
+    r.early = False  # answered before the request was sent whole (set by the forwarder)
     close = status_line[5:8] == b"1.0"
     te = None
     tokens = _NO_TOKENS
@@ -803,8 +872,10 @@ def own_response(status: int, reason: str, close: bool, extra: bytes = b"", head
     """A short text/plain answer from the edge itself (errors, 429, 503)."""
     body = reason.encode("utf-8", "replace") + b"\n"
     phrase = HTTPStatus(status).phrase.encode() if status in HTTPStatus._value2member_map_ else b"Error"
-    head = b"HTTP/1.1 %d %s\r\nDate: %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n%s%s\r\n" % (
-        status, phrase, http_date(), len(body), extra, b"Connection: close\r\n" if close else b"")
+    head = (
+        b"HTTP/1.1 %d %s\r\nDate: %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n%s%s\r\n"
+        % (status, phrase, http_date(), len(body), extra, b"Connection: close\r\n" if close else b"")
+    )
     return head if head_only else head + body
 
 
@@ -821,7 +892,7 @@ def linger(sock: socket.socket, seconds: float = 5.0, max_bytes: int = 16 << 20)
     half-close, then read and discard (bounded in time and bytes) so that closing does not reset the
     connection before the client has read the answer."""
     try:
-        socket.socket.shutdown(sock, socket.SHUT_WR)   # an SSLSocket's own would drop its TLS state
+        socket.socket.shutdown(sock, socket.SHUT_WR)  # an SSLSocket's own would drop its TLS state
         end = monotonic() + seconds
         n = 0
         while n < max_bytes:

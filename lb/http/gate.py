@@ -28,17 +28,17 @@ class Gate:
     def __init__(self, n: int, stuck: float = 0.05):
         self.n = n
         self.stuck = stuck
-        self.holders: dict[int, float] = {}      # thread ident -> when it took its slot
-        self.members: set[int] = set()           # the connection threads (join/part): only they are gated
-        self.waiters: deque = deque()            # (thread ident, its lock), in arrival order: new requests
+        self.holders: dict[int, float] = {}  # thread ident -> when it took its slot
+        self.members: set[int] = set()  # the connection threads (join/part): only they are gated
+        self.waiters: deque = deque()  # (thread ident, its lock), in arrival order: new requests
         # Threads in the middle of a request (a backend's answer arrived, a body's next piece): served
         # before any new request. Each holds a pooled backend connection, maybe a spool; queued behind
         # hundreds of new requests they would starve the pool itself (503s: all connections busy).
         self.urgent: deque = deque()
         self.lock = threading.Lock()
-        self.handoffs = 0                        # slots passed to a waiter (it had to wait)
-        self.stolen = 0                          # slots taken from a holder blocked elsewhere
-        self.watchdog: threading.Thread | None = None   # frees stuck slots; started on the first wait
+        self.handoffs = 0  # slots passed to a waiter (it had to wait)
+        self.stolen = 0  # slots taken from a holder blocked elsewhere
+        self.watchdog: threading.Thread | None = None  # frees stuck slots; started on the first wait
 
     def enter(self, urgent: bool = True) -> None:
         """Take a slot, waiting in order if none is free (urgent: among the requests under way, served
@@ -63,7 +63,7 @@ class Gate:
             if self.watchdog is None:
                 self.watchdog = threading.Thread(target=self._watch, name="gate-watchdog", daemon=True)
                 self.watchdog.start()
-        w.acquire()              # released by whoever registered us in holders (leave, _watch)
+        w.acquire()  # released by whoever registered us in holders (leave, _watch)
 
     def _watch(self) -> None:
         """Every `stuck` seconds, while some wait: a holder blocked elsewhere longer than that gives its slot
@@ -78,9 +78,9 @@ class Gate:
                     if not self.waiters and not self.urgent:
                         break
                     if now - since > self.stuck and self.holders.pop(ident, None) is not None:
-                        self.stolen += 1      # (pop: the holder may be leaving right now, unlocked)
+                        self.stolen += 1  # (pop: the holder may be leaving right now, unlocked)
                         self._hand_over(now)
-                self._hand_over(now)        # a slot freed while its waiter was queuing (leave's unlocked check)
+                self._hand_over(now)  # a slot freed while its waiter was queuing (leave's unlocked check)
 
     def _hand_over(self, now: float) -> None:
         """Free slots to the longest waiters (under self.lock)."""
@@ -95,7 +95,7 @@ class Gate:
         thread is a member, which then enters again once its socket answered (Reader.fill)."""
         me = _get_ident()
         if me not in self.members:
-            return False        # a health probe's thread, the admin's...: never gated
+            return False  # a health probe's thread, the admin's...: never gated
         if self.holders.pop(me, None) is not None and (self.urgent or self.waiters):
             with self.lock:
                 self._hand_over(monotonic())
@@ -118,7 +118,7 @@ class Gate:
         return len(self.waiters) + len(self.urgent)
 
 
-current: Gate | None = None        # the process's gate (EdgeServer installs it); None: no bound
+current: Gate | None = None  # the process's gate (EdgeServer installs it); None: no bound
 
 
 def install(gate: Gate | None) -> None:

@@ -9,7 +9,7 @@ lb/http2/server.py) and h2 sees the other frames only.
 
 from __future__ import annotations
 
-GOAWAY = 0x7                   # the frame type
+GOAWAY = 0x7  # the frame type
 
 
 def take_goaways(buf: bytearray, data: bytes, max_frame: int) -> tuple[bytes, list[tuple[int, int]]]:
@@ -20,17 +20,18 @@ def take_goaways(buf: bytearray, data: bytes, max_frame: int) -> tuple[bytes, li
     goaways = []
     i, n = 0, len(buf)
     while n - i >= 9:
-        length = int.from_bytes(buf[i:i + 3], "big")
+        length = int.from_bytes(buf[i : i + 3], "big")
         if length > max_frame:
-            out += buf[i:]                   # h2 says what is wrong with it
+            out += buf[i:]  # h2 says what is wrong with it
             i = n
             break
         end = i + 9 + length
         if end > n:
             break
         if buf[i + 3] == GOAWAY and length >= 8:
-            goaways.append((int.from_bytes(buf[i + 9:i + 13], "big") & 0x7FFFFFFF,
-                            int.from_bytes(buf[i + 13:i + 17], "big")))
+            goaways.append(
+                (int.from_bytes(buf[i + 9 : i + 13], "big") & 0x7FFFFFFF, int.from_bytes(buf[i + 13 : i + 17], "big"))
+            )
         else:
             out += buf[i:end]
         i = end

@@ -29,7 +29,7 @@ def _kept(raw: bytes, start: int, dropped: list, cl: int | None) -> bytearray:
         pos = e
     out += raw[pos:]
     if out:
-        del out[:2]          # the first line's CRLF: the caller's first line ends with its own
+        del out[:2]  # the first line's CRLF: the caller's first line ends with its own
         out += CRLF
     return out
 
@@ -43,25 +43,39 @@ def response_fields(rh, skip: frozenset, limiting: bool, slow: bool = False) -> 
     cl = rh.content_length if status >= 200 and status != 204 else None
     tokens = rh.conn_tokens
     if rh.spans is not None and not slow and (not tokens or tokens <= RESPONSE_NAMES):
-        dropped = [(s, e, lname) for s, e, lname, _ in rh.spans
-                   if lname in skip or lname in tokens or (limiting and lname[:12] == b"x-ratelimit-")]
+        dropped = [
+            (s, e, lname)
+            for s, e, lname, _ in rh.spans
+            if lname in skip or lname in tokens or (limiting and lname[:12] == b"x-ratelimit-")
+        ]
         if not dropped:
-            return bytearray(rh.raw[len(rh.status_line) + 2:] + b"\r\n") if len(rh.raw) > len(rh.status_line) \
+            return (
+                bytearray(rh.raw[len(rh.status_line) + 2 :] + b"\r\n")
+                if len(rh.raw) > len(rh.status_line)
                 else bytearray()
+            )
         return _kept(rh.raw, len(rh.status_line), dropped, cl)
     out = bytearray()
     for name, lname, value in rh.headers:
         if lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"):
             if lname == b"content-length" and cl is not None:
-                out += b"Content-Length: %d\r\n" % cl     # in its place, once, as the edge parsed it
+                out += b"Content-Length: %d\r\n" % cl  # in its place, once, as the edge parsed it
                 cl = None
             continue
         out += name + b": " + value + b"\r\n"
     return out
 
 
-def response_plan(rh, method: bytes, http10: bool, client_keep: bool, skip: frozenset, limiting: bool,
-                  extra: bytes, slow: bool = False) -> tuple[bytearray, str, bool]:
+def response_plan(
+    rh,
+    method: bytes,
+    http10: bool,
+    client_keep: bool,
+    skip: frozenset,
+    limiting: bool,
+    extra: bytes,
+    slow: bool = False,
+) -> tuple[bytearray, str, bool]:
     """(the head for the client, the body's mode, whether the client connection stays open).
 
     mode: none (no body: HEAD, 1xx, 204, 304), length, chunked (decoded and re-chunked), eof (delimited by
@@ -73,7 +87,7 @@ def response_plan(rh, method: bytes, http10: bool, client_keep: bool, skip: froz
     out += response_fields(rh, skip, limiting, slow)
     out += extra
     if status == 101:
-        client_keep = False     # this connection speaks something else now
+        client_keep = False  # this connection speaks something else now
     if method == b"HEAD" or status in NO_BODY_STATUS or status < 200:
         mode = "none"
     elif rh.content_length is not None:
@@ -89,7 +103,7 @@ def response_plan(rh, method: bytes, http10: bool, client_keep: bool, skip: froz
             out += b"Transfer-Encoding: " + rh.codings + b"\r\n"
     elif mode in ("chunked", "eof"):
         if http10:
-            client_keep = False   # an HTTP/1.0 client reads to EOF
+            client_keep = False  # an HTTP/1.0 client reads to EOF
         else:
             out += b"Transfer-Encoding: " + (rh.codings + b", chunked\r\n" if rh.codings else b"chunked\r\n")
     if not client_keep:
@@ -100,8 +114,9 @@ def response_plan(rh, method: bytes, http10: bool, client_keep: bool, skip: froz
     return out, mode, client_keep
 
 
-def request_fields(req, replaced: frozenset, underscores: bool, length: int | None,
-                   slow: bool = False) -> tuple[bytearray, int | None]:
+def request_fields(
+    req, replaced: frozenset, underscores: bool, length: int | None, slow: bool = False
+) -> tuple[bytearray, int | None]:
     """The client's field lines the backend gets, each ending in CRLF, and `length` if it is still to be
     written (None once a Content-Length took its place): none that `replaced` or the request's Connection
     names, none with '_' in its name unless `underscores`. slow: as for response_fields."""
@@ -113,7 +128,7 @@ def request_fields(req, replaced: frozenset, underscores: bool, length: int | No
             dropped = [(s, e, lname) for s, e, lname, _ in spans if lname in replaced or lname in tokens]
             eol = raw.find(CRLF)
             if not dropped:
-                return bytearray(raw[eol + 2:] + b"\r\n") if eol >= 0 else bytearray(), length
+                return bytearray(raw[eol + 2 :] + b"\r\n") if eol >= 0 else bytearray(), length
             if length is not None and any(lname == b"content-length" for _, _, lname in dropped):
                 return _kept(raw, eol, dropped, length), None
             return _kept(raw, eol, dropped, None), length
@@ -121,7 +136,7 @@ def request_fields(req, replaced: frozenset, underscores: bool, length: int | No
     for name, lname, value in req.headers:
         if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
             if lname == b"content-length" and length is not None:
-                out += b"Content-Length: %d\r\n" % length     # in its place, once, as the edge counted
+                out += b"Content-Length: %d\r\n" % length  # in its place, once, as the edge counted
                 length = None
             continue
         out += name + b": " + value + b"\r\n"

@@ -25,7 +25,7 @@ from typing import Any
 from lb.errors import ConfigError
 
 MIN_VERSIONS = {"TLSv1.2": ssl.TLSVersion.TLSv1_2, "TLSv1.3": ssl.TLSVersion.TLSv1_3}
-HANDSHAKE = 0x16        # the first byte of every TLS record carrying a ClientHello
+HANDSHAKE = 0x16  # the first byte of every TLS record carrying a ClientHello
 
 
 CLIENT_AUTH = ("require", "optional")
@@ -34,13 +34,22 @@ CLIENT_AUTH = ("require", "optional")
 @dataclass(frozen=True)
 class CertSpec:
     """A certificate (chain) and its key: [tls] cert/key, or one [[tls.certificates]] table."""
+
     cert: str
     key: str
 
 
-def server_context(cert: str, key: str, ciphers: str | None = None, min_version: str = "TLSv1.2",
-                   client_ca: str | None = None, client_auth: str = "require", client_crl: str | None = None,
-                   where: str = "", http2: bool = False) -> ssl.SSLContext:
+def server_context(
+    cert: str,
+    key: str,
+    ciphers: str | None = None,
+    min_version: str = "TLSv1.2",
+    client_ca: str | None = None,
+    client_auth: str = "require",
+    client_crl: str | None = None,
+    where: str = "",
+    http2: bool = False,
+) -> ssl.SSLContext:
     """A server context for the pair on disk; ConfigError (one line) when it cannot serve.
 
     client_ca: clients are asked for a certificate signed by it -- required (refused at the handshake
@@ -49,7 +58,7 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
     the leaf is checked against it (a CA with no CRL in the file fails every client: OpenSSL's rule).
     """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = MIN_VERSIONS[min_version]     # TLS 1.0/1.1 refused at the handshake
+    ctx.minimum_version = MIN_VERSIONS[min_version]  # TLS 1.0/1.1 refused at the handshake
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE
     # An EOF without close_notify is a close, not an error (HTTP framing, not TLS,
     # detects a truncated request). Without it, OpenSSL 3 answers the EOF the edge itself causes when it
@@ -64,24 +73,28 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
         except ssl.SSLError:
             raise ConfigError(f"tls.ciphers: no usable cipher in {ciphers!r}") from None
     for what, path in (("cert", cert), ("key", key)):
-        try:                # load_cert_chain's error names no file (None): say which one, and where it is set
+        try:  # load_cert_chain's error names no file (None): say which one, and where it is set
             with open(path, "rb"):
                 pass
         except OSError as e:
             # where: a [[tls.certificates]] entry ("tls.certificates[1]"); else the default pair's flag and key
             source = f"{where}.{what}" if where else f"--tls-{what} or [tls] {what}"
-            raise ConfigError(f"tls: cannot read {path}: {e.strerror or e} (set by {source}: a PEM file the "
-                              f"edge's user can read)") from None
+            raise ConfigError(
+                f"tls: cannot read {path}: {e.strerror or e} (set by {source}: a PEM file the edge's user can read)"
+            ) from None
     try:
         ctx.load_cert_chain(cert, key)
-    except FileNotFoundError as e:   # load_cert_chain names no file: say which one is missing
+    except FileNotFoundError as e:  # load_cert_chain names no file: say which one is missing
         missing = e.filename or (cert if not os.path.exists(cert) else key)
         raise ConfigError(f"tls: cannot read {missing}: {e.strerror}") from None
     except PermissionError as e:
         raise ConfigError(f"tls: cannot read {e.filename}: {e.strerror}") from None
     except ssl.SSLError as e:
-        why = "the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(e) else (
-            e.reason or str(e)).replace("_", " ").lower()
+        why = (
+            "the key does not match the certificate"
+            if "KEY_VALUES_MISMATCH" in str(e)
+            else (e.reason or str(e)).replace("_", " ").lower()
+        )
         raise ConfigError(f"tls: cannot use certificate {cert} with key {key}: {why}") from None
     if client_ca:
         ctx.verify_mode = ssl.CERT_REQUIRED if client_auth == "require" else ssl.CERT_OPTIONAL
@@ -95,13 +108,14 @@ def server_context(cert: str, key: str, ciphers: str | None = None, min_version:
 def _load_verify(ctx: ssl.SSLContext, path: str, key: str) -> None:
     try:
         ctx.load_verify_locations(cafile=path)
-    except ssl.SSLError as e:    # a file with no PEM certificate (or CRL) in it (an OSError too: first)
+    except ssl.SSLError as e:  # a file with no PEM certificate (or CRL) in it (an OSError too: first)
         raise ConfigError(f"{key}: cannot use {path}: {(e.reason or str(e)).replace('_', ' ').lower()}") from None
     except OSError as e:
         raise ConfigError(f"{key}: cannot read {path}: {e.strerror}") from None
 
 
 # -------------------------------------------------------------------------------------------- SNI
+
 
 def cert_info(path: str) -> dict:
     """The first certificate in a PEM file, decoded by OpenSSL (subject, subjectAltName, notAfter)."""
@@ -124,8 +138,7 @@ def expired(info: dict, now: float | None = None) -> bool:
     return ssl.cert_time_to_seconds(info["notAfter"]) < (time.time() if now is None else now)
 
 
-def listener_context(default: CertSpec, more: tuple = (), strict_sni: bool = False, **settings
-                     ) -> ssl.SSLContext:
+def listener_context(default: CertSpec, more: tuple = (), strict_sni: bool = False, **settings) -> ssl.SSLContext:
     """The listener's context: `default`'s, choosing among `more` by SNI. settings: server_context's.
 
     A name two certificates claim goes to the first (the default before the others); --check says so.
@@ -134,9 +147,10 @@ def listener_context(default: CertSpec, more: tuple = (), strict_sni: bool = Fal
     if not more and not strict_sni:
         return ctx
     exact: dict[str, ssl.SSLContext] = {}
-    wild: dict[str, ssl.SSLContext] = {}       # "*.example.com" under "example.com"
-    for spec, c in [(default, ctx)] + [(s, server_context(s.cert, s.key, **settings, where=f"tls.certificates[{i}]"))
-                                       for i, s in enumerate(more)]:
+    wild: dict[str, ssl.SSLContext] = {}  # "*.example.com" under "example.com"
+    for spec, c in [(default, ctx)] + [
+        (s, server_context(s.cert, s.key, **settings, where=f"tls.certificates[{i}]")) for i, s in enumerate(more)
+    ]:
         for name in cert_names(cert_info(spec.cert)):
             if name.startswith("*."):
                 wild.setdefault(name[2:], c)
@@ -149,14 +163,14 @@ def listener_context(default: CertSpec, more: tuple = (), strict_sni: bool = Fal
             c = exact.get(name)
             if c is None:
                 dot = name.find(".")
-                c = wild.get(name[dot + 1:]) if dot > 0 else None   # one label only, as RFC 6125 says
+                c = wild.get(name[dot + 1 :]) if dot > 0 else None  # one label only, as RFC 6125 says
             if c is not None:
                 if c is not ctx:
                     sslobj.context = c
                 return None
         if strict_sni:
             return ssl.ALERT_DESCRIPTION_UNRECOGNIZED_NAME
-        return None                             # the default certificate
+        return None  # the default certificate
 
     ctx.sni_callback = choose
     return ctx
@@ -176,9 +190,17 @@ def duplicate_names(specs) -> list[str]:
 
 # ------------------------------------------------------------------------------ client certificates
 
-_RDN = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
-        "stateOrProvinceName": "ST", "localityName": "L", "domainComponent": "DC", "streetAddress": "STREET",
-        "userId": "UID"}
+_RDN = {
+    "commonName": "CN",
+    "organizationName": "O",
+    "organizationalUnitName": "OU",
+    "countryName": "C",
+    "stateOrProvinceName": "ST",
+    "localityName": "L",
+    "domainComponent": "DC",
+    "streetAddress": "STREET",
+    "userId": "UID",
+}
 
 
 def _rfc2253(value: str) -> str:
@@ -204,8 +226,7 @@ def _element(v: str) -> str:
     """A URI or DNS value in an XFCC element: non-ASCII percent-encoded; quoted when it holds , ; = or " (as
     Envoy does)."""
     if not (v.isascii() and v.isprintable()):
-        v = "".join(c if c.isascii() and c.isprintable() else "".join(f"%{b:02X}" for b in c.encode())
-                    for c in v)
+        v = "".join(c if c.isascii() and c.isprintable() else "".join(f"%{b:02X}" for b in c.encode()) for c in v)
     if any(c in v for c in ',;="'):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return v
@@ -215,11 +236,12 @@ def _element(v: str) -> str:
 class ClientCert:
     """A verified client certificate, as the backend, the limiter and the access log see it (made
     once per connection)."""
-    hash: str           # SHA-256 of the DER, hex (a reissued certificate has a new one)
-    subject: str        # RFC 2253 text, most specific first ("CN=partner-a,O=Example"): the limiter's key
+
+    hash: str  # SHA-256 of the DER, hex (a reissued certificate has a new one)
+    subject: str  # RFC 2253 text, most specific first ("CN=partner-a,O=Example"): the limiter's key
     uris: tuple[str, ...]
     dns: tuple[str, ...]
-    xfcc: bytes         # its X-Forwarded-Client-Cert value
+    xfcc: bytes  # its X-Forwarded-Client-Cert value
 
 
 def xfcc(hash_: str, subject: str, uris, dns) -> bytes:
@@ -237,9 +259,10 @@ def client_cert(tsock: ssl.SSLSocket) -> ClientCert | None:
     der = tsock.getpeercert(binary_form=True)
     if not der:
         return None
-    info: dict[str, Any] = tsock.getpeercert() or {}     # each key's value has its own shape
-    subject = ",".join("+".join(f"{_RDN.get(k, k)}={_rfc2253(v)}" for k, v in rdn)
-                       for rdn in reversed(info.get("subject", ())))
+    info: dict[str, Any] = tsock.getpeercert() or {}  # each key's value has its own shape
+    subject = ",".join(
+        "+".join(f"{_RDN.get(k, k)}={_rfc2253(v)}" for k, v in rdn) for rdn in reversed(info.get("subject", ()))
+    )
     san = info.get("subjectAltName", ())
     uris = tuple(v for k, v in san if k == "URI")
     dns = tuple(v for k, v in san if k == "DNS")
@@ -287,7 +310,7 @@ def accept(ctx: ssl.SSLContext, sock: socket.socket, deadline: float) -> tuple[s
     except ssl.SSLError as e:
         why = "TLS handshake failed: " + (e.reason or str(e)).replace("_", " ").lower()
         verify = getattr(e, "verify_message", None)
-        if verify:                                   # a client certificate: expired, revoked, unknown CA
+        if verify:  # a client certificate: expired, revoked, unknown CA
             why += f" ({verify})"
     except OSError as e:
         why = "TLS handshake failed: " + (e.strerror or type(e).__name__)

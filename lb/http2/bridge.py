@@ -14,7 +14,7 @@ from lb.errors import UpstreamError
 from lb.http.framing import parse_response
 from lb.http2.downstream import H2Downstream
 
-_GRPC_BODY = 1024          # the text of an answer of the edge's own kept for grpc-message
+_GRPC_BODY = 1024  # the text of an answer of the edge's own kept for grpc-message
 
 
 class StreamSocket(socket.socket):
@@ -22,11 +22,11 @@ class StreamSocket(socket.socket):
         super().__init__(socket.AF_INET, socket.SOCK_DGRAM)
         self.stream = stream
         self.down = H2Downstream(stream, None, head_only)
-        self.head_only = head_only      # a HEAD request: the head says a length, no body follows
+        self.head_only = head_only  # a HEAD request: the head says a length, no body follows
         self.buf = bytearray()
-        self.mode = "head"              # head | length | chunked | eof | grpc | done
-        self.left = 0                   # bytes of the body (length) or of the chunk (chunked) to come
-        self.chunk = "size"             # chunked: size | data | crlf | trailer
+        self.mode = "head"  # head | length | chunked | eof | grpc | done
+        self.left = 0  # bytes of the body (length) or of the chunk (chunked) to come
+        self.chunk = "size"  # chunked: size | data | crlf | trailer
         self.grpc_status = 0
         self.grpc_fields: list = []
         self.chunked = False
@@ -52,7 +52,7 @@ class StreamSocket(socket.socket):
         return None
 
     def recv(self, n, flags=0):
-        return b""                      # a lingering close reads to the end: there is none to read
+        return b""  # a lingering close reads to the end: there is none to read
 
     # -- HTTP/1.1 in, HTTP/2 out ---------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ class StreamSocket(socket.socket):
             if i < 0:
                 return
             head = bytes(self.buf[:i])
-            del self.buf[:i + 4]
+            del self.buf[: i + 4]
             self._start(head)
         self._body()
 
@@ -77,8 +77,7 @@ class StreamSocket(socket.socket):
             rh = parse_response(head)
         except UpstreamError:
             raise ConnectionResetError("unreadable response head") from None
-        headers = [(lname, value) for _, lname, value in rh.headers
-                   if not (rh.conn_tokens and lname in rh.conn_tokens)]
+        headers = [(lname, value) for _, lname, value in rh.headers if not (rh.conn_tokens and lname in rh.conn_tokens)]
         status = rh.status
         no_body = self.head_only or status in (204, 304) or status < 200
         if rh.chunked:
@@ -107,8 +106,8 @@ class StreamSocket(socket.socket):
         mode = self.mode
         if mode == "length":
             if buf:
-                take = bytes(buf[:self.left])
-                del buf[:len(take)]
+                take = bytes(buf[: self.left])
+                del buf[: len(take)]
                 self.left -= len(take)
                 self.down.send(take)
                 if not self.left:
@@ -124,7 +123,7 @@ class StreamSocket(socket.socket):
             if self.chunked:
                 self._chunks(self._grpc_text)
             elif len(buf) >= self.left:
-                self._grpc_done(bytes(buf[:self.left]))
+                self._grpc_done(bytes(buf[: self.left]))
 
     def _chunks(self, out) -> None:
         """The edge writes clean chunks (sizes it counted, no extensions), split anywhere across writes."""
@@ -135,11 +134,11 @@ class StreamSocket(socket.socket):
                 if i < 0:
                     return
                 self.left = int(bytes(buf[:i]).split(b";")[0], 16)
-                del buf[:i + 2]
+                del buf[: i + 2]
                 self.chunk = "data" if self.left else "trailer"
             elif self.chunk == "data":
-                take = bytes(buf[:self.left])
-                del buf[:len(take)]
+                take = bytes(buf[: self.left])
+                del buf[: len(take)]
                 self.left -= len(take)
                 out(take)
                 if not self.left:
@@ -149,12 +148,12 @@ class StreamSocket(socket.socket):
                     return
                 del buf[:2]
                 self.chunk = "size"
-            else:   # trailer lines until the empty one (an h2c:// backend's grpc-status: lb/http2/h2c.py)
+            else:  # trailer lines until the empty one (an h2c:// backend's grpc-status: lb/http2/h2c.py)
                 i = buf.find(b"\r\n")
                 if i < 0:
                     return
                 line = bytes(buf[:i])
-                del buf[:i + 2]
+                del buf[: i + 2]
                 if i:
                     name, _, value = line.partition(b":")
                     self.trailers.append((name.strip().lower(), value.strip()))
@@ -171,7 +170,7 @@ class StreamSocket(socket.socket):
     def _grpc_text(self, data: bytes) -> None:
         t = self.grpc_text()
         if len(t) < _GRPC_BODY:
-            self._text = t + data[:_GRPC_BODY - len(t)]
+            self._text = t + data[: _GRPC_BODY - len(t)]
 
     def _grpc_done(self, text: bytes) -> None:
         self.mode = "done"

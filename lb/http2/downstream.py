@@ -36,7 +36,7 @@ class H2Downstream:
 
     def __init__(self, stream, edge=None, head_only: bool = False, build=None):
         self.stream, self.edge, self.head_only = stream, edge, head_only
-        self.build = build            # lb.proxy.replies.build, given by the pipeline's side (a room above)
+        self.build = build  # lb.proxy.replies.build, given by the pipeline's side (a room above)
 
     @property
     def grpc(self) -> bool:
@@ -46,10 +46,10 @@ class H2Downstream:
         """A response head; length 0 (or a HEAD's, a 204's, a 304's) ends the stream on it."""
         out = fields(headers)
         if length and not any(f[0] == b"content-length" for f in out):
-            out.append((b"content-length", b"%d" % length))   # the pipeline hands framing over apart
+            out.append((b"content-length", b"%d" % length))  # the pipeline hands framing over apart
         end = length == 0 or self.head_only or status in (204, 304)
         if end and not self.head_only:
-            out = [f for f in out if f[0] != b"content-length"]   # END_STREAM says it (and gRPC reads it as metadata)
+            out = [f for f in out if f[0] != b"content-length"]  # END_STREAM says it (and gRPC reads it as metadata)
         self.stream.headers(status, out, end)
         self.ended = end
 
@@ -76,8 +76,13 @@ class H2Downstream:
         if self.grpc:
             self.grpc_reply(r.status, r.body, r.headers)
         else:
-            self.start(x, r.status, r.phrase, [(b"content-type", _TEXT), (b"content-length", b"%d" % len(r.body))]
-                       + r.headers, 0 if r.head_only else len(r.body))
+            self.start(
+                x,
+                r.status,
+                r.phrase,
+                [(b"content-type", _TEXT), (b"content-length", b"%d" % len(r.body))] + r.headers,
+                0 if r.head_only else len(r.body),
+            )
             if not r.head_only:
                 self.send(r.body)
                 self.finish()

@@ -15,9 +15,20 @@ from urllib.parse import quote_from_bytes
 OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 0, 1, 2, 4, 8
 INTERNAL, UNIMPLEMENTED, UNAVAILABLE, PERMISSION_DENIED, UNAUTHENTICATED = 13, 12, 14, 7, 16
 
-_BY_HTTP = {400: INTERNAL, 401: UNAUTHENTICATED, 403: PERMISSION_DENIED, 404: UNIMPLEMENTED,
-            408: DEADLINE_EXCEEDED, 413: RESOURCE_EXHAUSTED, 429: RESOURCE_EXHAUSTED, 431: RESOURCE_EXHAUSTED,
-            499: CANCELLED, 502: UNAVAILABLE, 503: UNAVAILABLE, 504: DEADLINE_EXCEEDED}
+_BY_HTTP = {
+    400: INTERNAL,
+    401: UNAUTHENTICATED,
+    403: PERMISSION_DENIED,
+    404: UNIMPLEMENTED,
+    408: DEADLINE_EXCEEDED,
+    413: RESOURCE_EXHAUSTED,
+    429: RESOURCE_EXHAUSTED,
+    431: RESOURCE_EXHAUSTED,
+    499: CANCELLED,
+    502: UNAVAILABLE,
+    503: UNAVAILABLE,
+    504: DEADLINE_EXCEEDED,
+}
 
 # Fields of an HTTP answer that say nothing in a trailers-only one (its body is gone; HTTP/2 frames it).
 _DROPPED = frozenset({b"content-type", b"content-length", b"connection", b"keep-alive", b"transfer-encoding"})
@@ -34,17 +45,23 @@ def status_for(http_status: int) -> int:
 
 def message(text: bytes) -> bytes:
     """grpc-message is percent-encoded (PROTOCOL-HTTP2.md: printable ASCII but '%' kept as it is)."""
-    return quote_from_bytes(text.strip(), safe=" !\"#$&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                                              "[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~").encode()
+    return quote_from_bytes(
+        text.strip(),
+        safe=" !\"#$&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~",
+    ).encode()
 
 
-def trailers_only(http_status: int, reason: bytes, fields: list[tuple[bytes, bytes]],
-                  content_type: bytes = b"application/grpc") -> list[tuple[bytes, bytes]]:
+def trailers_only(
+    http_status: int, reason: bytes, fields: list[tuple[bytes, bytes]], content_type: bytes = b"application/grpc"
+) -> list[tuple[bytes, bytes]]:
     """The fields of the one HEADERS block (END_STREAM, :status 200) of a trailers-only answer for an HTTP
     answer of the edge's own. fields: the answer's own, lowercase names (X-RateLimit-*, Retry-After,
     X-Request-Id... kept)."""
-    out = [(b"content-type", content_type),
-           (b"grpc-status", b"%d" % status_for(http_status)), (b"grpc-message", message(reason))]
+    out = [
+        (b"content-type", content_type),
+        (b"grpc-status", b"%d" % status_for(http_status)),
+        (b"grpc-message", message(reason)),
+    ]
     out += [(n, v) for n, v in fields if n not in _DROPPED and n[:1] != b":"]
     return out
 

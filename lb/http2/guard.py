@@ -13,11 +13,11 @@ window updates on the DATA it receives -- while a flood of them, which makes no 
 
 from __future__ import annotations
 
-RESET_BURST, RESET_RATE = 200, 20.0        # RST_STREAM from the client, and streams it opened we refused
-CONTROL_BURST, CONTROL_RATE = 200, 20.0    # PING, SETTINGS, unknown frames, empty DATA
-NOPROGRESS_BURST, NOPROGRESS_RATE = 1000, 50.0    # standalone PRIORITY and WINDOW_UPDATE frames
-NOPROGRESS_PER_REQUEST = 20    # earned per stream the client opens (its part of the PRIORITY tree)
-NOPROGRESS_PER_DATA = 4        # earned per DATA frame sent (the stream's and the connection's updates)
+RESET_BURST, RESET_RATE = 200, 20.0  # RST_STREAM from the client, and streams it opened we refused
+CONTROL_BURST, CONTROL_RATE = 200, 20.0  # PING, SETTINGS, unknown frames, empty DATA
+NOPROGRESS_BURST, NOPROGRESS_RATE = 1000, 50.0  # standalone PRIORITY and WINDOW_UPDATE frames
+NOPROGRESS_PER_REQUEST = 20  # earned per stream the client opens (its part of the PRIORITY tree)
+NOPROGRESS_PER_DATA = 4  # earned per DATA frame sent (the stream's and the connection's updates)
 
 
 class Allowance:

@@ -28,13 +28,12 @@ from lb.upstream.h2pool import H2Unavailable
 log = logging.getLogger("edge")
 
 _NOT_SENT = HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"x-forwarded-proto", b"expect"}
-_CHECK = 1.0        # how often a wait for the backend looks at whether the client is still there
+_CHECK = 1.0  # how often a wait for the backend looks at whether the client is still there
 
 
 def _fields(x, req, peer: bytes, trusted: bool, length) -> list:
-    out = [(b":method", req.method), (b":scheme", b"http"), (b":path", req.target),
-           (b":authority", req.host or b"")]
-    edit = x.route.request_edit if x.route is not None else None    # a route's header rules (lb/proxy/routes.py)
+    out = [(b":method", req.method), (b":scheme", b"http"), (b":path", req.target), (b":authority", req.host or b"")]
+    edit = x.route.request_edit if x.route is not None else None  # a route's header rules (lb/proxy/routes.py)
     drop = edit.drop if edit is not None else ()
     for _, lname, value in req.headers:
         if lname in _NOT_SENT or (x.rid_sent is not None and lname == b"x-request-id") or lname in drop:
@@ -42,7 +41,7 @@ def _fields(x, req, peer: bytes, trusted: bool, length) -> list:
         out.append((lname, value))
     if edit is not None:
         out += [(n.lower(), v) for n, v in _pairs(edit.render(x))]
-    out.append((b"te", b"trailers"))         # gRPC servers require it; HTTP/2 allows no other TE
+    out.append((b"te", b"trailers"))  # gRPC servers require it; HTTP/2 allows no other TE
     out.append((b"x-forwarded-for", req.xff + b", " + peer if req.xff else peer))
     if not (trusted and req.proto):
         out.append((b"x-forwarded-proto", x.proto))
@@ -81,23 +80,26 @@ def forward(edge, x, backend, conn, down) -> bool:
             if t is not None:
                 deadline = min(deadline, monotonic() + t)
     x.upstream_start = monotonic()
-    stream = getattr(down, "stream", None)      # an HTTP/2 client's stream: its reset cancels the call
+    stream = getattr(down, "stream", None)  # an HTTP/2 client's stream: its reset cancels the call
     budget = edge.retry_budget
     budget.start()
     held = False
     tried: list = []
     try:
         fields = _fields(x, req, peer, trusted, req.content_length if not req.chunked else None)
-        body = None         # the whole request body, when it is here already (replayable)
+        body = None  # the whole request body, when it is here already (replayable)
         pieces = None
         if has_body:
             reader.timeout, reader.deadline = cfg.body_timeout, None
-            pieces = iter_chunked(reader, cfg.max_body_size, cfg.body_min_rate) if req.chunked else \
-                iter_fixed(reader, req.content_length, cfg.body_min_rate)
+            pieces = (
+                iter_chunked(reader, cfg.max_body_size, cfg.body_min_rate)
+                if req.chunked
+                else iter_fixed(reader, req.content_length, cfg.body_min_rate)
+            )
             st = getattr(reader, "stream", None)
             if st is not None and st.body_end:
-                body = pieces        # a unary call: read inline below, kept for a replay
-        replays = 1         # a call the backend refused unprocessed (GOAWAY, REFUSED_STREAM) is tried again
+                body = pieces  # a unary call: read inline below, kept for a replay
+        replays = 1  # a call the backend refused unprocessed (GOAWAY, REFUSED_STREAM) is tried again
         while True:
             while True:
                 x.counted = backend
@@ -106,21 +108,22 @@ def forward(edge, x, backend, conn, down) -> bool:
                 try:
                     call = backend.h2.open_call(fields, end=not has_body)
                     break
-                except OSError as e:       # H2Unavailable too: nothing was sent
+                except OSError as e:  # H2Unavailable too: nothing was sent
                     why = str(e) if isinstance(e, H2Unavailable) else (e.strerror or type(e).__name__)
                     pool = "stream limit" in why
                     uncount(x)
                     tried.append(backend)
                     nxt = None
-                    if not pool:             # ours, not the backend's: no failure counted, no retry
+                    if not pool:  # ours, not the backend's: no failure counted, no retry
                         fw.observe(backend, False, why)
                         nxt, budgeted, refused = fw.next_try(backend, tried, held)
                         why += refused
                     if nxt is None or nxt.h2 is None:
-                        return fw.failed(down, x, Failure.POOL if pool else Failure.CONNECT, why,
-                                         keep and not has_body, tried)
+                        return fw.failed(
+                            down, x, Failure.POOL if pool else Failure.CONNECT, why, keep and not has_body, tried
+                        )
                     held = held or budgeted
-                    fw.retrying(x, backend, "connect", why, "connect", nxt, len(tried))   # as HTTP/1.1's connect retry
+                    fw.retrying(x, backend, "connect", why, "connect", nxt, len(tried))  # as HTTP/1.1's connect retry
                     backend = nxt
             failed: list = []
             if body is not None:
@@ -130,25 +133,27 @@ def forward(edge, x, backend, conn, down) -> bool:
                     failed.append(e)
                     call.reset(ErrorCodes.CANCEL)
                 else:
-                    _upload(call, body, failed)   # all of it already here (a unary call): no thread for it
+                    _upload(call, body, failed)  # all of it already here (a unary call): no thread for it
             elif has_body:
-                threading.Thread(target=_upload, args=(call, pieces, failed), daemon=True,
-                                 name="h2c upload").start()
+                threading.Thread(target=_upload, args=(call, pieces, failed), daemon=True, name="h2c upload").start()
             refusable = replays > 0 and not failed and (body is not None or not has_body)
             keep_on = _relay(edge, x, backend, call, down, stream, deadline, failed, keep, refusable)
             if keep_on is not _REFUSED:
                 return keep_on
             replays -= 1
             uncount(x)
-            log.warning("backend %s refused a call unprocessed; trying it again: %s %s", backend.url,
-                        req.method.decode(), req.target[:200].decode("latin-1"))
+            log.warning(
+                "backend %s refused a call unprocessed; trying it again: %s %s",
+                backend.url,
+                req.method.decode(),
+                req.target[:200].decode("latin-1"),
+            )
     finally:
         uncount(x)
         budget.end(held)
 
 
-def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, keep: bool,
-           refusable: bool = False):
+def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, keep: bool, refusable: bool = False):
     """The answer to `down`; _REFUSED (nothing relayed, nothing counted) when refusable and the backend
     said it never processed the call: RFC 9113 8.7, safe to try again whatever the method."""
     fw = edge.forwarder
@@ -186,25 +191,28 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
                 if ev[2] or req.method == b"HEAD" or status in (204, 304):
                     down.start(x, status, _phrase(status), out, 0)
                     if not ev[2]:
-                        call.reset(ErrorCodes.CANCEL)   # no body is relayed: nothing more is wanted
+                        call.reset(ErrorCodes.CANCEL)  # no body is relayed: nothing more is wanted
                     break
                 down.start(x, status, _phrase(status), out, None)
             elif kind == "data":
                 data, n = ev[1], ev[2]
                 if data:
-                    down.send(data)              # blocks while the client is slow: its stream only
+                    down.send(data)  # blocks while the client is slow: its stream only
                     sent += len(data)
                 if n:
-                    call.ack(n)                  # the window back only once the client took it
+                    call.ack(n)  # the window back only once the client took it
             elif kind == "trailers":
                 down.finish([(name, value) for name, value in ev[1] if name[:1] != b":" and name not in HOP_BY_HOP])
                 break
             elif kind == "end":
                 down.finish(None)
                 break
-            else:    # reset or closed
-                if status is None and refusable and (kind == "refused" or
-                                                     (kind == "reset" and ev[1] == ErrorCodes.REFUSED_STREAM)):
+            else:  # reset or closed
+                if (
+                    status is None
+                    and refusable
+                    and (kind == "refused" or (kind == "reset" and ev[1] == ErrorCodes.REFUSED_STREAM))
+                ):
                     return _REFUSED
                 why = f"backend reset the stream ({ev[1]})" if kind == "reset" else str(ev[1])
                 if status is None:
@@ -222,7 +230,7 @@ def _relay(edge, x, backend, call, down, stream, deadline: float, failed: list, 
         call.conn.finished(call)
     x.bytes_sent = sent
     if failed and isinstance(failed[0], HttpError):
-        keep = False       # the upload failed on the client's side: its connection is not reusable
+        keep = False  # the upload failed on the client's side: its connection is not reusable
     _completed(edge, x, backend, status)
     return keep
 
@@ -231,13 +239,18 @@ def _head_fields(x, fields) -> list:
     """The backend's response fields as the client gets them: no pseudo-headers, no framing (the Downstream
     writes its own), none the edge sets itself, and the edge's own lines (request id, rate limit, cookie)."""
     skip = not_relayed(x.rl, x.rid_header)
-    edit = x.route.response_edit if x.route is not None else None   # a route's header rules (lb/proxy/routes.py)
+    edit = x.route.response_edit if x.route is not None else None  # a route's header rules (lb/proxy/routes.py)
     if edit is not None:
         skip = skip | edit.drop
     limiting = bool(x.rl)
-    out = [(name, value) for name, value in fields
-           if name[:1] != b":" and name not in skip and name not in _FRAMING
-           and not (limiting and name[:12] == b"x-ratelimit-")]
+    out = [
+        (name, value)
+        for name, value in fields
+        if name[:1] != b":"
+        and name not in skip
+        and name not in _FRAMING
+        and not (limiting and name[:12] == b"x-ratelimit-")
+    ]
     return out + _pairs((edit.render(x) if edit is not None else b"") + x.rid_header + x.rl + x.set_cookie)
 
 
@@ -245,11 +258,12 @@ def _cut_short(edge, x, backend, down, status, e) -> bool:
     """The backend failed after the head went out: counted as its failure, and the client's stream aborted."""
     req = x.req
     edge.forwarder.observe(backend, False, str(e))
-    log.warning("backend %s %s mid-response: %s %s", backend.url, e, req.method.decode(),
-                req.target[:200].decode("latin-1"))
+    log.warning(
+        "backend %s %s mid-response: %s %s", backend.url, e, req.method.decode(), req.target[:200].decode("latin-1")
+    )
     edge.metrics.upstream_error(backend.url, Failure.RESET, status, monotonic() - x.start)
     edge.record(x, status)
-    down.abort()                 # the client must see the answer cut short
+    down.abort()  # the client must see the answer cut short
     return False
 
 
@@ -288,8 +302,18 @@ class _Cut(OSError):
     """The backend failed after the head went to the client: only a reset can show it."""
 
 
-_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"te", b"trailer",
-                      b"upgrade", b"proxy-connection"})     # the Downstream writes its own framing
+_FRAMING = frozenset(
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-connection",
+    }
+)  # the Downstream writes its own framing
 
 
 def _pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
@@ -304,6 +328,7 @@ def _pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
 
 def _phrase(status: int) -> bytes:
     from http import HTTPStatus
+
     try:
         return HTTPStatus(status).phrase.encode()
     except ValueError:

@@ -59,11 +59,11 @@ from lb.logs import client_fault
 log = logging.getLogger("edge")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-STREAM_BUFFER = 256 * 1024     # response bytes one stream may have queued before its worker waits
-CONN_WINDOW = 1 << 24          # the connection's receive window: no stream's unread body blocks the others
-STREAM_WINDOW = 1 << 16        # each stream's receive window (a request body's back-pressure)
-WORKERS = 512                  # streams being served at once, over every connection of the process
-TICK = 1.0                     # the connection thread's longest sleep (timeouts, the drain)
+STREAM_BUFFER = 256 * 1024  # response bytes one stream may have queued before its worker waits
+CONN_WINDOW = 1 << 24  # the connection's receive window: no stream's unread body blocks the others
+STREAM_WINDOW = 1 << 16  # each stream's receive window (a request body's back-pressure)
+WORKERS = 512  # streams being served at once, over every connection of the process
+TICK = 1.0  # the connection thread's longest sleep (timeouts, the drain)
 
 _pool: ThreadPoolExecutor | None = None
 _slots = threading.BoundedSemaphore(WORKERS)
@@ -95,14 +95,14 @@ class Stream:
 
     def __init__(self, conn: "Connection", sid: int):
         self.conn, self.sid = conn, sid
-        self.body: deque = deque()      # request DATA not yet read by the worker
+        self.body: deque = deque()  # request DATA not yet read by the worker
         self.body_end = False
-        self.unacked = 0                # flow-controlled bytes received, not yet given back as window
-        self.reset = False              # by the client, or by us
-        self.out: deque = deque()       # response: ("h", fields, end) | bytes | ("end",) | ("t", trailers)
-        self.out_n = 0                  # bytes of DATA queued in out
-        self.sent_end = False           # END_STREAM is on its way
-        self.progress = monotonic()     # when the client last took some of this stream's bytes
+        self.unacked = 0  # flow-controlled bytes received, not yet given back as window
+        self.reset = False  # by the client, or by us
+        self.out: deque = deque()  # response: ("h", fields, end) | bytes | ("end",) | ("t", trailers)
+        self.out_n = 0  # bytes of DATA queued in out
+        self.sent_end = False  # END_STREAM is on its way
+        self.progress = monotonic()  # when the client last took some of this stream's bytes
         self.grpc = False
         # Its worker's waits (window, body, the end): on the connection's lock, but woken alone -- one
         # condition for all streams woke every worker at each pump (half the GIL's time under h2load).
@@ -127,7 +127,7 @@ class Stream:
             while self.out_n > STREAM_BUFFER and not self.reset:
                 left = self.progress + timeout - monotonic()
                 if left <= 0:
-                    c.reset_stream(self, ErrorCodes.CANCEL)     # the client stopped reading this stream
+                    c.reset_stream(self, ErrorCodes.CANCEL)  # the client stopped reading this stream
                     break
                 self.cv.wait(min(left, TICK))
             if self.reset:
@@ -216,21 +216,21 @@ class Connection:
         self.edge, self.sock, self.peer_ip, self.over_tls, self.cert = edge, sock, peer_ip, over_tls, cert
         self.accepted = accepted or sock
         self.first = first
-        self.lock = threading.Lock()           # the h2 state machine, and every stream's state
+        self.lock = threading.Lock()  # the h2 state machine, and every stream's state
         self.cv = threading.Condition(self.lock)
         self.streams: dict[int, Stream] = {}
-        self.ready: dict[int, Stream] = {}      # streams with output queued
-        self.running = 0                        # streams whose worker has not returned (reset ones too)
-        self.writer = FrameWriter(self)         # the frames on their way to the socket
+        self.ready: dict[int, Stream] = {}  # streams with output queued
+        self.running = 0  # streams whose worker has not returned (reset ones too)
+        self.writer = FrameWriter(self)  # the frames on their way to the socket
         self.wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.goaway = False                    # ours sent, or the client's received: no new streams
+        self.goaway = False  # ours sent, or the client's received: no new streams
         self._closed = False
-        self.inbuf = bytearray()               # received, not yet a whole frame (lb/http/h2frames.py)
+        self.inbuf = bytearray()  # received, not yet a whole frame (lb/http/h2frames.py)
         self.preface_left = len(PREFACE)
         now = monotonic()
         self.resets = Allowance(RESET_BURST, RESET_RATE, now)
         self.control = Allowance(CONTROL_BURST, CONTROL_RATE, now)
-        self.noprogress = Allowance(NOPROGRESS_BURST, NOPROGRESS_RATE, now)    # PRIORITY, WINDOW_UPDATE
+        self.noprogress = Allowance(NOPROGRESS_BURST, NOPROGRESS_RATE, now)  # PRIORITY, WINDOW_UPDATE
         cfg = edge.cfg
         self.max_streams = cfg.http2_max_concurrent_streams
         self.h2 = _state_machine(self.max_streams)
@@ -279,9 +279,9 @@ class Connection:
         conns[sock] = True
         cfg = edge.cfg
         idle_since = monotonic()
-        idle_limit = cfg.header_timeout        # the first stream within header_timeout, then keepalive_timeout
+        idle_limit = cfg.header_timeout  # the first stream within header_timeout, then keepalive_timeout
         stalled_since = None
-        writing = 0             # the poll mask last registered
+        writing = 0  # the poll mask last registered
         try:
             if self.first:
                 if not self._receive(self.first):
@@ -300,7 +300,7 @@ class Connection:
                 else:
                     conns[sock] = False
                     if sock not in idle:
-                        idle[sock] = (idle_since, self.accepted)   # at max_connections, closed first (evict_idle)
+                        idle[sock] = (idle_since, self.accepted)  # at max_connections, closed first (evict_idle)
                     if self.goaway and not self.writer.buf:
                         return
                     if now - idle_since > idle_limit:
@@ -308,13 +308,14 @@ class Connection:
                         self.writer.write()
                         return
                 if edge.closing and not self.goaway:
-                    _go_away(self, ErrorCodes.NO_ERROR)      # SIGTERM: finish the streams open, take no more
+                    _go_away(self, ErrorCodes.NO_ERROR)  # SIGTERM: finish the streams open, take no more
                     continue
                 if self.writer.buf:
                     stalled_since = stalled_since or now
                     if now - stalled_since > cfg.send_timeout:
-                        client_fault("client %s: HTTP/2 connection not read for %gs; closed", self.peer_ip,
-                                     cfg.send_timeout)
+                        client_fault(
+                            "client %s: HTTP/2 connection not read for %gs; closed", self.peer_ip, cfg.send_timeout
+                        )
                         return
                 else:
                     stalled_since = None
@@ -352,7 +353,7 @@ class Connection:
                 st.reset = True
                 st.cv.notify_all()
             self.goaway = True
-            self._closed = True          # the last worker to end closes the wake-up fd
+            self._closed = True  # the last worker to end closes the wake-up fd
             close_now = self.running == 0
         if close_now:
             os.close(self.wfd)
@@ -371,8 +372,8 @@ class Connection:
         now = monotonic()
         with self.cv:
             head = b""
-            if self.preface_left:                      # the preface is no frame: h2's as it is
-                head, data = data[:self.preface_left], data[self.preface_left:]
+            if self.preface_left:  # the preface is no frame: h2's as it is
+                head, data = data[: self.preface_left], data[self.preface_left :]
                 self.preface_left -= len(head)
             data, goaways = take_goaways(self.inbuf, data, self.h2.max_inbound_frame_size)
             try:
@@ -394,7 +395,7 @@ class Connection:
                 with self.cv:
                     st = self.streams.get(ev.stream_id)
                     if st is None or st.reset:
-                        self.ack(ev.stream_id, ev.flow_controlled_length)    # the connection's window back
+                        self.ack(ev.stream_id, ev.flow_controlled_length)  # the connection's window back
                     else:
                         st.body.append(ev.data)
                         st.unacked += ev.flow_controlled_length
@@ -427,7 +428,7 @@ class Connection:
                 if not self.noprogress.take(now):
                     calm = "too many PRIORITY/WINDOW_UPDATE frames"
             elif t is h2.events.TrailersReceived:
-                pass                     # a request's trailers: not carried to an HTTP/1.1 backend
+                pass  # a request's trailers: not carried to an HTTP/1.1 backend
             elif t is h2.events.ConnectionTerminated:
                 self.goaway = True
                 return False
@@ -512,7 +513,7 @@ def _wait(poller, sock, wfd: int, over_tls: bool) -> bool:
     """The connection thread's sleep, at most TICK: True when the socket has bytes to read (a worker's
     wake-up only ends the sleep, so queued output is pumped)."""
     if over_tls and sock.pending():
-        return True               # decrypted bytes already inside the SSL object: poll would not see them
+        return True  # decrypted bytes already inside the SSL object: poll would not see them
     readable = False
     for fd, ev in poller.poll(TICK * 1000):
         if fd == wfd:
@@ -529,12 +530,15 @@ def _state_machine(max_streams: int):
     """h2's server side as the edge runs it: no push, bounded header lists, per-stream receive windows."""
     config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True)
     h = h2.connection.H2Connection(config)
-    h.local_settings = h2.settings.Settings(client=False, initial_values={
-        h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams,
-        h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEAD,
-        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-        h2.settings.SettingCodes.ENABLE_PUSH: 0,
-    })
+    h.local_settings = h2.settings.Settings(
+        client=False,
+        initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEAD,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            h2.settings.SettingCodes.ENABLE_PUSH: 0,
+        },
+    )
     # Advertised max_concurrent_streams is ours to enforce: a stream past it is refused alone
     # (REFUSED_STREAM, as nginx does) where h2 would end the whole connection. So h2's own bound is
     # raised once the client acknowledged the advertised one (a pending local value applies on ACK).

@@ -19,7 +19,7 @@ from lb.http2.guard import NOPROGRESS_PER_DATA
 
 log = logging.getLogger("edge")
 
-OUT_HIGH = 1 << 20             # bytes waiting for the socket past which no stream is pumped
+OUT_HIGH = 1 << 20  # bytes waiting for the socket past which no stream is pumped
 
 
 class FrameWriter:
@@ -61,7 +61,7 @@ class FrameWriter:
                 try:
                     budget = _frame_stream(c.h2, st, budget, now)
                 except h2.exceptions.StreamClosedError:
-                    st.reset = True                  # the client reset it meanwhile
+                    st.reset = True  # the client reset it meanwhile
                     st.out.clear()
                     st.out_n = 0
                 except h2.exceptions.ProtocolError as e:
@@ -98,7 +98,7 @@ def _frame_stream(h, st, budget: int, now: float) -> int:
             break
         n = min(window, len(item))
         if n == len(item):
-            last = len(st.out) > 1 and st.out[1] == ("end",)    # END_STREAM on the last DATA
+            last = len(st.out) > 1 and st.out[1] == ("end",)  # END_STREAM on the last DATA
             h.send_data(sid, item, end_stream=last)
             st.out.popleft()
             if last:
@@ -108,7 +108,7 @@ def _frame_stream(h, st, budget: int, now: float) -> int:
             h.send_data(sid, item[:n])
             st.out[0] = item[n:]
         st.out_n -= n
-        st.conn.noprogress.earn(NOPROGRESS_PER_DATA)      # the client's WINDOW_UPDATEs for it are progress
+        st.conn.noprogress.earn(NOPROGRESS_PER_DATA)  # the client's WINDOW_UPDATEs for it are progress
         st.progress = now
         budget -= n
         if budget <= 0:

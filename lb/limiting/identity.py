@@ -27,7 +27,7 @@ _address = netaddr.ip
 
 class Identifier:
     def __init__(self, trusted_cidrs=()):
-        self.nets = [netaddr.network(c) for c in trusted_cidrs]     # ::ffff:10.0.0.0/104 is 10.0.0.0/8
+        self.nets = [netaddr.network(c) for c in trusted_cidrs]  # ::ffff:10.0.0.0/104 is 10.0.0.0/8
 
     def trusted(self, addr: str) -> bool:
         if not self.nets:
@@ -45,12 +45,12 @@ class Identifier:
         client = peer
         for hop in reversed(hops):
             try:
-                client = str(_address(hop))   # one spelling per client: its limits, exempt, log line
+                client = str(_address(hop))  # one spelling per client: its limits, exempt, log line
             except ValueError:
-                return client          # a malformed entry: believe no further to the left
+                return client  # a malformed entry: believe no further to the left
             if not self.trusted(client):
                 return client
-        return client                  # every hop trusted: the leftmost is the original client
+        return client  # every hop trusted: the leftmost is the original client
 
     @staticmethod
     def label(api_key: bytes | None, ip: str) -> str:
@@ -60,6 +60,7 @@ class Identifier:
         if len(api_key) > MAX_KEY:
             raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
         from lb.limiting.keys import key_label
+
         return key_label(api_key)
 
 
@@ -74,14 +75,14 @@ def kind_name(text: str, ipv6_prefix: int = 128) -> str:
     kind, sep, value = text.partition(":")
     if sep and kind in ("key", "ip"):
         if kind == "ip":
-            return _ip_ident(value.strip(), ipv6_prefix)     # ValueError when not an address
+            return _ip_ident(value.strip(), ipv6_prefix)  # ValueError when not an address
         if not value:
             raise ValueError(f"{text!r}: key: needs a name")
         return text
     try:
         return _ip_ident(text.strip(), ipv6_prefix)
     except ValueError:
-        if "/" in text and ":" in text:      # an IPv6 CIDR of the wrong length is a mistake, not a key
+        if "/" in text and ":" in text:  # an IPv6 CIDR of the wrong length is a mistake, not a key
             raise
         return "key:" + text
 
@@ -92,8 +93,10 @@ def _ip_ident(text: str, ipv6_prefix: int) -> str:
     n = netaddr.network(text)
     if n.version == 6 and n.prefixlen == ipv6_prefix < 128:
         return f"ip:{n}"
-    raise ValueError(f"{text!r}: a network names a client only as an IPv6 /{ipv6_prefix} "
-                     f"(the ipv6_prefix clients are keyed by); otherwise write an address")
+    raise ValueError(
+        f"{text!r}: a network names a client only as an IPv6 /{ipv6_prefix} "
+        f"(the ipv6_prefix clients are keyed by); otherwise write an address"
+    )
 
 
 def ip_key(ip: str, ipv6_prefix: int = 128) -> str:
@@ -107,7 +110,7 @@ def ip_key(ip: str, ipv6_prefix: int = 128) -> str:
     key = _v6_keys.get((ip, ipv6_prefix))
     if key is None:
         if len(_v6_keys) >= 4096:
-            _v6_keys.clear()          # bounded: a rotating client costs one computation per address
+            _v6_keys.clear()  # bounded: a rotating client costs one computation per address
         try:
             key = "ip:" + str(ipaddress.IPv6Network((ip, ipv6_prefix), strict=False))
         except ValueError:

@@ -33,7 +33,7 @@ from limiter import parse_rate
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_label_secret: bytes | None = None      # drawn by draw_label_secret(), never at import
+_label_secret: bytes | None = None  # drawn by draw_label_secret(), never at import
 _draw_lock = threading.Lock()
 
 
@@ -45,8 +45,9 @@ def draw_label_secret() -> bytes:
     global _label_secret
     with _draw_lock:
         if _label_secret is None:
-            _label_secret = hashlib.blake2b(os.environ.get("EDGE_KEY_HASH_SECRET", "").encode() or os.urandom(32),
-                                            digest_size=32).digest()
+            _label_secret = hashlib.blake2b(
+                os.environ.get("EDGE_KEY_HASH_SECRET", "").encode() or os.urandom(32), digest_size=32
+            ).digest()
         return _label_secret
 
 
@@ -58,9 +59,9 @@ def key_label(api_key: bytes) -> str:
 @dataclass(frozen=True)
 class KeySpec:
     name: str
-    secret: bytes | None = field(default=None, repr=False)   # the raw key, or
-    sha256: str | None = field(default=None, repr=False)     # its SHA-256 (the file need not hold secrets)
-    limit: str | None = None                                 # the key's own rate (its tier's); None: default
+    secret: bytes | None = field(default=None, repr=False)  # the raw key, or
+    sha256: str | None = field(default=None, repr=False)  # its SHA-256 (the file need not hold secrets)
+    limit: str | None = None  # the key's own rate (its tier's); None: default
 
 
 def parse_keys(tables, tiers, where: str) -> tuple[KeySpec, ...]:
@@ -80,8 +81,13 @@ def parse_keys(tables, tiers, where: str) -> tuple[KeySpec, ...]:
         secret, digest = t.get("key"), t.get("sha256")
         if (secret is None) == (digest is None):
             raise ValueError(f"{at}: give exactly one of key or sha256")
-        if secret is not None and (not isinstance(secret, str) or not secret or len(secret) > 256
-                                   or not secret.isprintable() or secret != secret.strip()):
+        if secret is not None and (
+            not isinstance(secret, str)
+            or not secret
+            or len(secret) > 256
+            or not secret.isprintable()
+            or secret != secret.strip()
+        ):
             raise ValueError(f"{at}.key: a printable string of 1-256 characters without surrounding spaces")
         if digest is not None and (not isinstance(digest, str) or not _HEX64.fullmatch(digest.lower())):
             raise ValueError(f"{at}.sha256: expected 64 hex digits")
@@ -97,14 +103,20 @@ def parse_keys(tables, tiers, where: str) -> tuple[KeySpec, ...]:
                 parse_rate(limit)
             except ValueError as e:
                 raise ValueError(f"{at}.limit: {e}") from None
-        out.append(KeySpec(name=name, secret=secret.encode("latin-1") if secret else None,
-                           sha256=digest.lower() if digest else None, limit=limit))
+        out.append(
+            KeySpec(
+                name=name,
+                secret=secret.encode("latin-1") if secret else None,
+                sha256=digest.lower() if digest else None,
+                limit=limit,
+            )
+        )
     return tuple(out)
 
 
 def parse_tiers(value, where: str) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise ValueError(f"{where}: expected a table of tier = \"N/PERIOD\"")
+        raise ValueError(f'{where}: expected a table of tier = "N/PERIOD"')
     for name, rate in value.items():
         try:
             parse_rate(rate)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from limiter import ALGORITHMS, parse_rate
 
-KINDS = ("ip", "api-key", "global", "client-cert")   # and header:NAME; client-cert: the subject (mutual TLS)
-BUILTIN = "default"                          # the name of the built-in per-identity rule (--limit)
+KINDS = ("ip", "api-key", "global", "client-cert")  # and header:NAME; client-cert: the subject (mutual TLS)
+BUILTIN = "default"  # the name of the built-in per-identity rule (--limit)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
@@ -35,17 +35,17 @@ _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 @dataclass(frozen=True)
 class RuleSpec:
     name: str
-    key: str                                  # ip | api-key | global | client-cert | header:NAME (lower-cased)
-    limit: str | None                         # None: a concurrency-only rule (max_in_flight)
-    algorithm: str | None = None              # None: [limits] algorithm
+    key: str  # ip | api-key | global | client-cert | header:NAME (lower-cased)
+    limit: str | None  # None: a concurrency-only rule (max_in_flight)
+    algorithm: str | None = None  # None: [limits] algorithm
     path_prefix: str | None = None
     methods: tuple[str, ...] = ()
     host: str | None = None
     dry_run: bool = False
-    cost: int = 1                             # units a matching request spends of limit
-    max_in_flight: int = 0                    # concurrent requests per key; 0: no concurrency limit
-    client_cert_subjects: tuple[str, ...] = ()   # any of these verified subjects (RFC 2253, lower-cased)
-    route: str | None = None                  # the [[routes]] table the request matched (lb/proxy/routes.py)
+    cost: int = 1  # units a matching request spends of limit
+    max_in_flight: int = 0  # concurrent requests per key; 0: no concurrency limit
+    client_cert_subjects: tuple[str, ...] = ()  # any of these verified subjects (RFC 2253, lower-cased)
+    route: str | None = None  # the [[routes]] table the request matched (lb/proxy/routes.py)
 
     @property
     def header(self) -> bytes | None:
@@ -65,8 +65,10 @@ def _parse_rule(r: dict, i: int, seen: set[str]) -> RuleSpec:
     where = f"rules[{i}]"
     unknown = set(r) - {"name", "key", "limit", "algorithm", "match", "dry_run", "cost", "max_in_flight"}
     if unknown:
-        raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r} "
-                         f"(known: name, key, limit, algorithm, match, dry_run, cost, max_in_flight)")
+        raise ValueError(
+            f"{where}: unknown key {sorted(unknown)[0]!r} "
+            f"(known: name, key, limit, algorithm, match, dry_run, cost, max_in_flight)"
+        )
     name = _rule_name(r.get("name"), where, seen)
     where = f"rules[{i}] ({name})"
     if "key" not in r:
@@ -85,25 +87,34 @@ def _parse_rule(r: dict, i: int, seen: set[str]) -> RuleSpec:
     if not isinstance(dry, bool):
         raise ValueError(f"{where}.dry_run: expected true or false, got {dry!r}")
     prefix, methods, host, subjects = _rule_match(r.get("match", {}), where)
-    return RuleSpec(name=name, key=key, limit=r.get("limit"), algorithm=algorithm, cost=cost,
-                    max_in_flight=conc,
-                    path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
-                    methods=tuple(x.upper() for x in methods),
-                    host=host.lower() if host else None, dry_run=dry,
-                    client_cert_subjects=tuple(x.lower() for x in subjects), route=_rule_route(r.get("match", {}), where))
+    return RuleSpec(
+        name=name,
+        key=key,
+        limit=r.get("limit"),
+        algorithm=algorithm,
+        cost=cost,
+        max_in_flight=conc,
+        path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
+        methods=tuple(x.upper() for x in methods),
+        host=host.lower() if host else None,
+        dry_run=dry,
+        client_cert_subjects=tuple(x.lower() for x in subjects),
+        route=_rule_route(r.get("match", {}), where),
+    )
 
 
 def _rule_name(name, where: str, seen: set[str]) -> str:
     """The rule's label: present, well-formed, not the built-in's, and unique (metrics and /status key on it)."""
     if name is None:
-        raise ValueError(f"{where}.name: missing; every [[rules]] table needs one, as the metrics, the access "
-                         f"log's limited_by and /status call the rule (e.g. name = \"per-ip\")")
+        raise ValueError(
+            f"{where}.name: missing; every [[rules]] table needs one, as the metrics, the access "
+            f'log\'s limited_by and /status call the rule (e.g. name = "per-ip")'
+        )
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"{where}.name: letters, digits, '_', '.', '-' (at most 64), got {name!r}")
     where = f"{where} ({name})"
     if name == BUILTIN:
-        raise ValueError(f"{where}.name: {BUILTIN!r} is the built-in per-identity rule (--limit); "
-                         f"choose another name")
+        raise ValueError(f"{where}.name: {BUILTIN!r} is the built-in per-identity rule (--limit); choose another name")
     if name in seen:
         raise ValueError(f"{where}.name: two rules are named {name!r}")
     seen.add(name)
@@ -135,8 +146,9 @@ def _rule_cost(r: dict, where: str) -> int:
         except ValueError as e:
             raise ValueError(f"{where}.limit: {e}") from None
         if cost > n:
-            raise ValueError(f"{where}.cost: {cost} is more than the limit's {n}: a matching request "
-                             f"could never be admitted")
+            raise ValueError(
+                f"{where}.cost: {cost} is more than the limit's {n}: a matching request could never be admitted"
+            )
     elif "cost" in r:
         raise ValueError(f"{where}.cost: a cost needs a limit to spend from")
     return cost
@@ -153,26 +165,29 @@ def _rule_route(m, where: str) -> str | None:
 def _rule_match(m, where: str) -> tuple[str | None, list, str | None, list]:
     """The match table -> (path_prefix, methods, host, client_cert_subjects), each as written."""
     if not isinstance(m, dict):
-        raise ValueError(f"{where}.match: expected a table like {{ path_prefix = \"/login\" }}")
+        raise ValueError(f'{where}.match: expected a table like {{ path_prefix = "/login" }}')
     unknown = set(m) - {"path_prefix", "methods", "host", "client_cert_subject", "route"}
     if unknown:
-        raise ValueError(f"{where}.match: unknown key {sorted(unknown)[0]!r} "
-                         f"(known: path_prefix, methods, host, client_cert_subject, route)")
+        raise ValueError(
+            f"{where}.match: unknown key {sorted(unknown)[0]!r} "
+            f"(known: path_prefix, methods, host, client_cert_subject, route)"
+        )
     subjects = m.get("client_cert_subject", [])
     if isinstance(subjects, str):
         subjects = [subjects]
     if not isinstance(subjects, list) or not all(isinstance(x, str) and x for x in subjects):
-        raise ValueError(f"{where}.match.client_cert_subject: expected a subject like \"CN=partner-a,O=Example\" "
-                         f"or a list of them, got {subjects!r}")
+        raise ValueError(
+            f'{where}.match.client_cert_subject: expected a subject like "CN=partner-a,O=Example" '
+            f"or a list of them, got {subjects!r}"
+        )
     prefix = m.get("path_prefix")
     if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/")):
         raise ValueError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
     methods = m.get("methods", [])
     if isinstance(methods, str):
         methods = [methods]
-    if not isinstance(methods, list) or not all(
-            isinstance(x, str) and _TOKEN.fullmatch(x.encode()) for x in methods):
-        raise ValueError(f"{where}.match.methods: expected a list of methods like [\"POST\"], got {methods!r}")
+    if not isinstance(methods, list) or not all(isinstance(x, str) and _TOKEN.fullmatch(x.encode()) for x in methods):
+        raise ValueError(f'{where}.match.methods: expected a list of methods like ["POST"], got {methods!r}')
     host = m.get("host")
     if host is not None and (not isinstance(host, str) or not host or " " in host):
         raise ValueError(f"{where}.match.host: expected a host name, got {host!r}")
@@ -199,7 +214,7 @@ def _unescape_unreserved(m: re.Match) -> bytes:
 
 def normalize_path(target: bytes) -> bytes:
     """The path a backend would serve for this request target (RFC 3986 6.2.2, plus merged slashes)."""
-    if target[:1] != b"/":                       # absolute-form: http://host/path
+    if target[:1] != b"/":  # absolute-form: http://host/path
         i = target.find(b"/", target.find(b"//") + 2) if b"//" in target else -1
         target = target[i:] if i >= 0 else b"/"
     path = target.split(b"?", 1)[0].split(b"#", 1)[0]
@@ -236,11 +251,12 @@ class Matcher:
         self.methods = frozenset(m.encode() for m in spec.methods)
         h = spec.host.encode() if spec.host else None
         self.wildcard = h is not None and h.startswith(b"*.")
-        self.host = h[1:] if h and self.wildcard else h       # "*.example.com" -> ".example.com"
+        self.host = h[1:] if h and self.wildcard else h  # "*.example.com" -> ".example.com"
         self.subjects = frozenset(spec.client_cert_subjects)
         self.route = spec.route
-        self.always = (self.prefix is None and not self.methods and self.host is None and not self.subjects
-                       and self.route is None)
+        self.always = (
+            self.prefix is None and not self.methods and self.host is None and not self.subjects and self.route is None
+        )
 
     def __call__(self, req, path, route: str | None = None) -> bool:
         """path: a callable giving the request's normalised path (computed once per request); route: the
@@ -253,8 +269,8 @@ class Matcher:
             return False
         if self.host is not None:
             h = req.host or b""
-            if h[:1] == b"[":                       # [v6]:port
-                h = h[:h.find(b"]") + 1]
+            if h[:1] == b"[":  # [v6]:port
+                h = h[: h.find(b"]") + 1]
             else:
                 h = h.rsplit(b":", 1)[0]
             h = h.lower().rstrip(b".")
@@ -262,7 +278,7 @@ class Matcher:
                 return False
         if self.prefix is not None and not path().startswith(self.prefix):
             return False
-        if self.subjects:        # DN values compare case-insensitively (X.520 caseIgnoreMatch)
+        if self.subjects:  # DN values compare case-insensitively (X.520 caseIgnoreMatch)
             cert = req.client_cert
             if cert is None or cert.subject.lower() not in self.subjects:
                 return False

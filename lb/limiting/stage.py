@@ -42,23 +42,36 @@ log = logging.getLogger("edge")
 class Verdict:
     """What the stage decided for one request, for the pipeline, the access log and the metrics."""
 
-    __slots__ = ("status", "reason", "headers", "label", "key_name", "limited_by", "rejected", "dry", "degraded",
-                 "exempt", "delay", "slots", "admitted")
+    __slots__ = (
+        "status",
+        "reason",
+        "headers",
+        "label",
+        "key_name",
+        "limited_by",
+        "rejected",
+        "dry",
+        "degraded",
+        "exempt",
+        "delay",
+        "slots",
+        "admitted",
+    )
 
     def __init__(self, label: str):
-        self.status = 0              # 0: go on; else answer it (400, 401, 429, 503)
+        self.status = 0  # 0: go on; else answer it (400, 401, 429, 503)
         self.reason = ""
-        self.headers = b""           # X-RateLimit-* (and Retry-After), RateLimit-* when enabled
-        self.label = label           # the identity as logs may show it: never a raw API key
-        self.key_name: str | None = None       # a known key's configured name
-        self.limited_by = ""         # "rule,rule:dry_run" -- the access log's limited_by
-        self.rejected: tuple[str, ...] = ()    # names of enforcing rules that rejected
-        self.dry: tuple[str, ...] = ()         # names of dry-run rules that would have rejected
-        self.degraded = False        # a store failure policy decided
+        self.headers = b""  # X-RateLimit-* (and Retry-After), RateLimit-* when enabled
+        self.label = label  # the identity as logs may show it: never a raw API key
+        self.key_name: str | None = None  # a known key's configured name
+        self.limited_by = ""  # "rule,rule:dry_run" -- the access log's limited_by
+        self.rejected: tuple[str, ...] = ()  # names of enforcing rules that rejected
+        self.dry: tuple[str, ...] = ()  # names of dry-run rules that would have rejected
+        self.degraded = False  # a store failure policy decided
         self.exempt = False
-        self.delay = 0.0             # admitted, to be held this long first (delay mode)
-        self.slots: list | None = None         # in-flight slots taken: [(table, slot)], given back by release()
-        self.admitted = ()           # names of the rules that applied to an admitted request
+        self.delay = 0.0  # admitted, to be held this long first (delay mode)
+        self.slots: list | None = None  # in-flight slots taken: [(table, slot)], given back by release()
+        self.admitted = ()  # names of the rules that applied to an admitted request
 
 
 def release(slots) -> None:
@@ -66,7 +79,7 @@ def release(slots) -> None:
     for table, slot in slots:
         try:
             table.release(slot)
-        except Exception:            # a slot lost here expires (Redis) or is a bug; the request is done
+        except Exception:  # a slot lost here expires (Redis) or is a bug; the request is done
             log.exception("in-flight slot not released")
 
 
@@ -114,22 +127,40 @@ class Rule:
         self.enforce = not spec.dry_run
         self.rate = spec.limit
         self.algorithm = algorithm
-        self.inflight = inflight      # limiter.concurrency table (max_in_flight), or None
+        self.inflight = inflight  # limiter.concurrency table (max_in_flight), or None
 
 
 class SharedTables(NamedTuple):
     """What the workers of --workers N share with the memory store: created by the supervisor before it
     forks (lb/process/supervisor.py), handed to each worker's App; empty in a single process."""
-    limits: object = None      # limiter.shm.Arena: every limit's counters (store "shm")
-    inflight: object = None    # limiter.concurrency.SharedTable: the requests in flight per key
+
+    limits: object = None  # limiter.shm.Arena: every limit's counters (store "shm")
+    inflight: object = None  # limiter.concurrency.SharedTable: the requests in flight per key
 
 
 class LimitStage:
-    def __init__(self, default: str | None, overrides=(), algorithm: str = "token-bucket", store: str = "memory",
-                 reuse: dict | None = None, *, rules=(), keys=(), unknown_keys: str = "as-ip", exempt=(),
-                 ietf_headers: bool = False, ipv6_prefix: int = 64, max_delay: float = 0.0, max_delayed: int = 256,
-                 max_in_flight: int = 0, status: int = 429, inflight_ttl: float = 360.0, inflight_table=None,
-                 **store_options):
+    def __init__(
+        self,
+        default: str | None,
+        overrides=(),
+        algorithm: str = "token-bucket",
+        store: str = "memory",
+        reuse: dict | None = None,
+        *,
+        rules=(),
+        keys=(),
+        unknown_keys: str = "as-ip",
+        exempt=(),
+        ietf_headers: bool = False,
+        ipv6_prefix: int = 64,
+        max_delay: float = 0.0,
+        max_delayed: int = 256,
+        max_in_flight: int = 0,
+        status: int = 429,
+        inflight_ttl: float = 360.0,
+        inflight_table=None,
+        **store_options,
+    ):
         """reuse: the limiters of the stage this one replaces (reload): an unchanged limit keeps its state
         (its in-flight tables too: a reload does not forget the requests in flight). inflight_table: the
         workers' shared one (SharedTables.inflight), for the memory store; None: this process counts alone."""
@@ -137,7 +168,7 @@ class LimitStage:
         self.store = store
         self.options = tuple(sorted(store_options.items()))
         old = reuse or {}
-        cache: dict[str, Any] = {}      # limiters of several kinds (memory, Redis, shm) and in-flight tables
+        cache: dict[str, Any] = {}  # limiters of several kinds (memory, Redis, shm) and in-flight tables
 
         def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN, cost: int = 1, delay: float = max_delay):
             n, period = parse_rate(rate)
@@ -147,10 +178,14 @@ class LimitStage:
             if key not in cache and key in old:
                 cache[key] = old[key]
             if key not in cache:
-                prefix: dict[str, Any] = ({"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
-                                          if store != "memory" else {})
-                cache[key] = build(algo, limit=n, window=period, store=store, cost=cost, max_delay=delay,
-                                   **prefix, **store_options)
+                prefix: dict[str, Any] = (
+                    {"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
+                    if store != "memory"
+                    else {}
+                )
+                cache[key] = build(
+                    algo, limit=n, window=period, store=store, cost=cost, max_delay=delay, **prefix, **store_options
+                )
             return cache[key]
 
         def inflight_for(n: int, rule: str = BUILTIN):
@@ -160,16 +195,26 @@ class LimitStage:
             if key not in cache:
                 if store in ("memory", "shm"):
                     from limiter import concurrency  # --workers: the table the supervisor shared
-                    cache[key] = (concurrency.ShmInFlight(n, inflight_table, name=key)
-                                  if inflight_table is not None else InFlight(n))
+
+                    cache[key] = (
+                        concurrency.ShmInFlight(n, inflight_table, name=key)
+                        if inflight_table is not None
+                        else InFlight(n)
+                    )
                 else:
                     from limiter.concurrency import RedisInFlight
-                    cache[key] = RedisInFlight(n, store, prefix=f"edge:inflight:{rule}:", ttl=inflight_ttl,
-                                               **{k: v for k, v in store_options.items() if k != "max_keys"})
+
+                    cache[key] = RedisInFlight(
+                        n,
+                        store,
+                        prefix=f"edge:inflight:{rule}:",
+                        ttl=inflight_ttl,
+                        **{k: v for k, v in store_options.items() if k != "max_keys"},
+                    )
             return cache[key]
 
         self.default = limiter_for(default) if default else None
-        self.ipv6_prefix = ipv6_prefix       # IPv6 clients are keyed by this prefix (identity.ip_key)
+        self.ipv6_prefix = ipv6_prefix  # IPv6 clients are keyed by this prefix (identity.ip_key)
         self.overrides = {kind_name(k, ipv6_prefix): limiter_for(rate) for k, rate in overrides}
         self.registry = KeyRegistry(keys) if keys else None
         self.tiers = {k.name: limiter_for(k.limit) for k in keys if k.limit}
@@ -179,13 +224,19 @@ class LimitStage:
             if e.startswith("key:"):
                 names.add(e)
             else:
-                nets.append(netaddr.network(e[3:] if e.startswith("ip:") else e))   # mapped: its IPv4 net
+                nets.append(netaddr.network(e[3:] if e.startswith("ip:") else e))  # mapped: its IPv4 net
         self.exempt_nets, self.exempt_names = tuple(nets), frozenset(names)
-        self.rules = tuple(Rule(s, limiter_for(s.limit, s.algorithm or algorithm, s.name, s.cost,
-                                               0.0 if s.dry_run else max_delay) if s.limit else None,
-                                s.algorithm or algorithm,
-                                inflight_for(s.max_in_flight, s.name) if s.max_in_flight else None)
-                           for s in rules)
+        self.rules = tuple(
+            Rule(
+                s,
+                limiter_for(s.limit, s.algorithm or algorithm, s.name, s.cost, 0.0 if s.dry_run else max_delay)
+                if s.limit
+                else None,
+                s.algorithm or algorithm,
+                inflight_for(s.max_in_flight, s.name) if s.max_in_flight else None,
+            )
+            for s in rules
+        )
         self.inflight = inflight_for(max_in_flight) if max_in_flight else None
         self.max_delay, self.max_delayed = max_delay, max_delayed
         self.status_code = status
@@ -195,8 +246,9 @@ class LimitStage:
     @property
     def declared(self) -> list[tuple[str, bool]]:
         """(rule name, dry_run) of every rule in force, the built-in one first."""
-        builtin = ([(BUILTIN, False)] if self.default is not None or self.overrides or self.tiers or self.inflight
-                   else [])
+        builtin = (
+            [(BUILTIN, False)] if self.default is not None or self.overrides or self.tiers or self.inflight else []
+        )
         return builtin + [(r.name, not r.enforce) for r in self.rules]
 
     # -- what it shows operators (lb/limiting/views.py): /status, the key table, GET /limits/KEY ----------
@@ -223,7 +275,7 @@ class LimitStage:
             seen = _unregistered.get(api_key)
             if seen is None:
                 if len(_unregistered) >= _UNREGISTERED_MAX:
-                    _unregistered.clear()         # a key-rotating client costs a hash per key, as before
+                    _unregistered.clear()  # a key-rotating client costs a hash per key, as before
                 seen = _unregistered[api_key] = ("key:" + api_key.decode("latin-1"), key_label(api_key), None)
             return seen
         known = self.registry.lookup(api_key)
@@ -232,7 +284,7 @@ class LimitStage:
             return ident, ident, known
         if self.reject_unknown:
             return None, key_label(api_key), None
-        ident = ip_key(ip, self.ipv6_prefix)     # an unknown key is no key at all: limited by its IP
+        ident = ip_key(ip, self.ipv6_prefix)  # an unknown key is no key at all: limited by its IP
         return ident, ident, None
 
     def check(self, req, ip: str, now: float | None = None, route: str | None = None) -> Verdict:
@@ -299,8 +351,10 @@ class LimitStage:
                 release(taken)
                 v.status, v.reason = self.status_code, "too many requests in flight"
                 # the binding limit is this one (the rates were not asked): its N, none left, again in 1 s
-                v.headers = b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: 0\r\nX-RateLimit-Reset: 1\r\n" \
-                            b"Retry-After: 1\r\n" % table.limit
+                v.headers = (
+                    b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: 0\r\nX-RateLimit-Reset: 1\r\n"
+                    b"Retry-After: 1\r\n" % table.limit
+                )
                 v.rejected, v.limited_by = (name,), name + ":in_flight"
                 return False
             else:
@@ -316,7 +370,7 @@ class LimitStage:
             lim, key, _ = checks[0]
             d = lim.allow(key) if now is None else lim.allow(key, now)
             v.headers = headers(d)
-            if getattr(d, "degraded", False):    # a store's failure policy decided (fail-open admits)
+            if getattr(d, "degraded", False):  # a store's failure policy decided (fail-open admits)
                 v.degraded = True
             if d.allowed:
                 v.admitted = rules
@@ -324,10 +378,13 @@ class LimitStage:
                     v.delay = d.delay
                 return
             v.rejected, v.limited_by = (rules[0],), rules[0]
-            v.status, v.reason = ((503, "rate limiter unavailable") if getattr(d, "unavailable", False)
-                                  else (self.status_code, "rate limit exceeded"))
+            v.status, v.reason = (
+                (503, "rate limiter unavailable")
+                if getattr(d, "unavailable", False)
+                else (self.status_code, "rate limit exceeded")
+            )
             return
-        admitted, decisions = allow_all(checks, now)   # now=None: the store reads its clock (under its lock)
+        admitted, decisions = allow_all(checks, now)  # now=None: the store reads its clock (under its lock)
         self._verdict(v, admitted, checks, rules, decisions)
         if admitted and self.max_delay:
             # several limits holding: the request runs when the last of them has its turn (the others'
@@ -367,7 +424,7 @@ class LimitStage:
         if found:
             # Hashed: any length in, a fixed-size key out, and no header value (a token?) in Redis.
             return "h:" + hashlib.blake2b(found, digest_size=16).hexdigest()
-        return ip_key(ip, self.ipv6_prefix)       # a missing header is the client, never one shared bucket
+        return ip_key(ip, self.ipv6_prefix)  # a missing header is the client, never one shared bucket
 
     def _verdict(self, v: Verdict, admitted: bool, checks, rules, decisions) -> None:
         rejected, dry, shown, unavailable = [], [], None, False
@@ -397,16 +454,20 @@ class LimitStage:
             if self.ietf:
                 v.headers += self._ietf(checks, rules, decisions, shown)
         if not admitted:
-            v.status, v.reason = ((503, "rate limiter unavailable") if unavailable
-                                  else (self.status_code, "rate limit exceeded"))
+            v.status, v.reason = (
+                (503, "rate limiter unavailable") if unavailable else (self.status_code, "rate limit exceeded")
+            )
 
     @staticmethod
     def _ietf(checks, rules, decisions, shown) -> bytes:
         """draft-ietf-httpapi-ratelimit-headers: every applying enforcing policy; the binding one first."""
-        items = sorted(((d is not shown, name, lim, d) for (lim, _, e), name, d in zip(checks, rules, decisions)
-                        if e), key=lambda t: t[0])
-        policy = ", ".join(f'"{name}";q={lim.limit};w={max(1, math.ceil(lim.algorithm.window))}'
-                           for _, name, lim, _ in items)
+        items = sorted(
+            ((d is not shown, name, lim, d) for (lim, _, e), name, d in zip(checks, rules, decisions) if e),
+            key=lambda t: t[0],
+        )
+        policy = ", ".join(
+            f'"{name}";q={lim.limit};w={max(1, math.ceil(lim.algorithm.window))}' for _, name, lim, _ in items
+        )
         state = ", ".join(f'"{name}";r={d.remaining};t={max(0, math.ceil(d.reset))}' for _, name, _, d in items)
         return b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (policy.encode(), state.encode())
 
@@ -436,7 +497,10 @@ def headers(d) -> bytes:
     """X-RateLimit-* for any response; Retry-After too when the request was rejected."""
     reset = max(0, math.ceil(d.reset))
     out = b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n" % (
-        d.limit, d.remaining, reset)
+        d.limit,
+        d.remaining,
+        reset,
+    )
     if not d.allowed:
         out += b"Retry-After: %d\r\n" % max(1, math.ceil(d.retry_after))
     return out

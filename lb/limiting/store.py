@@ -21,16 +21,21 @@ from limiter.redis import url as redis_url
 
 def redis_files(c) -> dict:
     """The [limits] redis_*_file settings, as limiter.redis_url.parse / RedisStore keyword arguments."""
-    pw_file = os.path.expandvars(c.redis_password_file) if c.redis_password_file else None   # ${CREDENTIALS_DIRECTORY}
-    return {"password_file": pw_file, "ca_file": c.redis_ca_file,
-            "cert_file": c.redis_cert_file, "key_file": c.redis_key_file}
+    pw_file = os.path.expandvars(c.redis_password_file) if c.redis_password_file else None  # ${CREDENTIALS_DIRECTORY}
+    return {
+        "password_file": pw_file,
+        "ca_file": c.redis_ca_file,
+        "cert_file": c.redis_cert_file,
+        "key_file": c.redis_key_file,
+    }
 
 
 def _client(cfg, target, timeout: float, host=None, port=None):
     import redis
+
     t = max(cfg.redis_timeout, timeout)
     if host is None:
-        host, port = target.hosts[0] if target.hosts else ("", 0)   # redis+unix: no hosts
+        host, port = target.hosts[0] if target.hosts else ("", 0)  # redis+unix: no hosts
     kw = target.connection_kwargs(host, port)
     if target.tls:
         kw["ssl"] = True
@@ -48,7 +53,8 @@ def _servers(cfg, target, timeout: float) -> list[tuple[str | None, int | None, 
         return [(h, p, f" node {h}:{p}") for h, p in target.hosts]
     import redis
     from redis.exceptions import RedisError
-    for h, p in target.hosts:       # the sentinels are asked without credentials (limiter.redis.sentinel)
+
+    for h, p in target.hosts:  # the sentinels are asked without credentials (limiter.redis.sentinel)
         c = redis.Redis(host=h, port=p, socket_timeout=timeout, socket_connect_timeout=timeout)
         try:
             addr = c.sentinel_get_master_addr_by_name(target.master)
@@ -56,7 +62,7 @@ def _servers(cfg, target, timeout: float) -> list[tuple[str | None, int | None, 
             continue
         finally:
             c.close()
-        if isinstance(addr, (tuple, list)) and addr:     # (host, port); None when it knows no master
+        if isinstance(addr, (tuple, list)) and addr:  # (host, port); None when it knows no master
             host = addr[0].decode() if isinstance(addr[0], bytes) else addr[0]
             return [(host, int(addr[1]), f" master {host}:{int(addr[1])}")]
     return []
@@ -73,6 +79,7 @@ def memory_policy(cfg, timeout: float = 1.0) -> list[tuple[int, str]]:
     import logging
 
     from redis.exceptions import RedisError
+
     target = redis_url.parse(cfg.store, **redis_files(cfg))
     out = []
     for host, port, which in _servers(cfg, target, timeout):
@@ -82,11 +89,17 @@ def memory_policy(cfg, timeout: float = 1.0) -> list[tuple[int, str]]:
             got = {}
             for k in ("maxmemory", "maxmemory-policy"):
                 got.update(client.config_get(k))
-        except RedisError as e:       # CONFIG renamed or disabled (managed Redis), NOPERM, unreachable
-            out.append((logging.WARNING, (
-                f"{name}: cannot read maxmemory-policy (CONFIG GET: {redact(str(e)) or type(e).__name__}); "
-                "make sure it is noeviction: an evicting policy can reset a limited client "
-                "(docs/redis.md, \"Memory\")")))
+        except RedisError as e:  # CONFIG renamed or disabled (managed Redis), NOPERM, unreachable
+            out.append(
+                (
+                    logging.WARNING,
+                    (
+                        f"{name}: cannot read maxmemory-policy (CONFIG GET: {redact(str(e)) or type(e).__name__}); "
+                        "make sure it is noeviction: an evicting policy can reset a limited client "
+                        '(docs/redis.md, "Memory")'
+                    ),
+                )
+            )
             continue
         finally:
             client.close()
@@ -94,11 +107,17 @@ def memory_policy(cfg, timeout: float = 1.0) -> list[tuple[int, str]]:
         size = f"maxmemory {maxmemory} bytes" if maxmemory else "maxmemory 0 (no limit)"
         if maxmemory and (policy.startswith("allkeys-") or policy.startswith("volatile-")):
             what = "any key" if policy.startswith("allkeys-") else "keys with a TTL, which every limiter key has"
-            out.append((logging.WARNING, (
-                f"{name}: {size}, maxmemory-policy {policy} evicts {what}: a limited client whose state is "
-                "evicted gets a fresh quota. Use noeviction (when full, only the requests whose script "
-                "would write go to the failure policy) and size maxmemory for the keys (docs/redis.md, "
-                "\"Memory\")")))
+            out.append(
+                (
+                    logging.WARNING,
+                    (
+                        f"{name}: {size}, maxmemory-policy {policy} evicts {what}: a limited client whose state is "
+                        "evicted gets a fresh quota. Use noeviction (when full, only the requests whose script "
+                        "would write go to the failure policy) and size maxmemory for the keys (docs/redis.md, "
+                        '"Memory")'
+                    ),
+                )
+            )
         else:
             out.append((logging.INFO, f"{name}: {size}, maxmemory-policy {policy}: no limiter key is evicted"))
     return out
@@ -109,10 +128,11 @@ def check(cfg, timeout: float = 1.0) -> tuple[bool, str]:
     if cfg.store == "memory":
         return True, ""
     from redis.exceptions import AuthenticationError, RedisError, ResponseError
+
     target = redis_url.parse(cfg.store, **redis_files(cfg))
     name = f"limiter store {target.display}"
     if target.kind != "single":
-        return True, ""           # the store refuses these at start-up itself, with its own line
+        return True, ""  # the store refuses these at start-up itself, with its own line
     client = _client(cfg, target, timeout)
     try:
         start = monotonic()

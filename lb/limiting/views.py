@@ -17,18 +17,31 @@ def rules_status(stage) -> list[dict]:
     out = []
     for r in stage.rules:
         s = r.spec
-        match = {k: v for k, v in (("path_prefix", s.path_prefix), ("methods", list(s.methods)),
-                                   ("host", s.host), ("client_cert_subject", list(s.client_cert_subjects)))
-                 if v}
-        row = {"name": r.name, "key": s.key, "limit": s.limit, "algorithm": r.algorithm, "match": match,
-               "dry_run": s.dry_run}
+        match = {
+            k: v
+            for k, v in (
+                ("path_prefix", s.path_prefix),
+                ("methods", list(s.methods)),
+                ("host", s.host),
+                ("client_cert_subject", list(s.client_cert_subjects)),
+            )
+            if v
+        }
+        row = {
+            "name": r.name,
+            "key": s.key,
+            "limit": s.limit,
+            "algorithm": r.algorithm,
+            "match": match,
+            "dry_run": s.dry_run,
+        }
         if s.cost != 1:
             row["cost"] = s.cost
         if s.max_in_flight:
             row["max_in_flight"] = s.max_in_flight
         if isinstance(r.limiter, MemoryStore):
             row["keys"] = len(r.limiter)
-        elif hasattr(r.limiter, "held"):     # --workers: the shared table, the same in every worker
+        elif hasattr(r.limiter, "held"):  # --workers: the shared table, the same in every worker
             row["keys"] = r.limiter.held()
         out.append(row)
     return out
@@ -39,11 +52,11 @@ def key_table(stage) -> dict:
     limiters; shm: the one table every worker shares, counted at most once a second -- a scan)."""
     lims = list(stage.limiters.values())
     if not lims or not hasattr(lims[0], "__len__") or not hasattr(lims[0], "max_keys"):
-        return {"keys": None, "max_keys": None, "shared": False}       # Redis: the server holds them
+        return {"keys": None, "max_keys": None, "shared": False}  # Redis: the server holds them
     if isinstance(lims[0], MemoryStore):
         return {"keys": sum(len(x) for x in lims), "max_keys": lims[0].max_keys * len(lims), "shared": False}
     if hasattr(lims[0], "held"):
-        lims[0].held()                              # takes (or reuses) the table's census
+        lims[0].held()  # takes (or reuses) the table's census
         return {"keys": sum(lims[0].arena.census[1].values()), "max_keys": lims[0].max_keys, "shared": True}
     return {"keys": len(lims[0]), "max_keys": lims[0].max_keys, "shared": True}
 
@@ -70,16 +83,22 @@ def peek(stage, who: str = "", api_key: bytes | None = None, now: float | None =
         known = stage.registry.names.get(who[4:]) if stage.registry is not None else None
         if known is None:
             # not echoed: it may be a raw key someone put in the URL
-            return 404, {"error": "key:NAME names a known key (api_keys_file) and there is none of that name; "
-                                  "for any other key send it in the X-Api-Key header of GET /limits/key, "
-                                  "never in the URL"}
+            return 404, {
+                "error": "key:NAME names a known key (api_keys_file) and there is none of that name; "
+                "for any other key send it in the X-Api-Key header of GET /limits/key, "
+                "never in the URL"
+            }
         ident = label = who
     else:
-        return 400, {"error": "ask for /limits/ip:ADDR, /limits/key:NAME (a known key) or /limits/key with "
-                              "the key in an X-Api-Key header"}
-    out = {"key": label, "exempt": ident in stage.exempt_names or (ident.startswith("ip:") and
-                                                                   stage.ip_exempt(ident[3:].split("/")[0])),
-           "rules": []}
+        return 400, {
+            "error": "ask for /limits/ip:ADDR, /limits/key:NAME (a known key) or /limits/key with "
+            "the key in an X-Api-Key header"
+        }
+    out = {
+        "key": label,
+        "exempt": ident in stage.exempt_names or (ident.startswith("ip:") and stage.ip_exempt(ident[3:].split("/")[0])),
+        "rules": [],
+    }
     lim = stage.overrides.get(ident)
     source = "override"
     if lim is None:
@@ -94,23 +113,27 @@ def peek(stage, who: str = "", api_key: bytes | None = None, now: float | None =
         else:
             key = {"api-key": ident, "global": "*"}.get(r.kind)
         if key is None:
-            out["rules"].append({"rule": r.name, "applies": False,
-                                 "why": f"keyed by {r.spec.key}, not by this kind of client"})
+            out["rules"].append(
+                {"rule": r.name, "applies": False, "why": f"keyed by {r.spec.key}, not by this kind of client"}
+            )
         else:
-            out["rules"].append(_peek_one(r.name, r.limiter, key, now, dry_run=not r.enforce,
-                                      algorithm=r.algorithm))
+            out["rules"].append(_peek_one(r.name, r.limiter, key, now, dry_run=not r.enforce, algorithm=r.algorithm))
     return 200, out
 
 
 def _peek_one(name, lim, key, now, **extra) -> dict:
-    row = {"rule": name, "applies": True, "limit": lim.limit,
-           "window": lim.algorithm.window, **extra}
+    row = {"rule": name, "applies": True, "limit": lim.limit, "window": lim.algorithm.window, **extra}
     try:
         held, d = lim.peek(key, now)
-    except Exception as e:          # a store that does not answer: say so, for this rule only
+    except Exception as e:  # a store that does not answer: say so, for this rule only
         row["error"] = f"{type(e).__name__}: {e}"
         return row
     # remaining: requests admitted now before a rejection (the Decision's counts after one more)
-    row.update(tracked=held, would_admit=d.allowed, remaining=d.remaining + 1 if d.allowed else 0,
-               reset=round(d.reset, 3), retry_after=round(d.retry_after, 3))
+    row.update(
+        tracked=held,
+        would_admit=d.allowed,
+        remaining=d.remaining + 1 if d.allowed else 0,
+        reset=round(d.reset, 3),
+        retry_after=round(d.retry_after, 3),
+    )
     return row

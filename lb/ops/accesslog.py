@@ -44,16 +44,16 @@ import time
 from urllib.parse import unquote_to_bytes
 
 _REOPEN = object()
-GATHER = 0.02          # seconds the writer lets lines gather after a write
-BATCH = 1024           # lines per write at most
-_KEPT = bytes(b for b in range(0x21, 0x7F) if b not in (0x22, 0x5C))   # what escape() leaves as it is
+GATHER = 0.02  # seconds the writer lets lines gather after a write
+BATCH = 1024  # lines per write at most
+_KEPT = bytes(b for b in range(0x21, 0x7F) if b not in (0x22, 0x5C))  # what escape() leaves as it is
 
 
 def escape(raw: bytes | str, limit: int = 2048) -> str:
     """Printable ASCII minus space, quote and backslash stay; everything else becomes \\xHH."""
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogateescape")
-    if len(raw) <= limit and not raw.translate(None, _KEPT):    # the common case: nothing to escape
+    if len(raw) <= limit and not raw.translate(None, _KEPT):  # the common case: nothing to escape
         return raw.decode("ascii")
     out = []
     for b in raw[:limit]:
@@ -61,13 +61,13 @@ def escape(raw: bytes | str, limit: int = 2048) -> str:
     return "".join(out) + ("..." if len(raw) > limit else "")
 
 
-_second = (-1, "")     # the last second formatted and its text (one tuple: read whole by any writer)
+_second = (-1, "")  # the last second formatted and its text (one tuple: read whole by any writer)
 
 
 def _stamp(ts: float) -> str:
     global _second
     sec, text = _second
-    if sec != int(ts):        # one strftime per second, not per line
+    if sec != int(ts):  # one strftime per second, not per line
         sec = int(ts)
         text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
         _second = (sec, text)
@@ -75,9 +75,25 @@ def _stamp(ts: float) -> str:
 
 
 # the JSON object's names, in the order of the queued tuple (the text line has the same fields)
-FIELDS = ("time", "request_id", "client_ip", "key", "method", "path", "status", "bytes_sent",
-          "upstream", "upstream_seconds", "seconds", "tries", "limited_by", "host", "user_agent",
-          "bytes_received", "upstream_status")
+FIELDS = (
+    "time",
+    "request_id",
+    "client_ip",
+    "key",
+    "method",
+    "path",
+    "status",
+    "bytes_sent",
+    "upstream",
+    "upstream_seconds",
+    "seconds",
+    "tries",
+    "limited_by",
+    "host",
+    "user_agent",
+    "bytes_received",
+    "upstream_status",
+)
 
 REDACT_DEFAULT = ("token", "access_token", "api_key", "key", "password", "secret", "signature")
 
@@ -89,16 +105,16 @@ def redact_query(target: bytes, names: frozenset) -> bytes:
     q = target.find(b"?")
     if q < 0 or not names:
         return target
-    parts = target[q + 1:].split(b"&")
+    parts = target[q + 1 :].split(b"&")
     changed = False
     for i, part in enumerate(parts):
         name, eq, value = part.partition(b"=")
         if b"%" in name or b"+" in name:
             name = unquote_to_bytes(name.replace(b"+", b" "))
         if name.lower() in names:
-            parts[i] = part[:len(part) - len(value)] + b"***" if eq else part
+            parts[i] = part[: len(part) - len(value)] + b"***" if eq else part
             changed = changed or bool(eq)
-    return target[:q + 1] + b"&".join(parts) if changed else target
+    return target[: q + 1] + b"&".join(parts) if changed else target
 
 
 def _user_agent(headers) -> bytes | None:
@@ -106,7 +122,6 @@ def _user_agent(headers) -> bytes | None:
         if lname == b"user-agent":
             return value
     return None
-
 
 
 def _text(v) -> str:
@@ -143,19 +158,56 @@ class AccessLog:
         that learns something new (tries, limited_by, key_name) only has to set it on the Exchange."""
         req = x.req
         backend = x.backend
-        self.q.put((time.time(), getattr(x, "request_id", None), getattr(x, "client_ip", None), x.key,
-                    req.method, req.target, status, getattr(x, "bytes_sent", None),
-                    backend.url if backend is not None else None, getattr(x, "upstream_seconds", None), seconds,
-                    getattr(x, "tries", 0), getattr(x, "limited_by", None), getattr(x, "tunnel", None),
-                    req, getattr(x, "bytes_received", None), getattr(x, "upstream_status", None),
-                    getattr(x, "hedge", None)))
+        self.q.put(
+            (
+                time.time(),
+                getattr(x, "request_id", None),
+                getattr(x, "client_ip", None),
+                x.key,
+                req.method,
+                req.target,
+                status,
+                getattr(x, "bytes_sent", None),
+                backend.url if backend is not None else None,
+                getattr(x, "upstream_seconds", None),
+                seconds,
+                getattr(x, "tries", 0),
+                getattr(x, "limited_by", None),
+                getattr(x, "tunnel", None),
+                req,
+                getattr(x, "bytes_received", None),
+                getattr(x, "upstream_status", None),
+                getattr(x, "hedge", None),
+            )
+        )
 
-    def refusal(self, client_ip: str, status: int, reason: str, seconds: float = 0.0,
-                request_id: str | None = None) -> None:
+    def refusal(
+        self, client_ip: str, status: int, reason: str, seconds: float = 0.0, request_id: str | None = None
+    ) -> None:
         """A request the edge could not read (400, 408, 413, 414, 431, 499, 505): no method or path known,
         the reason stands in the path's place."""
-        self.q.put((time.time(), request_id, client_ip, "", b"-", ("<" + reason + ">").encode(), status,
-                    None, None, None, seconds, 0, None, None, None, None, None, None))
+        self.q.put(
+            (
+                time.time(),
+                request_id,
+                client_ip,
+                "",
+                b"-",
+                ("<" + reason + ">").encode(),
+                status,
+                None,
+                None,
+                None,
+                seconds,
+                0,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+        )
 
     def reopen(self) -> None:
         self.q.put(_REOPEN)
@@ -173,8 +225,26 @@ class AccessLog:
 
     def line(self, item) -> str:
         """One line from a queued tuple (in the writer thread: the request thread never formats)."""
-        (ts, rid, ip, key, method, target, status, sent, upstream, up_s, secs, tries, limited_by, tunnel,
-         req, received, up_status, hedge) = item
+        (
+            ts,
+            rid,
+            ip,
+            key,
+            method,
+            target,
+            status,
+            sent,
+            upstream,
+            up_s,
+            secs,
+            tries,
+            limited_by,
+            tunnel,
+            req,
+            received,
+            up_status,
+            hedge,
+        ) = item
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         host = ua = cert = None
         if req is not None:
@@ -186,11 +256,31 @@ class AccessLog:
         up_s = None if up_s is None else round(up_s, 6)
         secs, limited_by = round(secs, 6), limited_by or None
         # a 101's tunnel: (bytes up, bytes down, why it ended), logged when it closes
-        if self.fmt == "json":                                  # ensure_ascii: one line, always
-            d = dict(zip(FIELDS, (_stamp(ts), rid, ip, key, method.decode("latin-1"),
-                                  target[:2048].decode("latin-1"), status, sent, upstream, up_s, secs, tries,
-                                  limited_by, host and host[:256].decode("latin-1"),
-                                  ua and ua[:512].decode("latin-1"), received, up_status)))
+        if self.fmt == "json":  # ensure_ascii: one line, always
+            d = dict(
+                zip(
+                    FIELDS,
+                    (
+                        _stamp(ts),
+                        rid,
+                        ip,
+                        key,
+                        method.decode("latin-1"),
+                        target[:2048].decode("latin-1"),
+                        status,
+                        sent,
+                        upstream,
+                        up_s,
+                        secs,
+                        tries,
+                        limited_by,
+                        host and host[:256].decode("latin-1"),
+                        ua and ua[:512].decode("latin-1"),
+                        received,
+                        up_status,
+                    ),
+                )
+            )
             if tunnel:
                 d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
             if cert is not None:
@@ -198,26 +288,28 @@ class AccessLog:
             if hedge is not None:
                 d["hedge"] = {"result": hedge[0], "other": hedge[1]}
             if req is not None and req.version == b"HTTP/2":
-                d["protocol"] = "HTTP/2"      # absent: HTTP/1.x (the lines before HTTP/2 are unchanged)
+                d["protocol"] = "HTTP/2"  # absent: HTTP/1.x (the lines before HTTP/2 are unchanged)
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
-        return (f"{_stamp(ts)} {_text(ip)} \"{escape(method, 32)} {escape(target)}\" {status} {_text(sent)} "
-                f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
-                f"key={_text(key)} tries={tries} limited_by={_text(limited_by)} "
-                f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
-                f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
-                + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
-                + (f" cert={escape(cert.subject, 512)}" if cert is not None else "")
-                + (f" hedge={hedge[0]} other={hedge[1]}" if hedge is not None else "")
-                + (" proto=HTTP/2" if req is not None and req.version == b"HTTP/2" else ""))
+        return (
+            f'{_stamp(ts)} {_text(ip)} "{escape(method, 32)} {escape(target)}" {status} {_text(sent)} '
+            f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
+            f"key={_text(key)} tries={tries} limited_by={_text(limited_by)} "
+            f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
+            f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
+            + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
+            + (f" cert={escape(cert.subject, 512)}" if cert is not None else "")
+            + (f" hedge={hedge[0]} other={hedge[1]}" if hedge is not None else "")
+            + (" proto=HTTP/2" if req is not None and req.version == b"HTTP/2" else "")
+        )
 
     def _writer(self) -> None:
         while True:
-            items = self._take(self.q.get())         # idle: block until a line comes
+            items = self._take(self.q.get())  # idle: block until a line comes
             if self._handle(items):
                 break
-            if len(items) < BATCH:                   # a full batch: more are waiting, no pause
-                time.sleep(GATHER)                   # let the next lines gather: one write for them
+            if len(items) < BATCH:  # a full batch: more are waiting, no pause
+                time.sleep(GATHER)  # let the next lines gather: one write for them
         # A request that took this log just before a reload swapped it out can queue its line after the
         # sentinel: give such stragglers one more gathering period rather than drop them.
         time.sleep(GATHER)
@@ -252,7 +344,7 @@ class AccessLog:
             else:
                 try:
                     lines.append(self.line(item))
-                except Exception as ex:              # a bad entry costs its line, never the writer
+                except Exception as ex:  # a bad entry costs its line, never the writer
                     self._error(ex)
         self._write(lines)
         return stop
@@ -261,11 +353,11 @@ class AccessLog:
         if not lines:
             return
         try:
-            if self.atomic:                         # a regular file (O_APPEND): one write, whole lines
+            if self.atomic:  # a regular file (O_APPEND): one write, whole lines
                 self.file.write("\n".join(lines) + "\n")
-            else:                                   # a pipe or socket others write to (workers, "-"):
+            else:  # a pipe or socket others write to (workers, "-"):
                 chunk: list[str]
-                chunk, size = [], 0                 # only a write of <= PIPE_BUF is never cut into
+                chunk, size = [], 0  # only a write of <= PIPE_BUF is never cut into
                 for line in lines:
                     n = len(line) + 1
                     if chunk and size + n > select.PIPE_BUF:
@@ -274,7 +366,7 @@ class AccessLog:
                     chunk.append(line + "\n")
                     size += n
                 self.file.write("".join(chunk))
-        except Exception as ex:                     # a full disk costs these lines, never the writer
+        except Exception as ex:  # a full disk costs these lines, never the writer
             self._error(ex)
         lines.clear()
 
@@ -283,15 +375,16 @@ class AccessLog:
             return
         try:
             new = self._open()
-        except Exception as ex:                     # keep writing to the old file
+        except Exception as ex:  # keep writing to the old file
             self._error(ex)
             return
         try:
-            self.file.close()                       # may raise: a line still buffered on a full disk
+            self.file.close()  # may raise: a line still buffered on a full disk
         except Exception as ex:
             self._error(ex)
         self.file = new
 
     def _error(self, ex: Exception | str) -> None:
         import logging
+
         logging.getLogger("edge").error("access log %s: %s", self.path, ex)

@@ -43,24 +43,26 @@ from lb.ops.accesslog import escape
 
 log = logging.getLogger("edge")
 
-MAX_ROUTE = 64          # a route is a backend id or HOST:PORT: what a 404 may echo of one
-MAX_CONNECTIONS = 64    # a scraper, a dashboard, an operator's curl: never 500 threads
-MAX_BODY = 65536        # a write carries nothing; a body is read (to keep the connection in step) up to this
-IDLE_TIMEOUT = 30.0     # a kept-alive connection silent this long is closed (at most --keepalive-timeout)
+MAX_ROUTE = 64  # a route is a backend id or HOST:PORT: what a 404 may echo of one
+MAX_CONNECTIONS = 64  # a scraper, a dashboard, an operator's curl: never 500 threads
+MAX_BODY = 65536  # a write carries nothing; a body is read (to keep the connection in step) up to this
+IDLE_TIMEOUT = 30.0  # a kept-alive connection silent this long is closed (at most --keepalive-timeout)
 SEND_TIMEOUT = 10.0
 
-ENABLE_WRITES = ("admin writes are off: set a token in the environment variable EDGE_ADMIN_TOKEN or in a "
-                 "file named by [admin] token_file, then send it as 'Authorization: Bearer TOKEN'")
+ENABLE_WRITES = (
+    "admin writes are off: set a token in the environment variable EDGE_ADMIN_TOKEN or in a "
+    "file named by [admin] token_file, then send it as 'Authorization: Bearer TOKEN'"
+)
 
 
 def host_allowed(host: bytes, extra: tuple[str, ...] = ()) -> bool:
     """A Host this listener answers to: an IP literal, localhost (or *.localhost), the machine's name,
     or a name in [admin] allowed_hosts. A DNS-rebinding page sends its own domain here, and is refused."""
     if not host:
-        return True                                   # HTTP/1.0 without Host: not what a browser sends
+        return True  # HTTP/1.0 without Host: not what a browser sends
     name = host.decode("ascii", "replace").lower()
     if name.startswith("["):
-        return "]" in name                            # an IPv6 literal (the parser checked the bytes)
+        return "]" in name  # an IPv6 literal (the parser checked the bytes)
     name = name.rpartition(":")[0] if ":" in name else name
     name = name.rstrip(".")
     try:
@@ -117,9 +119,9 @@ class AdminServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
-    request_queue_size = 128      # socketserver's 5 would pace a burst by SYN retransmits, not refuse it
+    request_queue_size = 128  # socketserver's 5 would pace a burst by SYN retransmits, not refuse it
     reuse_port = False
-    server_address: tuple[str, int]     # an IP listener's (host, port, ...): the host a str, not bytes
+    server_address: tuple[str, int]  # an IP listener's (host, port, ...): the host a str, not bytes
 
     def __init__(self, addr, app):
         self.app = app
@@ -220,30 +222,49 @@ class Connection:
         except OSError:
             pass
 
-    def reply(self, req, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8",
-              extra: bytes = b"") -> bool:
+    def reply(
+        self, req, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8", extra: bytes = b""
+    ) -> bool:
         keep = req.keep_alive
-        head = (b"HTTP/1.1 %d %s\r\nDate: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
-                b"Cache-Control: no-store\r\n%s%s\r\n"
-                % (status, _PHRASES.get(status, b"Error"), http_date(), ctype.encode(), len(body), extra,
-                   b"" if keep else b"Connection: close\r\n"))
+        head = (
+            b"HTTP/1.1 %d %s\r\nDate: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+            b"Cache-Control: no-store\r\n%s%s\r\n"
+            % (
+                status,
+                _PHRASES.get(status, b"Error"),
+                http_date(),
+                ctype.encode(),
+                len(body),
+                extra,
+                b"" if keep else b"Connection: close\r\n",
+            )
+        )
         send(self.sock, head if req.method == b"HEAD" else head + body)
         return keep
 
     def answer(self, req) -> bool:
         app = self.app
         if not host_allowed(req.host, app.cfg.admin_allowed_hosts):
-            log.warning("admin: %s from %s refused: Host %s is not this listener (DNS rebinding?); allowed: an "
-                        "IP address, localhost, this machine's name, [admin] allowed_hosts",
-                        req.method.decode(), self.peer, escape(req.host, MAX_ROUTE))
-            return self.reply(req, 421, b"Host is not this admin listener: use its IP address or localhost, or "
-                                        b"add the name to [admin] allowed_hosts\n")
+            log.warning(
+                "admin: %s from %s refused: Host %s is not this listener (DNS rebinding?); allowed: an "
+                "IP address, localhost, this machine's name, [admin] allowed_hosts",
+                req.method.decode(),
+                self.peer,
+                escape(req.host, MAX_ROUTE),
+            )
+            return self.reply(
+                req,
+                421,
+                b"Host is not this admin listener: use its IP address or localhost, or "
+                b"add the name to [admin] allowed_hosts\n",
+            )
         path = req.target.split(b"?", 1)[0].decode("latin-1")
         if req.method in (b"GET", b"HEAD"):
             return self.read(req, path)
         if req.method != b"POST":
-            return self.reply(req, 405, b"the admin API takes GET, HEAD and POST\n",
-                              extra=b"Allow: GET, HEAD, POST\r\n")
+            return self.reply(
+                req, 405, b"the admin API takes GET, HEAD and POST\n", extra=b"Allow: GET, HEAD, POST\r\n"
+            )
         return self.write(req, path)
 
     def read(self, req, path: str) -> bool:
@@ -280,23 +301,36 @@ class Connection:
         if token is None:
             return self.reply(req, 403, (ENABLE_WRITES + "\n").encode())
         if not authorized(req, token):
-            log.warning("admin: POST %s from %s refused: missing or wrong token", escape(path.encode("latin-1"), 200),
-                        self.peer)
-            return self.reply(req, 401, b"a token is needed: Authorization: Bearer TOKEN\n",
-                              extra=b'WWW-Authenticate: Bearer realm="edge admin"\r\n')
+            log.warning(
+                "admin: POST %s from %s refused: missing or wrong token", escape(path.encode("latin-1"), 200), self.peer
+            )
+            return self.reply(
+                req,
+                401,
+                b"a token is needed: Authorization: Bearer TOKEN\n",
+                extra=b'WWW-Authenticate: Bearer realm="edge admin"\r\n',
+            )
         b = app.find_backend(parts[1])
         if b is None:
             # Reflected, attacker-chosen: bounded and escaped as the access log writes a path.
             name = escape(parts[1].encode("latin-1"), MAX_ROUTE)
             return self.reply(req, 404, f"no backend '{name}': see /status for the routes\n".encode())
         st, failed = app.drain_everywhere(b, parts[2] == "drain")
-        if failed:      # applied here (and by the others not named), not everywhere: retry the call
+        if failed:  # applied here (and by the others not named), not everywhere: retry the call
             st["workers_failed"] = {str(i): why for i, why in sorted(failed.items())}
         return self.reply(req, 502 if failed else 200, json.dumps(st, indent=2).encode(), "application/json")
 
 
-_PHRASES = {200: b"OK", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed",
-            421: b"Misdirected Request", 502: b"Bad Gateway", 503: b"Service Unavailable"}
+_PHRASES = {
+    200: b"OK",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    421: b"Misdirected Request",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+}
 
 
 def start_admin(addr, app, reuse_port: bool = False) -> AdminServer:

@@ -19,7 +19,7 @@ import threading
 
 log = logging.getLogger("edge")
 
-TIMEOUT = 3.0           # per worker: a worker that is restarting does not hold the admin call for long
+TIMEOUT = 3.0  # per worker: a worker that is restarting does not hold the admin call for long
 
 
 def ctl_path(rundir: str, worker: int) -> str:
@@ -49,7 +49,7 @@ def serve_unix(path: str, handle, name: str) -> socket.socket:
                     handle(conn)
                 except OSError:
                     pass
-                except Exception:       # a bug here must cost one call, not every later one
+                except Exception:  # a bug here must cost one call, not every later one
                     log.exception("%s failed", name)
 
     threading.Thread(target=loop, name=name, daemon=True).start()
@@ -58,10 +58,12 @@ def serve_unix(path: str, handle, name: str) -> socket.socket:
 
 def listen(path: str, apply) -> socket.socket:
     """Serve apply(action, route) -> None (done) or a reason (not done) on the unix socket at path."""
+
     def handle(conn):
         line = conn.makefile("rb").readline(256).decode("ascii", "replace").split()
         why = apply(*line) if len(line) == 2 and line[0] in ("drain", "enable") else "bad command"
         conn.sendall(f"{why or 'ok'}\n".encode())
+
     return serve_unix(path, handle, "admin fan-out")
 
 
@@ -85,6 +87,7 @@ def send(rundir: str, workers, action: str, route: str) -> dict[int, str]:
 # The drained set, in the same private directory, for a worker that starts later: one the supervisor
 # restarted after a crash would otherwise come back with nothing drained and send the drained backend
 # new requests again. Written by the worker whose admin port got the call, before it passes the call on.
+
 
 def _drained_path(rundir: str) -> str:
     return os.path.join(rundir, "drained.json")

@@ -41,58 +41,106 @@ FAMILIES = {
     "lb_backend_responses_total": ("counter", "Backend responses relayed, by backend and status class."),
     "lb_upstream_errors_total": ("counter", "Backend failures: connect, reset, timeout, protocol, pool."),
     "lb_edge_responses_total": ("counter", "Responses the edge produced itself, by status (499: the client left)."),
-    "lb_rate_limited_total": ("counter", "Rejections by rule (dry_run=\"true\": would have rejected; a request "
-                                         "refused by two rules counts under both -- requests answered 429: "
-                                         "lb_edge_responses_total)."),
-    "lb_rate_limit_admitted_total": ("counter", "Requests each rule applied to that were admitted (a dry-run rule: "
-                                                "that it would have admitted); beside lb_rate_limited_total."),
+    "lb_rate_limited_total": (
+        "counter",
+        'Rejections by rule (dry_run="true": would have rejected; a request '
+        "refused by two rules counts under both -- requests answered 429: "
+        "lb_edge_responses_total).",
+    ),
+    "lb_rate_limit_admitted_total": (
+        "counter",
+        "Requests each rule applied to that were admitted (a dry-run rule: "
+        "that it would have admitted); beside lb_rate_limited_total.",
+    ),
     "lb_rate_limit_exempt_total": ("counter", "Requests let through unlimited by [limits] exempt."),
     "lb_delayed_total": ("counter", "Over-limit requests held (--max-delay) and then forwarded."),
     "lb_delayed_refused_total": ("counter", "Over-limit requests refused because max_delayed were already held."),
     "lb_unavailable_total": ("counter", "Requests answered 503 because no backend was healthy."),
     "lb_limiter_errors_total": ("counter", "Limiter store failures (the configured failure policy applied)."),
     "lb_refused_connections_total": ("counter", "Client connections refused at max_connections (503, closed)."),
-    "lb_idle_connections_closed_total": ("counter", "Idle keep-alive client connections closed to make room for "
-                                                    "a new one at max_connections."),
-    "lb_retries_total": ("counter", "Tries that failed (--retry-on) and were retried on another backend, "
-                                    "by the failed one."),
-    "lb_dns_resolutions_total": ("counter", "Resolutions of DNS-named backends ([upstream] resolver), by result (ok, failed)."),
+    "lb_idle_connections_closed_total": (
+        "counter",
+        "Idle keep-alive client connections closed to make room for a new one at max_connections.",
+    ),
+    "lb_retries_total": (
+        "counter",
+        "Tries that failed (--retry-on) and were retried on another backend, by the failed one.",
+    ),
+    "lb_dns_resolutions_total": (
+        "counter",
+        "Resolutions of DNS-named backends ([upstream] resolver), by result (ok, failed).",
+    ),
     "lb_dns_addresses": ("gauge", "Addresses a DNS-named backend resolves to now: each is a backend."),
-    "lb_overflow_total": ("counter", "Requests answered 503 at once by the pool's circuit breaker, by the cap (max_requests, max_pending)."),
-    "lb_pool_requests_in_flight": ("gauge", "Requests in flight to the pool, counted by its circuit breaker (when max_requests is set)."),
+    "lb_overflow_total": (
+        "counter",
+        "Requests answered 503 at once by the pool's circuit breaker, by the cap (max_requests, max_pending).",
+    ),
+    "lb_pool_requests_in_flight": (
+        "gauge",
+        "Requests in flight to the pool, counted by its circuit breaker (when max_requests is set).",
+    ),
     "lb_pool_pending": ("gauge", "Requests waiting for a pooled backend connection."),
-    "lb_retries_by_condition_total": ("counter", "Tries retried on another backend, by the --retry-on condition "
-                                                 "they met (connect, reset, timeout, 5xx, 502, 503, 504)."),
+    "lb_retries_by_condition_total": (
+        "counter",
+        "Tries retried on another backend, by the --retry-on condition "
+        "they met (connect, reset, timeout, 5xx, 502, 503, 504).",
+    ),
     "lb_retry_budget_exhausted_total": ("counter", "Retries not made because the retry budget was spent."),
-    "lb_hedges_total": ("counter", "Hedged requests (--hedge-after): second copies sent, by result (won: the hedge "
-                                   "answered first; lost: the first backend did; failed: the hedge's try failed)."),
-    "lb_hedges_skipped_total": ("counter", "Hedges not sent though due, by reason (budget: the retry budget was "
-                                           "spent; max_requests: the pool's circuit breaker was at its cap)."),
+    "lb_hedges_total": (
+        "counter",
+        "Hedged requests (--hedge-after): second copies sent, by result (won: the hedge "
+        "answered first; lost: the first backend did; failed: the hedge's try failed).",
+    ),
+    "lb_hedges_skipped_total": (
+        "counter",
+        "Hedges not sent though due, by reason (budget: the retry budget was "
+        "spent; max_requests: the pool's circuit breaker was at its cap).",
+    ),
     "lb_ejections_total": ("counter", "Times a backend was ejected by passive health (consecutive failures)."),
-    "lb_route_requests_total": ("counter", "Requests a [[routes]] table matched, by route and the pool it chose "
-                                           "(configured names only)."),
+    "lb_route_requests_total": (
+        "counter",
+        "Requests a [[routes]] table matched, by route and the pool it chose (configured names only).",
+    ),
     "lb_route_denied_total": ("counter", "Requests refused 403 by a route's allow/deny, by route."),
-    "lb_route_unavailable_total": ("counter", "Requests answered 503 because none of the route's pools had anyone "
-                                              "in rotation, by route."),
+    "lb_route_unavailable_total": (
+        "counter",
+        "Requests answered 503 because none of the route's pools had anyone in rotation, by route.",
+    ),
     "lb_ejection_returns_total": ("counter", "Times a backend came back from an ejection."),
     "lb_admin_actions_total": ("counter", "Admin API actions on a backend (drain, enable)."),
     "lb_health_probes_total": ("counter", "Active health probes of each backend, by result (pass, fail)."),
-    "lb_backend_transitions_total": ("counter", "Changes of a backend's state as /status shows it, by the state "
-                                                "entered (UP, DOWN, EJECTED, DRAINED)."),
+    "lb_backend_transitions_total": (
+        "counter",
+        "Changes of a backend's state as /status shows it, by the state entered (UP, DOWN, EJECTED, DRAINED).",
+    ),
     "lb_tunnels_total": ("counter", "Upgraded connections opened (backend answered 101)."),
     "lb_tunnel_bytes_total": ("counter", "Bytes carried by tunnels, by direction."),
-    "lb_tls_handshake_failures_total": ("counter", "TLS connections that never completed a handshake "
-                                                   "(timeout, refused protocol version, plain HTTP on the HTTPS port)."),
-    "lb_tls_client_certs_total": ("counter", "Completed handshakes with mutual TLS on, by whether the client "
-                                             "presented a verified certificate (client_cert), and its subject "
-                                             "when a rule names it (match.client_cert_subject; else other)."),
+    "lb_tls_handshake_failures_total": (
+        "counter",
+        "TLS connections that never completed a handshake "
+        "(timeout, refused protocol version, plain HTTP on the HTTPS port).",
+    ),
+    "lb_tls_client_certs_total": (
+        "counter",
+        "Completed handshakes with mutual TLS on, by whether the client "
+        "presented a verified certificate (client_cert), and its subject "
+        "when a rule names it (match.client_cert_subject; else other).",
+    ),
     "lb_http2_connections_total": ("counter", "Client connections that spoke HTTP/2 (prior knowledge or ALPN h2)."),
-    "lb_http2_streams_total": ("counter", "HTTP/2 streams by outcome: served, refused (REFUSED_STREAM: "
-                                          "max_concurrent_streams, or the workers all busy), reset by client."),
-    "lb_http2_goaways_total": ("counter", "HTTP/2 connections ended by the edge's GOAWAY for the peer's "
-                                          "behaviour, by reason (floods, rapid reset, protocol errors)."),
-    "lb_requests_by_protocol_total": ("counter", "Requests answered, by the protocol the client spoke "
-                                                 "(HTTP/1.0, HTTP/1.1, HTTP/2): one per access-log line."),
+    "lb_http2_streams_total": (
+        "counter",
+        "HTTP/2 streams by outcome: served, refused (REFUSED_STREAM: "
+        "max_concurrent_streams, or the workers all busy), reset by client.",
+    ),
+    "lb_http2_goaways_total": (
+        "counter",
+        "HTTP/2 connections ended by the edge's GOAWAY for the peer's "
+        "behaviour, by reason (floods, rapid reset, protocol errors).",
+    ),
+    "lb_requests_by_protocol_total": (
+        "counter",
+        "Requests answered, by the protocol the client spoke (HTTP/1.0, HTTP/1.1, HTTP/2): one per access-log line.",
+    ),
     "lb_worker_requests_total": ("counter", "Requests answered by each worker process (balance check)."),
     "lb_backend_up": ("gauge", "1 when the backend passes its active health checks (with workers: in every one)."),
     "lb_backend_in_rotation": ("gauge", "1 when the backend takes new requests: up, not ejected, not drained."),
@@ -108,10 +156,16 @@ FAMILIES = {
     "lb_buffer_memory_bytes": ("gauge", "Memory request and response buffers hold now (capped by buffer_memory)."),
     "lb_buffer_temp_files": ("gauge", "Buffers' temp files open now (request bodies, responses read ahead)."),
     "lb_limiter_store_up": ("gauge", "1 when the limiter's Redis store answers, 0 while its failure policy applies."),
-    "lb_limiter_keys": ("gauge", "Keys holding state in a rule's in-process key table (the memory store; at most "
-                                 "max_keys per limiter, summed over workers), by rule."),
-    "lb_limiter_table_full_total": ("counter", "New keys refused (503) because the key table held only states "
-                                               "that would decide differently from a fresh key, by rule."),
+    "lb_limiter_keys": (
+        "gauge",
+        "Keys holding state in a rule's in-process key table (the memory store; at most "
+        "max_keys per limiter, summed over workers), by rule.",
+    ),
+    "lb_limiter_table_full_total": (
+        "counter",
+        "New keys refused (503) because the key table held only states "
+        "that would decide differently from a fresh key, by rule.",
+    ),
     "lb_workers": ("gauge", "Worker processes whose numbers are summed here."),
     "lb_build_info": ("gauge", "Always 1; the labels say which edge and Python this is."),
     "edge_build_info": ("gauge", "Deprecated, the same as lb_build_info (kept for dashboards written before)."),
@@ -120,10 +174,12 @@ FAMILIES = {
     "process_open_fds": ("gauge", "Open file descriptors, summed over the edge's processes."),
     "process_threads": ("gauge", "Threads, summed over the edge's processes."),
     "process_start_time_seconds": ("gauge", "Start time of the oldest process, seconds since the epoch."),
-    "lb_request_duration_seconds": ("histogram", "Time from request head to the last byte relayed, by status "
-                                                 "class (code=\"2xx\"; a 429 is 4xx, a client gone 499 4xx)."),
-    "lb_upstream_duration_seconds": ("histogram", "Per backend: from sending the request to the last "
-                                                  "response byte."),
+    "lb_request_duration_seconds": (
+        "histogram",
+        "Time from request head to the last byte relayed, by status "
+        'class (code="2xx"; a 429 is 4xx, a client gone 499 4xx).',
+    ),
+    "lb_upstream_duration_seconds": ("histogram", "Per backend: from sending the request to the last response byte."),
 }
 # Gauges whose sum over workers means nothing: the most pessimistic (or the earliest) value wins.
 _MERGE_MIN = {"lb_backend_up", "lb_backend_in_rotation", "lb_limiter_store_up", "process_start_time_seconds"}
@@ -146,8 +202,9 @@ _UPSTREAM_KINDS = ("connect", "reset", "timeout", "protocol", "pool")
 _EDGE_CODES = ("400", "413", "429", "499", "502", "503", "504")
 TRANSITIONS = ("UP", "DOWN", "EJECTED", "DRAINED")
 # The protocol counter's keys, made once, by the request line's version (the parsers accept no other).
-_PROTOCOL = {v: ("lb_requests_by_protocol_total", (("protocol", v.decode()),))
-             for v in (b"HTTP/1.0", b"HTTP/1.1", b"HTTP/2")}
+_PROTOCOL = {
+    v: ("lb_requests_by_protocol_total", (("protocol", v.decode()),)) for v in (b"HTTP/1.0", b"HTTP/1.1", b"HTTP/2")
+}
 
 
 def _duration(status: int) -> tuple[str, tuple]:
@@ -193,11 +250,16 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.counters: dict[tuple[str, tuple], float] = {}
-        self.gauges: dict[tuple[str, tuple], float] = {}      # set by other modules (tunnels ...)
-        self.hists: dict[tuple[str, tuple], list] = {}        # [bucket counts..., +Inf], then sum, count
+        self.gauges: dict[tuple[str, tuple], float] = {}  # set by other modules (tunnels ...)
+        self.hists: dict[tuple[str, tuple], list] = {}  # [bucket counts..., +Inf], then sum, count
         self.started = time.time()
-        for name in ("lb_rate_limit_exempt_total", "lb_unavailable_total", "lb_limiter_errors_total",
-                     "lb_tls_handshake_failures_total", "lb_tunnels_total"):
+        for name in (
+            "lb_rate_limit_exempt_total",
+            "lb_unavailable_total",
+            "lb_limiter_errors_total",
+            "lb_tls_handshake_failures_total",
+            "lb_tunnels_total",
+        ):
             self.counters[(name, ())] = 0
         for d in ("upstream", "downstream"):
             self.counters[("lb_tunnel_bytes_total", (("direction", d),))] = 0
@@ -209,14 +271,14 @@ class Metrics:
         for k in _PROTOCOL.values():
             self.counters[k] = 0
         for k in _DURATION.values():
-            self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]   # there from the start
-        self.retry_budget = None      # RetryBudget, for its gauges (read at scrape time)
-        self.breaker = None           # Breaker (lb/upstream/breaker.py), likewise
-        self._done_keys: dict = {}    # backend_done's record keys, by (backend, status // 100)
-        self.carry = Carry()          # with workers: the numbers of workers that restarted
-        self.top = TopKeys()          # the most rejected clients (limit_outcome)
+            self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]  # there from the start
+        self.retry_budget = None  # RetryBudget, for its gauges (read at scrape time)
+        self.breaker = None  # Breaker (lb/upstream/breaker.py), likewise
+        self._done_keys: dict = {}  # backend_done's record keys, by (backend, status // 100)
+        self.carry = Carry()  # with workers: the numbers of workers that restarted
+        self.top = TopKeys()  # the most rejected clients (limit_outcome)
         self._admitted_keys: dict = {}  # rule name -> its admitted counter's key (made once)
-        self._route_keys: dict = {}     # (route, pool) -> its lb_route_requests_total key
+        self._route_keys: dict = {}  # (route, pool) -> its lb_route_requests_total key
 
     # -- recording (with self.lock held in the _ helpers) --------------------------------------------
 
@@ -254,8 +316,11 @@ class Metrics:
         if keys is None:
             b = (("backend", backend),)
             keys = self._done_keys[(backend, status // 100)] = (
-                ("lb_requests_total", b), ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
-                ("lb_upstream_duration_seconds", b), _duration(status))
+                ("lb_requests_total", b),
+                ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
+                ("lb_upstream_duration_seconds", b),
+                _duration(status),
+            )
         requests, responses, up, duration = keys
         with self.lock:
             self._inc(*requests)
@@ -351,7 +416,9 @@ class Metrics:
         """The limit rules in force, (name, dry_run): each one's counters are shown from 0."""
         with self.lock:
             for name, dry in rules:
-                self.counters.setdefault(("lb_rate_limited_total", (("rule", name), ("dry_run", "true" if dry else "false"))), 0)
+                self.counters.setdefault(
+                    ("lb_rate_limited_total", (("rule", name), ("dry_run", "true" if dry else "false"))), 0
+                )
                 self.counters.setdefault(("lb_rate_limit_admitted_total", (("rule", name),)), 0)
 
     def declare_backends(self, urls) -> None:
@@ -360,7 +427,12 @@ class Metrics:
             c, z = self.counters, 0
             for url in urls:
                 b = (("backend", url),)
-                for name in ("lb_requests_total", "lb_retries_total", "lb_ejections_total", "lb_ejection_returns_total"):
+                for name in (
+                    "lb_requests_total",
+                    "lb_retries_total",
+                    "lb_ejections_total",
+                    "lb_ejection_returns_total",
+                ):
                     c.setdefault((name, b), z)
                 for cls in CLASSES[1:]:
                     c.setdefault(("lb_backend_responses_total", (b[0], ("code", cls))), z)
@@ -432,14 +504,25 @@ class Metrics:
         rb = self.retry_budget
         if rb is not None:
             c.append(["lb_retry_budget_exhausted_total", [], rb.refused])
-            g += [["lb_retries_in_flight", [], rb.retrying], ["lb_retries_in_flight_peak", [], rb.peak],
-                  ["lb_upstream_active", [], rb.active]]
+            g += [
+                ["lb_retries_in_flight", [], rb.retrying],
+                ["lb_retries_in_flight_peak", [], rb.peak],
+                ["lb_upstream_active", [], rb.active],
+            ]
         br = self.breaker
         if br is not None:
             c += [["lb_overflow_total", [["limit", k]], v] for k, v in br.overflow.items()]
             g += [["lb_pool_requests_in_flight", [], br.requests], ["lb_pool_pending", [], br.pending]]
         served = sum(x[4] for x in h if x[0] == "lb_request_duration_seconds")
-        return {"worker": worker, "id": [os.getpid(), self.started], "c": c, "g": g, "h": h, "served": served, "top": self.top_now()}
+        return {
+            "worker": worker,
+            "id": [os.getpid(), self.started],
+            "c": c,
+            "g": g,
+            "h": h,
+            "served": served,
+            "top": self.top_now(),
+        }
 
     def render(self, live: dict | None = None, others=(), worker: int | None = None) -> str:
         """Prometheus text exposition format 0.0.4: this process (worker N) plus the other workers' snapshots."""
@@ -459,8 +542,8 @@ class Carry:
     """
 
     def __init__(self):
-        self.lock = threading.Lock()      # concurrent scrapes (ThreadingHTTPServer)
-        self.last: dict = {}              # worker index -> its last snapshot seen
+        self.lock = threading.Lock()  # concurrent scrapes (ThreadingHTTPServer)
+        self.last: dict = {}  # worker index -> its last snapshot seen
         self.retired = {"c": {}, "h": {}}
 
     def fold(self, snaps: list[dict]) -> dict:
@@ -471,10 +554,13 @@ class Carry:
                 i = s.get("worker")
                 prev = self.last.get(i)
                 if prev is not None and prev.get("id") != s.get("id"):
-                    _add(self.retired, prev)          # a new incarnation: the old one's numbers stay
+                    _add(self.retired, prev)  # a new incarnation: the old one's numbers stay
                 self.last[i] = s
                 present.add(i)
-            out = {"c": dict(self.retired["c"]), "h": {k: [list(v[0]), v[1], v[2]] for k, v in self.retired["h"].items()}}
+            out = {
+                "c": dict(self.retired["c"]),
+                "h": {k: [list(v[0]), v[1], v[2]] for k, v in self.retired["h"].items()},
+            }
             for i, s in self.last.items():
                 if i not in present:
                     _add(out, s)
@@ -551,8 +637,11 @@ def render(m: dict) -> str:
 def process_sample(started: float) -> dict:
     """process_* for this process from /proc (Linux), as prometheus_client's process collector names them."""
     t = os.times()
-    out = {"process_cpu_seconds_total": round(t.user + t.system, 3), "process_start_time_seconds": started,
-           "process_threads": threading.active_count()}
+    out = {
+        "process_cpu_seconds_total": round(t.user + t.system, 3),
+        "process_start_time_seconds": started,
+        "process_threads": threading.active_count(),
+    }
     try:
         with open("/proc/self/statm") as f:
             out["process_resident_memory_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -560,13 +649,14 @@ def process_sample(started: float) -> dict:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("Threads:"):
-                    out["process_threads"] = int(line.split()[1])   # OS threads, not only Python's
+                    out["process_threads"] = int(line.split()[1])  # OS threads, not only Python's
     except OSError:
         pass
     return out
 
 
 # -- workers: each publishes its snapshot on a unix socket; worker 0 gathers them ---------------------
+
 
 def publish(path: str, snapshot) -> socket.socket:
     """Serve snapshot() as JSON to whoever connects to the unix socket at path (worker 0's admin)."""

@@ -36,8 +36,9 @@ def set_drained(app, b, drained: bool) -> dict:
         b.drained = drained
         b.refresh()
         app.metrics.admin_action(b.url, "drain" if drained else "enable")
-        log.warning("backend %s %s by the admin API (%d in flight)", b.url,
-                    "DRAINED" if drained else "ENABLED", b.inflight)
+        log.warning(
+            "backend %s %s by the admin API (%d in flight)", b.url, "DRAINED" if drained else "ENABLED", b.inflight
+        )
     return backend_status(app, b, time.monotonic())
 
 
@@ -51,14 +52,18 @@ def drain_everywhere(app, b, drained: bool) -> tuple[dict, dict[int, str]]:
         action = "drain" if drained else "enable"
         failed = fanout.send(app.rundir, [i for i in range(app.cfg.workers) if i != app.worker], action, name)
         if failed:
-            log.error("backend %s: %s applied here but not by worker(s) %s", b.url, action,
-                      "; ".join(f"{i}: {why}" for i, why in sorted(failed.items())))
+            log.error(
+                "backend %s: %s applied here but not by worker(s) %s",
+                b.url,
+                action,
+                "; ".join(f"{i}: {why}" for i, why in sorted(failed.items())),
+            )
     return st, failed
 
 
 def apply_forwarded(app, action: str, route: str) -> str | None:
     b = find_backend(app, route)
     if b is None:
-        return "no such backend"     # a reload in this worker that the others have not had yet
+        return "no such backend"  # a reload in this worker that the others have not had yet
     set_drained(app, b, action == "drain")
     return None

@@ -45,7 +45,6 @@ from limiter.redis import url as redis_url
 log = logging.getLogger("edge")
 
 
-
 class Server(EdgeServer):
     """The listener (IPv4 or IPv6 by the address: EdgeServer), and a heartbeat of the accept loop
     (service_actions runs every pass, at least every poll interval) for the watchdog. SO_REUSEPORT always:
@@ -63,11 +62,15 @@ class Server(EdgeServer):
         self.loop_seen = time.monotonic()
 
 
-TAKE_OVER = ("Address already in use: another edge (or another program) is serving there; to replace a "
-             "running edge without dropping a request, start the new one with --takeover, then TERM the old "
-             "one (README: Zero-downtime upgrade)")
-SHARED_ONLY = (" (--takeover joins only sockets that share the port: an edge run by the same user, and not "
-               "the listener or admin port of an edge older than --takeover, unless it ran --workers without --admin)")
+TAKE_OVER = (
+    "Address already in use: another edge (or another program) is serving there; to replace a "
+    "running edge without dropping a request, start the new one with --takeover, then TERM the old "
+    "one (README: Zero-downtime upgrade)"
+)
+SHARED_ONLY = (
+    " (--takeover joins only sockets that share the port: an edge run by the same user, and not "
+    "the listener or admin port of an edge older than --takeover, unless it ran --workers without --admin)"
+)
 
 
 def refuse_if_held(flag: str, addr, cfg: Config) -> None:
@@ -85,40 +88,47 @@ def make_server(addr, edge, takeover: bool = False) -> Server:
 
 
 class App:
-    def __init__(self, cfg: Config, argv: list[str] | None = None, worker: int | None = None,
-                 rundir: str | None = None, shared: SharedTables | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        argv: list[str] | None = None,
+        worker: int | None = None,
+        rundir: str | None = None,
+        shared: SharedTables | None = None,
+    ):
         """Raises StartError naming what could not be opened or bound. shared: see serve()."""
         self.argv = argv
         self.shared = shared or SharedTables()
-        draw_label_secret()              # before any serving thread (a worker: inherited, drawn before fork)
+        draw_label_secret()  # before any serving thread (a worker: inherited, drawn before fork)
         self.worker = worker
         self.rundir = rundir
-        self.ready = False               # serving, and the store answered when fail-closed asks for it
-        self.stopping = False            # a drain started: /readyz fails from here on
+        self.ready = False  # serving, and the store answered when fail-closed asks for it
+        self.stopping = False  # a drain started: /readyz fails from here on
         self._reload_lock = threading.Lock()
         self.demo_servers = []
         if cfg.demo:
             from demo import backends as demo
+
             self.demo_servers = [demo.start_in_thread(name=n) for n in ("demo-a", "demo-b", "demo-c")]
         cfg = self._with_demo(cfg)
         self.cfg = cfg
-        self.resolved: dict[str, list[str]] = {}   # a DNS-named backend's URL -> its addresses (lb/upstream/resolve.py)
+        self.resolved: dict[str, list[str]] = {}  # a DNS-named backend's URL -> its addresses (lb/upstream/resolve.py)
         self.resolve_failing: dict[str, str] = {}  # ... -> why its last resolution failed (logged once)
         self.resolutions = {"ok": 0, "failed": 0}
-        self._resolving: threading.Thread | None = None    # the re-resolution thread, once a resolver is set
+        self._resolving: threading.Thread | None = None  # the re-resolution thread, once a resolver is set
         backends = self._build(cfg)
         self._bind(cfg, worker)
         self._log_start(cfg, backends)
         self.admin: AdminServer | None = None
         try:
-            self.admin_token = admin_token(cfg)      # None: admin writes are off (403 says how to turn them on)
+            self.admin_token = admin_token(cfg)  # None: admin writes are off (403 says how to turn them on)
         except ConfigError as e:
             self.server.server_close()
             raise StartError(str(e)) from None
         self.published: socket.socket | None = None
         self.published_ctl: socket.socket | None = None
-        if rundir is not None:       # workers: each publishes its numbers; worker 0 sums them on /metrics
-            assert worker is not None    # a rundir is given to workers only (lb/process/supervisor.py), with their index
+        if rundir is not None:  # workers: each publishes its numbers; worker 0 sums them on /metrics
+            assert worker is not None  # a rundir is given to workers only (lb/process/supervisor.py), with their index
             self._join_workers(rundir, worker)
         if cfg.admin:
             self._open_admin(cfg, worker)
@@ -131,7 +141,7 @@ class App:
         """The serving parts, from cfg: metrics, backends and their guards, the Edge, pools and routes, TLS.
         Returns the default pool's backends (to watch once the process is bound)."""
         self.metrics = Metrics()
-        self.breaker = Breaker(cfg.max_requests, cfg.max_pending)   # the pool's circuit breaker
+        self.breaker = Breaker(cfg.max_requests, cfg.max_pending)  # the pool's circuit breaker
         self.metrics.breaker = self.breaker
         try:
             specs = resolving.concrete(self, cfg.backends, cfg)
@@ -142,53 +152,86 @@ class App:
         self.ejector = Ejector(cfg.eject_after, cfg.eject_for, cfg.max_ejected_percent)
         self.retry_budget = RetryBudget(cfg.retry_budget_percent, cfg.retry_budget_min)
         self.metrics.retry_budget = self.retry_budget
-        self.health = HealthChecker(cfg.health_path, cfg.health_interval, cfg.health_probe_timeout,
-                                    rise=cfg.healthy_threshold, fall=cfg.unhealthy_threshold,
-                                    ejector=self.ejector, metrics=self.metrics, protocol=cfg.health_protocol)
+        self.health = HealthChecker(
+            cfg.health_path,
+            cfg.health_interval,
+            cfg.health_probe_timeout,
+            rise=cfg.healthy_threshold,
+            fall=cfg.unhealthy_threshold,
+            ejector=self.ejector,
+            metrics=self.metrics,
+            protocol=cfg.health_protocol,
+        )
         self.access_log = parts.open_access_log(cfg)
-        self.edge = Edge(cfg, self.balancer, self.metrics, limiter=parts.limit_stage(self, cfg, None),
-                         identifier=Identifier(cfg.trusted_proxies), access_log=self.access_log,
-                         ejector=self.ejector, retry_budget=self.retry_budget, breaker=self.breaker)
-        self.pools: dict = {}            # the named pools, [[pools]] (lb/upstream/pools.py); "default" is the Edge's
+        self.edge = Edge(
+            cfg,
+            self.balancer,
+            self.metrics,
+            limiter=parts.limit_stage(self, cfg, None),
+            identifier=Identifier(cfg.trusted_proxies),
+            access_log=self.access_log,
+            ejector=self.ejector,
+            retry_budget=self.retry_budget,
+            breaker=self.breaker,
+        )
+        self.pools: dict = {}  # the named pools, [[pools]] (lb/upstream/pools.py); "default" is the Edge's
         parts.set_routes(self, cfg)
         from lb.http import tls as tls_mod
-        self.edge.tls = tls_mod.take_inherited() or parts.tls_context(cfg)   # a worker: the supervisor's
+
+        self.edge.tls = tls_mod.take_inherited() or parts.tls_context(cfg)  # a worker: the supervisor's
         return backends
 
     def _bind(self, cfg: Config, worker: int | None) -> None:
-        if worker is None:               # (workers: the supervisor checked, and its reserve socket holds the port)
+        if worker is None:  # (workers: the supervisor checked, and its reserve socket holds the port)
             refuse_if_held("--listen", cfg.listen, cfg)
         if cfg.admin:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
         self.server = make_server(cfg.listen, self.edge, cfg.takeover)
 
     def _log_start(self, cfg: Config, backends) -> None:
-        log.info("listening on %s%s, %d backends (%s): %s", hostport(*self.server.server_address[:2]),
-                 f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "", len(backends), cfg.strategy,
-                 ", ".join(f"{b.url}={b.weight}" for b in backends))
+        log.info(
+            "listening on %s%s, %d backends (%s): %s",
+            hostport(*self.server.server_address[:2]),
+            f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "",
+            len(backends),
+            cfg.strategy,
+            ", ".join(f"{b.url}={b.weight}" for b in backends),
+        )
         if self.edge.limiter is not None:
-            rules = "".join(f", rule {r.name} {r.limit or ''}{f' max_in_flight {r.max_in_flight}' if r.max_in_flight else ''}"
-                            f" by {r.key}{' (dry run)' if r.dry_run else ''}"
-                            for r in cfg.rules)
-            log.info("limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s",
-                     cfg.limit or "off", cfg.algorithm, redis_url.redact(cfg.store), "" if cfg.store == "memory" else
-                     f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error", len(cfg.key_limits),
-                     len(cfg.keys), rules)
+            rules = "".join(
+                f", rule {r.name} {r.limit or ''}{f' max_in_flight {r.max_in_flight}' if r.max_in_flight else ''}"
+                f" by {r.key}{' (dry run)' if r.dry_run else ''}"
+                for r in cfg.rules
+            )
+            log.info(
+                "limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s",
+                cfg.limit or "off",
+                cfg.algorithm,
+                redis_url.redact(cfg.store),
+                "" if cfg.store == "memory" else f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error",
+                len(cfg.key_limits),
+                len(cfg.keys),
+                rules,
+            )
 
     def _join_workers(self, rundir: str, worker: int) -> None:
         """A worker of --workers N: its numbers published (worker 0 sums them), the others' admin actions
         heard, and the drains they made before this worker (re)started applied here too."""
-        self.published = metrics_mod.publish(os.path.join(rundir, f"worker-{worker}.sock"),
-                                             lambda: self.metrics.snapshot(status.live(self), worker))
-        self.published_ctl = fanout.listen(fanout.ctl_path(rundir, worker),
-                                           lambda action, route: actions.apply_forwarded(self, action, route))
+        self.published = metrics_mod.publish(
+            os.path.join(rundir, f"worker-{worker}.sock"), lambda: self.metrics.snapshot(status.live(self), worker)
+        )
+        self.published_ctl = fanout.listen(
+            fanout.ctl_path(rundir, worker), lambda action, route: actions.apply_forwarded(self, action, route)
+        )
         for route in fanout.drained_routes(rundir):
             b = self.find_backend(route)
             if b is not None and not b.drained:
                 b.drained = True
                 b.refresh()
-                log.warning("backend %s DRAINED, as in the other workers (drained by the admin API before "
-                            "this worker started)", b.url)
+                log.warning(
+                    "backend %s DRAINED, as in the other workers (drained by the admin API before this worker started)",
+                    b.url,
+                )
 
     def _open_admin(self, cfg: Config, worker: int | None) -> None:
         addr = self._admin_addr(cfg, worker)
@@ -197,12 +240,16 @@ class App:
             self.admin = admin = start_admin(addr, self, reuse_port=True)
         except OSError as e:
             self.server.server_close()
-            raise StartError(f"--admin {hostport(*addr)}: {e.strerror or e}"
-                             f"{SHARED_ONLY if cfg.takeover else ''}") from None
-        log.info("admin on %s (/ the dashboard, /metrics%s, /status, /limits/KEY, /healthz, /readyz, "
-                 "POST /backends/<route>/drain|enable%s)",
-                 hostport(*admin.server_address[:2]), " of every worker" if worker is not None else "",
-                 " with the token" if self.admin_token else ": off, no token configured")
+            raise StartError(
+                f"--admin {hostport(*addr)}: {e.strerror or e}{SHARED_ONLY if cfg.takeover else ''}"
+            ) from None
+        log.info(
+            "admin on %s (/ the dashboard, /metrics%s, /status, /limits/KEY, /healthz, /readyz, "
+            "POST /backends/<route>/drain|enable%s)",
+            hostport(*admin.server_address[:2]),
+            " of every worker" if worker is not None else "",
+            " with the token" if self.admin_token else ": off, no token configured",
+        )
 
     def _watch(self, b) -> None:
         """Health checks for b, and its state changes counted (lb_backend_transitions_total)."""
@@ -215,9 +262,9 @@ class App:
     @staticmethod
     def _admin_addr(cfg: Config, worker: int | None):
         addr = cfg.admin
-        assert addr is not None          # asked only with --admin set
+        assert addr is not None  # asked only with --admin set
         if worker and addr[1]:
-            addr = (addr[0], addr[1] + worker)   # worker i on PORT + i: its /status and drain; any /metrics sums
+            addr = (addr[0], addr[1] + worker)  # worker i on PORT + i: its /status and drain; any /metrics sums
         return addr
 
     @property
@@ -225,8 +272,10 @@ class App:
         return self.server.loop_seen
 
     def _with_demo(self, cfg: Config) -> Config:
-        specs = tuple(BackendSpec(url=f"http://127.0.0.1:{s.server_address[1]}", host="127.0.0.1",
-                                  port=s.server_address[1]) for s in self.demo_servers)
+        specs = tuple(
+            BackendSpec(url=f"http://127.0.0.1:{s.server_address[1]}", host="127.0.0.1", port=s.server_address[1])
+            for s in self.demo_servers
+        )
         return replace(cfg, backends=cfg.backends + specs) if specs else cfg
 
     # -- status, metrics, admin actions: lb/process/status.py, lb/process/actions.py (the admin port calls these)
@@ -268,8 +317,7 @@ class App:
             if ok:
                 log.info("%s", line)
             elif policy == "fail-closed":
-                log.error("%s; fail-closed: not reporting ready until it answers (requests get 503 meanwhile)",
-                          line)
+                log.error("%s; fail-closed: not reporting ready until it answers (requests get 503 meanwhile)", line)
                 last = time.monotonic()
                 while not self.stopping:
                     time.sleep(1.0)
@@ -281,8 +329,10 @@ class App:
                         log.error("%s; still not ready", line)
                         last = time.monotonic()
             else:
-                how = {"fail-open": "requests are allowed while it is down",
-                       "local": "each process limits on its own while it is down"}[policy]
+                how = {
+                    "fail-open": "requests are allowed while it is down",
+                    "local": "each process limits on its own while it is down",
+                }[policy]
                 log.warning("%s; %s: starting anyway, %s", line, policy, how)
         if ok and not self.stopping:
             self._memory_policy(self.cfg)
@@ -359,17 +409,16 @@ class App:
         self.edge.wake_idle()
         while self.edge.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
-            self.edge.wake_idle()   # a connection that finished its request is idle now
+            self.edge.wake_idle()  # a connection that finished its request is idle now
         closed = close_tunnels(self.edge.tunnels)
         if closed:
             log.warning("drain deadline (%gs): closing %d tunnels", self.cfg.drain_timeout, closed)
-            end = time.monotonic() + 1.0      # let their threads log them
+            end = time.monotonic() + 1.0  # let their threads log them
             while self.edge.tunnels and time.monotonic() < end:
                 time.sleep(0.01)
         left = self.edge.busy()
         if left:
-            log.warning("drain deadline (%gs) passed with %d requests in flight; closing", self.cfg.drain_timeout,
-                        left)
+            log.warning("drain deadline (%gs) passed with %d requests in flight; closing", self.cfg.drain_timeout, left)
         self.health.stop()
         for p in self.pools.values():
             p.health.stop()

@@ -29,5 +29,5 @@ def drain_backend(b, deadline: float = 300.0) -> None:
         time.sleep(0.05)
     b.pool.close()
     if b.h2 is not None:
-        b.h2.close()     # an h2c:// backend's HTTP/2 connections
+        b.h2.close()  # an h2c:// backend's HTTP/2 connections
     log.info("backend %s removed (drained)", b.url)

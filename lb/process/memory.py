@@ -49,7 +49,7 @@ def _malloc_trim():
     return trim
 
 
-M_ARENA_MAX = -8   # mallopt's parameter number (malloc.h)
+M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 
 
 def limit_arenas(n: int = 2) -> bool:
@@ -74,7 +74,7 @@ class Trimmer:
         self.trims = 0
         self._trim = _malloc_trim()
         self._stop = threading.Event()
-        self._floor = rss_bytes()   # RSS after the last trim (or at start)
+        self._floor = rss_bytes()  # RSS after the last trim (or at start)
 
     def start(self) -> "Trimmer":
         if self._trim is not None and self._floor:
@@ -100,7 +100,7 @@ class Trimmer:
         while not self._stop.wait(self.interval):
             try:
                 self.check()
-            except Exception:       # never let housekeeping take the process down; say it once
+            except Exception:  # never let housekeeping take the process down; say it once
                 log.exception("malloc_trim housekeeping stopped")
                 return
 

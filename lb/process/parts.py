@@ -19,6 +19,7 @@ def set_routes(app, cfg: Config) -> None:
     """[[pools]] and [[routes]]: named pools built, or updated in place (kept backends keep their state),
     or retired (their backends drain); then the route table, in one assignment (a split's turn carried)."""
     from lb.proxy.routes import Router
+
     want = {p.name: p for p in cfg.pools}
     for name, spec in want.items():
         if name in app.pools:
@@ -31,14 +32,20 @@ def set_routes(app, cfg: Config) -> None:
     for name in [n for n in app.pools if n not in want]:
         gone = app.pools.pop(name)
         for b in gone.backends:
-            b.drained = True       # a request that chose it under the old table goes nowhere new
+            b.drained = True  # a request that chose it under the old table goes nowhere new
             b.refresh()
             pools_mod.retire(gone, b)
         log.info("pool %s removed (%d backends draining)", name, len(gone.backends))
     if app.pools or cfg.routes:
-        log.info("%d routes; pools: %s", len(cfg.routes), "; ".join(
-            f"{p.name} ({p.balancer.strategy}): " + ", ".join(f"{b.url}={b.weight}" for b in p.backends)
-            for p in app.pools.values()) or "default only")
+        log.info(
+            "%d routes; pools: %s",
+            len(cfg.routes),
+            "; ".join(
+                f"{p.name} ({p.balancer.strategy}): " + ", ".join(f"{b.url}={b.weight}" for b in p.backends)
+                for p in app.pools.values()
+            )
+            or "default only",
+        )
 
 
 def open_access_log(cfg: Config):
@@ -56,8 +63,9 @@ def tls_context(cfg: Config):
         return None
     from lb.config.check import certificate_warnings
     from lb.config.load import tls_listener
+
     ctx = tls_listener(cfg)
-    for w in certificate_warnings(cfg):     # served anyway (nginx does too); --check reports it
+    for w in certificate_warnings(cfg):  # served anyway (nginx does too); --check reports it
         log.warning("%s", w)
     return ctx
 
@@ -66,8 +74,16 @@ def limit_stage(app, cfg: Config, old):
     if not (cfg.limit or cfg.rules or cfg.keys or cfg.max_in_flight):
         return None
     from lb.limiting.stage import LimitStage
-    opts = {"timeout": cfg.redis_timeout, "on_error": cfg.on_store_error,
-            **{k: v for k, v in redis_files(cfg).items() if v is not None}} if cfg.store != "memory" else {}
+
+    opts = (
+        {
+            "timeout": cfg.redis_timeout,
+            "on_error": cfg.on_store_error,
+            **{k: v for k, v in redis_files(cfg).items() if v is not None},
+        }
+        if cfg.store != "memory"
+        else {}
+    )
     opts["max_keys"] = cfg.max_keys
     # A worker of --workers N with the memory store: the table the supervisor shared before forking
     store = "shm" if cfg.store == "memory" and app.shared.limits is not None else cfg.store
@@ -75,14 +91,31 @@ def limit_stage(app, cfg: Config, old):
         opts["shm_arena"] = app.shared.limits
     reuse = None
     if old is not None and (old.algorithm, old.store, old.options) == (
-            cfg.algorithm, store, tuple(sorted(opts.items()))):
-        reuse = old.limiters      # same algorithm, store and options: unchanged rates keep their counters
-    stage = LimitStage(cfg.limit, cfg.key_limits, cfg.algorithm, store, reuse=reuse, rules=cfg.rules,
-                       keys=cfg.keys, unknown_keys=cfg.unknown_keys, exempt=cfg.exempt,
-                       ietf_headers=cfg.ietf_headers, ipv6_prefix=cfg.ipv6_prefix, max_delay=cfg.max_delay,
-                       max_delayed=cfg.max_delayed, max_in_flight=cfg.max_in_flight, status=cfg.limit_status,
-                       # a request in flight longer than this stops counting in Redis (its safety net)
-                       inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0,
-                       inflight_table=app.shared.inflight if cfg.store == "memory" else None, **opts)
+        cfg.algorithm,
+        store,
+        tuple(sorted(opts.items())),
+    ):
+        reuse = old.limiters  # same algorithm, store and options: unchanged rates keep their counters
+    stage = LimitStage(
+        cfg.limit,
+        cfg.key_limits,
+        cfg.algorithm,
+        store,
+        reuse=reuse,
+        rules=cfg.rules,
+        keys=cfg.keys,
+        unknown_keys=cfg.unknown_keys,
+        exempt=cfg.exempt,
+        ietf_headers=cfg.ietf_headers,
+        ipv6_prefix=cfg.ipv6_prefix,
+        max_delay=cfg.max_delay,
+        max_delayed=cfg.max_delayed,
+        max_in_flight=cfg.max_in_flight,
+        status=cfg.limit_status,
+        # a request in flight longer than this stops counting in Redis (its safety net)
+        inflight_ttl=cfg.response_timeout + cfg.max_delay + 60.0,
+        inflight_table=app.shared.inflight if cfg.store == "memory" else None,
+        **opts,
+    )
     app.metrics.declare_rules(stage.declared)
     return stage

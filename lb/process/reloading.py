@@ -28,6 +28,7 @@ REJECTED = "reload rejected, the running configuration stays: %s"
 @dataclass
 class Fresh:
     """The parts a new configuration gets anew, built before anything running is touched."""
+
     access_log: AccessLog | None
     limiter: object
     tls: object
@@ -38,6 +39,7 @@ class Fresh:
 class Matched:
     """The new backend list against the running one: kept ones keep their state (and pool, unless its
     settings changed: then old_pools drain), added ones start fresh, removed ones drain."""
+
     keep: list
     added: list
     removed: list
@@ -54,7 +56,7 @@ def reload(app) -> bool:
     if fresh is None:
         return False
     if new.resolver != app.cfg.resolver:
-        app.resolved = {}              # another resolver: every name asked again
+        app.resolved = {}  # another resolver: every name asked again
     try:
         specs = resolving.concrete(app, new.backends, new)
     except ConfigError as e:
@@ -67,17 +69,24 @@ def reload(app) -> bool:
     retune(app, new)
     old_log = swap_in(app, new, fresh, matched)
     for p in matched.old_pools:
-        p.close()   # idle connections close now; one in use closes when its request gives it back
+        p.close()  # idle connections close now; one in use closes when its request gives it back
     joined_and_left(app, matched.added, matched.removed)
-    log.info("reloaded: %d backends (%d added, %d removed%s), limit %s, %d rules, %d known keys%s",
-             len(matched.keep), len(matched.added), len(matched.removed),
-             f", {len(matched.reweighted)} reweighted: {', '.join(matched.reweighted)}" if matched.reweighted else "",
-             new.limit or "off", len(new.rules), len(new.keys), ", new connection pools" if matched.old_pools else "")
+    log.info(
+        "reloaded: %d backends (%d added, %d removed%s), limit %s, %d rules, %d known keys%s",
+        len(matched.keep),
+        len(matched.added),
+        len(matched.removed),
+        f", {len(matched.reweighted)} reweighted: {', '.join(matched.reweighted)}" if matched.reweighted else "",
+        new.limit or "off",
+        len(new.rules),
+        len(new.keys),
+        ", new connection pools" if matched.old_pools else "",
+    )
     sdnotify.notify("READY=1", f"STATUS=serving {len(matched.keep)} backends")
     resolving.start_resolving(app)
-    app._memory_policy(new)   # Redis's own configuration may have changed too
+    app._memory_policy(new)  # Redis's own configuration may have changed too
     if old_log is not None:
-        old_log.close()     # last: it waits for the old file's queued lines (up to its timeout)
+        old_log.close()  # last: it waits for the old file's queued lines (up to its timeout)
     return True
 
 
@@ -92,9 +101,13 @@ def read_config(app) -> Config | None:
     old = app.cfg
     kept = [n for n in NEED_RESTART if getattr(new, n) != getattr(old, n)]
     if kept:
-        log.warning("reload: %s changed; that needs a restart, the running value%s stay%s: %s",
-                    ", ".join(kept), "s" if len(kept) > 1 else "", "" if len(kept) > 1 else "s",
-                    ", ".join(f"{n} {getattr(old, n)} (file/flags say {getattr(new, n)})" for n in kept))
+        log.warning(
+            "reload: %s changed; that needs a restart, the running value%s stay%s: %s",
+            ", ".join(kept),
+            "s" if len(kept) > 1 else "",
+            "" if len(kept) > 1 else "s",
+            ", ".join(f"{n} {getattr(old, n)} (file/flags say {getattr(new, n)})" for n in kept),
+        )
         new = replace(new, **{n: getattr(old, n) for n in kept})
     return new
 
@@ -111,8 +124,8 @@ def build_fresh(app, new: Config) -> Fresh | None:
             return None
     try:
         limiter = parts.limit_stage(app, new, app.edge.limiter)
-        tls = parts.tls_context(new)   # a broken new pair: rejected here, the old one serves on
-        token = admin_token(new)       # a rotated token file applies from the reload on
+        tls = parts.tls_context(new)  # a broken new pair: rejected here, the old one serves on
+        token = admin_token(new)  # a rotated token file applies from the reload on
     except (ValueError, ConfigError) as e:
         log.error(REJECTED, e)
         sdnotify.notify("READY=1")
@@ -127,14 +140,14 @@ def match_backends(app, specs, new: Config) -> Matched:
     for spec in specs:
         b = current.pop(spec.url, None)
         if b is None:
-            b = make_backend(spec, new, joined_at=time.monotonic(), breaker=app.breaker)   # slow start, if on
+            b = make_backend(spec, new, joined_at=time.monotonic(), breaker=app.breaker)  # slow start, if on
             m.added.append(b)
         else:
             if b.weight != spec.weight:
                 m.reweighted.append(f"{b.url} {b.weight}->{spec.weight}")
             b.weight = spec.weight
             b.spec = spec
-            if new_pools:        # a pool's limits are fixed at creation: a new one, the old drains
+            if new_pools:  # a pool's limits are fixed at creation: a new one, the old drains
                 m.old_pools.append(b.pool)
                 b.pool = make_backend(spec, new, breaker=app.breaker).pool
         m.keep.append(b)
@@ -158,7 +171,7 @@ def swap_in(app, new: Config, fresh: Fresh, matched: Matched):
     # One assignment each: a request in flight sees the old or the new part, never half of one.
     app.edge.cfg = new
     app.edge.limiter = fresh.limiter
-    app.edge.tls = fresh.tls                # new connections handshake with the new pair
+    app.edge.tls = fresh.tls  # new connections handshake with the new pair
     app.edge.identifier = Identifier(new.trusted_proxies)
     app.admin_token = fresh.token
     app.balancer.set_backends(matched.keep, new.strategy, new.slow_start)

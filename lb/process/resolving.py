@@ -16,7 +16,7 @@ from lb.upstream.resolve import is_address, lookup
 
 log = logging.getLogger("edge")
 
-RESOLVE_TIMEOUT = 2.0     # one DNS question; a resolver silent this long is a failed resolution
+RESOLVE_TIMEOUT = 2.0  # one DNS question; a resolver silent this long is a failed resolution
 
 
 def concrete(app, specs, cfg) -> list[BackendSpec]:
@@ -33,8 +33,9 @@ def concrete(app, specs, cfg) -> list[BackendSpec]:
             try:
                 addrs, _ = lookup(spec.host, cfg.resolver, RESOLVE_TIMEOUT)
             except ResolveError as e:
-                raise ConfigError(f"backends: {spec.url}: {spec.host} does not resolve with resolver "
-                                  f"{cfg.resolver} ({e})") from None
+                raise ConfigError(
+                    f"backends: {spec.url}: {spec.host} does not resolve with resolver {cfg.resolver} ({e})"
+                ) from None
             app.resolved[spec.url] = addrs
             app.resolutions["ok"] += 1
         out += [at(spec, a) for a in addrs]
@@ -68,8 +69,13 @@ def resolve(app, spec: BackendSpec, cfg) -> float | None:
     except ResolveError as e:
         app.resolutions["failed"] += 1
         if spec.url not in app.resolve_failing:
-            log.warning("backend %s: resolving %s failed (%s); its last addresses stay: %s", spec.url,
-                        spec.host, e, ", ".join(app.resolved.get(spec.url, ())) or "none")
+            log.warning(
+                "backend %s: resolving %s failed (%s); its last addresses stay: %s",
+                spec.url,
+                spec.host,
+                e,
+                ", ".join(app.resolved.get(spec.url, ())) or "none",
+            )
         app.resolve_failing[spec.url] = str(e)
         return None
     app.resolutions["ok"] += 1
@@ -77,21 +83,29 @@ def resolve(app, spec: BackendSpec, cfg) -> float | None:
         log.info("backend %s: %s resolves again", spec.url, spec.host)
     with app._reload_lock:
         if app.cfg is not cfg or addrs == app.resolved.get(spec.url):
-            return ttl     # unchanged, or a reload came between (it resolved with what it knew)
+            return ttl  # unchanged, or a reload came between (it resolved with what it knew)
         app.resolved[spec.url] = addrs
         want = {s.url: s for s in (at(spec, a) for a in addrs)}
         mine = spec.url + " ("
         old = app.balancer.backends
         removed = [b for b in old if b.spec.address and b.url.startswith(mine) and b.url not in want]
         have = {b.url for b in old}
-        added = [make_backend(s, cfg, joined_at=time.monotonic(), breaker=app.breaker)   # slow start, if on
-                 for u, s in want.items() if u not in have]
+        added = [
+            make_backend(s, cfg, joined_at=time.monotonic(), breaker=app.breaker)  # slow start, if on
+            for u, s in want.items()
+            if u not in have
+        ]
         app.balancer.set_backends([b for b in old if b not in removed] + added)
         joined_and_left(app, added, removed)
-        log.info("backend %s: %s resolves to %s (%d added, %d draining)", spec.url, spec.host,
-                 ", ".join(addrs), len(added), len(removed))
+        log.info(
+            "backend %s: %s resolves to %s (%d added, %d draining)",
+            spec.url,
+            spec.host,
+            ", ".join(addrs),
+            len(added),
+            len(removed),
+        )
     return ttl
-
 
 
 def at(spec: BackendSpec, address: str) -> BackendSpec:

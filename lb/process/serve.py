@@ -53,18 +53,20 @@ def watchdog_interval() -> float | None:
         return None
 
 
-def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
-          rundir: str | None = None, shared=None) -> int:
+def serve(
+    cfg, argv, worker: int | None = None, channel: int | None = None, rundir: str | None = None, shared=None
+) -> int:
     """Serve until told to stop, then drain; 0 on a clean stop. Raises StartError before serving.
 
     channel: (workers) the pipe to the supervisor; rundir: where workers publish their metrics;
     shared: (workers) the tables the supervisor created for them before forking (SharedTables)."""
     from lb.process.app import App
+
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
-    memory.limit_arenas()               # before the connection threads: see lb/process/memory.py
-    early: list[int] = []     # a signal that came while the App was being built: acted on once it is
+    memory.limit_arenas()  # before the connection threads: see lb/process/memory.py
+    early: list[int] = []  # a signal that came while the App was being built: acted on once it is
     app = None
-    lock = threading.Lock()   # on_signal runs on the signals thread, the App is built on this one
+    lock = threading.Lock()  # on_signal runs on the signals thread, the App is built on this one
 
     def on_signal(signum, frame):
         with lock:
@@ -72,17 +74,21 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
                 early.append(signum)
                 return
         if signum in (signal.SIGTERM, signal.SIGINT):
-            log.info("received %s: draining (readiness off now; listener closes in %gs; up to %gs for "
-                     "requests)", signal.Signals(signum).name, app.cfg.grace, app.cfg.drain_timeout)
+            log.info(
+                "received %s: draining (readiness off now; listener closes in %gs; up to %gs for requests)",
+                signal.Signals(signum).name,
+                app.cfg.grace,
+                app.cfg.drain_timeout,
+            )
             threading.Thread(target=app.stop_accepting, name="stop", daemon=True).start()
-        elif signum == signal.SIGHUP:       # reload, and reopen the logs as nginx does on HUP
+        elif signum == signal.SIGHUP:  # reload, and reopen the logs as nginx does on HUP
             threading.Thread(target=lambda: (app.reload(), app.reopen_logs()), name="reload", daemon=True).start()
         elif signum == signal.SIGUSR1:
             threading.Thread(target=app.reopen_logs, name="reopen", daemon=True).start()
 
     for s in HANDLED:
         signal.signal(s, on_signal)
-    signals.route(lambda signum: on_signal(signum, None))   # before any thread: none of them reads with EINTR
+    signals.route(lambda signum: on_signal(signum, None))  # before any thread: none of them reads with EINTR
     built = App(cfg, argv, worker=worker, rundir=rundir, shared=shared)
     with lock:
         app = built
@@ -90,8 +96,10 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
     if cpu is not None:
         log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
     if cfg.takeover and not worker and migrate_req() == "0":
-        log.warning("--takeover: net.ipv4.tcp_migrate_req = 0: a connection that reaches the old edge in the "
-                    "instant its listener closes is reset by the kernel; set it to 1 (Linux 5.14+) for none")
+        log.warning(
+            "--takeover: net.ipv4.tcp_migrate_req = 0: a connection that reaches the old edge in the "
+            "instant its listener closes is reset by the kernel; set it to 1 (Linux 5.14+) for none"
+        )
     for signum in pending:
         on_signal(signum, None)
 
@@ -103,20 +111,22 @@ def serve(cfg, argv, worker: int | None = None, channel: int | None = None,
                 pass
 
     def when_ready():
-        app.wait_until_ready()          # e.g. fail-closed: the store must answer first
+        app.wait_until_ready()  # e.g. fail-closed: the store must answer first
         if app.stopping:
             return
         tell("ready")
-        if channel is None:             # (workers: the supervisor says "all N workers ready")
-            log.info("ready")           # e.g. for --takeover: the old edge may be stopped from here on
+        if channel is None:  # (workers: the supervisor says "all N workers ready")
+            log.info("ready")  # e.g. for --takeover: the old edge may be stopped from here on
         sdnotify.notify("READY=1", f"STATUS=serving {len(app.balancer.backends)} backends")
 
     threading.Thread(target=when_ready, name="ready", daemon=True).start()
-    memory.start_trimmer()              # RSS returns after a burst of large bodies (lb/process/memory.py)
+    memory.start_trimmer()  # RSS returns after a burst of large bodies (lb/process/memory.py)
     period = watchdog_interval() if channel is None else 1.0
     if period:
+
         def ping():
             sdnotify.notify("WATCHDOG=1") if channel is None else tell("beat")
+
         threading.Thread(target=_watchdog, args=(app, period, ping), name="watchdog", daemon=True).start()
     app.serve_forever()
     app.drain()

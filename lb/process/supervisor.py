@@ -48,9 +48,10 @@ def exit_reason(status: int) -> str:
         return f"killed by {name}" + (" (core dumped)" if os.WCOREDUMP(status) else "")
     return f"status {os.waitstatus_to_exitcode(status)}"
 
+
 log = logging.getLogger("edge")
 
-START_FAILURES = 3          # consecutive failures of a worker that never became ready
+START_FAILURES = 3  # consecutive failures of a worker that never became ready
 DEATHS, DEATH_WINDOW = 5, 30.0
 
 
@@ -58,24 +59,25 @@ class Worker:
     def __init__(self, index: int):
         self.index = index
         self.pid = 0
-        self.fd = -1               # read end of its pipe
+        self.fd = -1  # read end of its pipe
         self.buf = b""
         self.ready = False
         self.ever_ready = False
         self.beat = 0.0
-        self.failures = 0          # consecutive start failures
+        self.failures = 0  # consecutive start failures
         self.last_error = ""
         self.started = 0.0
 
 
 def run(cfg, argv) -> int:
     from lb.limiting.keys import draw_label_secret
-    draw_label_secret()                # before any fork: one key-label secret for every worker
+
+    draw_label_secret()  # before any fork: one key-label secret for every worker
     reserve = _reserve_port(cfg)
     host, port = reserve.getsockname()[:2]
     cfg = replace(cfg, listen=(host, port))
-    argv = list(argv or []) + ["--listen", hostport(host, port)]   # a worker's reload keeps this port
-    shared = _shared_tables(cfg)           # before any fork: the workers must inherit the same mappings
+    argv = list(argv or []) + ["--listen", hostport(host, port)]  # a worker's reload keeps this port
+    shared = _shared_tables(cfg)  # before any fork: the workers must inherit the same mappings
     if cfg.tls_cert:
         _inherit_tls(cfg)
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
@@ -84,8 +86,7 @@ def run(cfg, argv) -> int:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(s, sup.on_signal)
         sup.start_all()
-        log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers,
-                 os.getpid())
+        log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers, os.getpid())
         code = sup.supervise()
     finally:
         reserve.close()
@@ -97,30 +98,34 @@ def run(cfg, argv) -> int:
 def _reserve_port(cfg) -> socket.socket:
     """The port every worker will share, bound here (never listening); a StartError when it is taken."""
     from lb.process.app import SHARED_ONLY, refuse_if_held
-    refuse_if_held("--listen", cfg.listen, cfg)      # a second edge must not join this port unasked
+
+    refuse_if_held("--listen", cfg.listen, cfg)  # a second edge must not join this port unasked
     if cfg.admin and cfg.admin[1]:
-        for i in range(cfg.workers):                  # here, one line, rather than a worker's crash loop
+        for i in range(cfg.workers):  # here, one line, rather than a worker's crash loop
             refuse_if_held("--admin", (cfg.admin[0], cfg.admin[1] + i), cfg)
     reserve = socket.socket(family(cfg.listen[0]))
     reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    bind_options(reserve, cfg.listen[0])      # the same V6ONLY as the workers' sockets, or no sharing
+    bind_options(reserve, cfg.listen[0])  # the same V6ONLY as the workers' sockets, or no sharing
     try:
         reserve.bind(cfg.listen)
     except OSError as e:
         reserve.close()
-        raise StartError(f"--listen {hostport(*cfg.listen)}: {e.strerror or e}"
-                         f"{SHARED_ONLY if cfg.takeover else ''}") from None
+        raise StartError(
+            f"--listen {hostport(*cfg.listen)}: {e.strerror or e}{SHARED_ONLY if cfg.takeover else ''}"
+        ) from None
     return reserve
 
 
 def _shared_tables(cfg):
     """The shared-memory tables the workers count in together (memory store): limits and in-flight counts."""
     from lb.limiting.stage import SharedTables
+
     shared = SharedTables()
     if cfg.store == "memory" and (cfg.limit or cfg.rules or any(k.limit for k in cfg.keys)):
         shared = shared._replace(limits=_share_limits(cfg))
-    if cfg.store == "memory":              # in-flight counts across workers (also for a reload that adds them)
+    if cfg.store == "memory":  # in-flight counts across workers (also for a reload that adds them)
         from limiter.concurrency import SharedTable
+
         rows = min(1 << 16, max(1024, 2 * cfg.workers * cfg.max_connections))
         shared = shared._replace(inflight=SharedTable(rows))
     return shared
@@ -132,6 +137,7 @@ def _inherit_tls(cfg) -> None:
     from lb.config.load import tls_listener
     from lb.errors import ConfigError
     from lb.http import tls
+
     try:
         tls.inherited = tls_listener(cfg)
     except ConfigError as e:
@@ -158,7 +164,7 @@ class _Supervisor:
         self.code = 0
 
     def on_signal(self, signum, frame) -> None:
-        self.got.append(signum)       # handled in the loop: a handler must not fork or log
+        self.got.append(signum)  # handled in the loop: a handler must not fork or log
 
     def start_all(self) -> None:
         for w in self.workers:
@@ -167,18 +173,27 @@ class _Supervisor:
             # A worker restarted later reads the certificates from disk itself, as before: the files may have
             # been replaced (and reloaded) since, and a stale copy must not come back (it loses the shared keys).
             from lb.http import tls
+
             tls.inherited = None
 
     def start(self, w: Worker) -> None:
         pause = w.started + 1.0 - time.monotonic()
         if pause > 0:
-            time.sleep(pause)              # a worker that dies at once is not restarted in a tight loop
+            time.sleep(pause)  # a worker that dies at once is not restarted in a tight loop
         w.started = time.monotonic()
         r, wfd = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(w.index, wfd, [x.fd for x in self.workers if x.fd >= 0] + [r], self.reserve, self.cfg,
-                   self.argv, self.rundir, self.shared)
+            _child(
+                w.index,
+                wfd,
+                [x.fd for x in self.workers if x.fd >= 0] + [r],
+                self.reserve,
+                self.cfg,
+                self.argv,
+                self.rundir,
+                self.shared,
+            )
         os.close(wfd)
         w.pid, w.fd, w.buf, w.ready, w.beat = pid, r, b"", False, 0.0
         self.by_pid[pid] = w
@@ -215,7 +230,7 @@ class _Supervisor:
                     log.info("SIGHUP: reloading %d workers", len(self.by_pid))
                     self.send_all(signum)
                 else:
-                    self.pending_hup = True     # a worker still starting would die of it: after READY
+                    self.pending_hup = True  # a worker still starting would die of it: after READY
             elif signum == signal.SIGUSR1:
                 logs.reopen_stderr()
                 self.send_all(signum)
@@ -263,8 +278,13 @@ class _Supervisor:
         """Log the exit; False (and stop the others) when it makes a crash loop."""
         if not w.ready:
             w.failures += 1
-            log.error("worker %d (pid %d) failed to start (%s): %s", w.index, pid, why,
-                      w.last_error or "no reason given (see its lines above)")
+            log.error(
+                "worker %d (pid %d) failed to start (%s): %s",
+                w.index,
+                pid,
+                why,
+                w.last_error or "no reason given (see its lines above)",
+            )
             if w.failures >= START_FAILURES:
                 log.error("worker %d failed to start %d times in a row; giving up", w.index, w.failures)
                 self.code = 1
@@ -323,7 +343,7 @@ def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir, shared) 
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, signal.SIG_DFL)
         for s in (signal.SIGHUP, signal.SIGUSR1):
-            signal.signal(s, signal.SIG_IGN)     # until serve() installs its handlers
+            signal.signal(s, signal.SIG_IGN)  # until serve() installs its handlers
         for fd in close_fds:
             try:
                 os.close(fd)
@@ -331,9 +351,10 @@ def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir, shared) 
                 pass
         reserve.close()
         for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-            os.environ.pop(k, None)              # the supervisor speaks to systemd for everyone
+            os.environ.pop(k, None)  # the supervisor speaks to systemd for everyone
         logs.setup(worker=index)
         from lb.process.serve import serve
+
         try:
             code = serve(cfg, argv, worker=index, channel=wfd, rundir=rundir, shared=shared)
         except StartError as e:
@@ -361,16 +382,28 @@ def _share_limits(cfg):
     holds its limit's worth of instants)."""
     from limiter import ALGORITHMS, parse_rate, shm
     from limiter.shaping import shaped
-    limits = [(cfg.algorithm, r, 1, cfg.max_delay) for r in (cfg.limit, *(rate for _, rate in cfg.key_limits),
-                                                             *(k.limit for k in cfg.keys)) if r]
-    limits += [(s.algorithm or cfg.algorithm, s.limit, s.cost, 0.0 if s.dry_run else cfg.max_delay)
-               for s in cfg.rules if s.limit]
+
+    limits = [
+        (cfg.algorithm, r, 1, cfg.max_delay)
+        for r in (cfg.limit, *(rate for _, rate in cfg.key_limits), *(k.limit for k in cfg.keys))
+        if r
+    ]
+    limits += [
+        (s.algorithm or cfg.algorithm, s.limit, s.cost, 0.0 if s.dry_run else cfg.max_delay)
+        for s in cfg.rules
+        if s.limit
+    ]
     need = 24
-    for algorithm, rate, cost, delay in limits:   # delay mode: a sliding log holds its reservations too
+    for algorithm, rate, cost, delay in limits:  # delay mode: a sliding log holds its reservations too
         n, period = parse_rate(rate)
         need = max(need, shm.state_size(shaped(ALGORITHMS[algorithm](n, period), cost, delay)))
     slots = max(1024, min(cfg.max_keys, (64 << 20) // (need + 24)))
     arena = shm.Arena(slots, need)
-    log.info("limits shared by %d workers in %d KiB of shared memory (%d keys, %d bytes of state each)",
-             cfg.workers, arena.bytes >> 10, arena.slots, need)
+    log.info(
+        "limits shared by %d workers in %d KiB of shared memory (%d keys, %d bytes of state each)",
+        cfg.workers,
+        arena.bytes >> 10,
+        arena.slots,
+        need,
+    )
     return arena

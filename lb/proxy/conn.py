@@ -20,11 +20,29 @@ class ClientConn:
     cert: the verified client certificate (lb/http/tls.py), or None;
     accepted: the socket EdgeServer accepted and counts (the TCP socket under sock)."""
 
-    __slots__ = ("sock", "reader", "peer", "peer_ip", "peer_trusted", "over_tls", "scheme", "cert", "accepted",
-                 "identifier")
+    __slots__ = (
+        "sock",
+        "reader",
+        "peer",
+        "peer_ip",
+        "peer_trusted",
+        "over_tls",
+        "scheme",
+        "cert",
+        "accepted",
+        "identifier",
+    )
 
-    def __init__(self, sock: socket.socket | None, peer_ip: str, over_tls: bool = False, reader=None, cert=None,
-                 accepted: socket.socket | None = None, peer_trusted: bool = False):
+    def __init__(
+        self,
+        sock: socket.socket | None,
+        peer_ip: str,
+        over_tls: bool = False,
+        reader=None,
+        cert=None,
+        accepted: socket.socket | None = None,
+        peer_trusted: bool = False,
+    ):
         self.sock = sock
         self.reader = reader
         self.peer_ip = peer_ip
@@ -34,7 +52,7 @@ class ClientConn:
         self.scheme = b"https" if over_tls else b"http"
         self.cert = cert
         self.accepted = accepted if accepted is not None else sock
-        self.identifier = None       # the Identifier peer_trusted was decided by (re-asked after a reload)
+        self.identifier = None  # the Identifier peer_trusted was decided by (re-asked after a reload)
 
     def trust(self, identifier) -> bool:
         """peer_trusted, as `identifier` (the current configuration's) decides it: asked once per

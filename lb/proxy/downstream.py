@@ -36,7 +36,7 @@ from lb.proxy.spool import Spool, SpooledBody
 
 log = logging.getLogger("edge")
 
-SMALL_BODY = 65536           # bodies up to this are read whole and sent with their head, both ways
+SMALL_BODY = 65536  # bodies up to this are read whole and sent with their head, both ways
 
 
 class NotBuffered(HttpError):
@@ -48,7 +48,9 @@ class Downstream:
     the outcome is known and before the last byte leaves (Edge.record)."""
 
     proto = b"HTTP/1.1"
-    sock: socket.socket | None = None    # HTTP/1.1's raw path (lb/proxy/relay.py); None: responses go through start/send/finish
+    sock: socket.socket | None = (
+        None  # HTTP/1.1's raw path (lb/proxy/relay.py); None: responses go through start/send/finish
+    )
 
     def local_reply(self, x, status: int, reason: str, keep: bool, linger: bool = False) -> bool:
         raise NotImplementedError
@@ -78,7 +80,7 @@ class H1Downstream(Downstream):
 
     __slots__ = ("conn", "edge", "sock", "chunked")
     proto = b"HTTP/1.1"
-    sock: socket.socket          # always: the raw path is HTTP/1.1's
+    sock: socket.socket  # always: the raw path is HTTP/1.1's
 
     def __init__(self, conn, edge):
         self.conn, self.edge, self.sock = conn, edge, conn.sock
@@ -134,7 +136,7 @@ class H1Downstream(Downstream):
                 n = req.content_length
                 if n <= SMALL_BODY:
                     if rate:
-                        body_deadline(reader, monotonic(), n, rate)   # the whole of it, at least at rate
+                        body_deadline(reader, monotonic(), n, rate)  # the whole of it, at least at rate
                     return reader.read_exact(n)
                 it = iter_fixed(reader, n, rate)
                 return self._spool(it, cfg) if cfg.request_buffering else it
@@ -146,7 +148,7 @@ class H1Downstream(Downstream):
                 if n > SMALL_BODY:
                     if cfg.request_buffering:
                         return self._spool(chain(parts, it), cfg)
-                    return chain(parts, it)   # too large to hold: stream the rest as it arrives
+                    return chain(parts, it)  # too large to hold: stream the rest as it arrives
             return b"".join(parts)
         except socket.timeout:
             raise HttpError(408, "request body not received in time") from None
@@ -165,8 +167,9 @@ class H1Downstream(Downstream):
                 if not spool.write(piece):
                     e = spool.error
                     why = (e.strerror or str(e)) if e is not None else "no room"
-                    log.error("request buffer: temp file in %s failed (%s): 503",
-                              cfg.temp_dir or tempfile.gettempdir(), why)
+                    log.error(
+                        "request buffer: temp file in %s failed (%s): 503", cfg.temp_dir or tempfile.gettempdir(), why
+                    )
                     raise NotBuffered(503, f"request body could not be buffered ({why})")
             return SpooledBody(spool)
         except BaseException:

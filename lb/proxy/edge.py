@@ -43,11 +43,12 @@ from lb.upstream.retrybudget import RetryBudget
 
 log = logging.getLogger("edge")
 
-ACCEPT_BACKOFF = 0.1      # seconds between accepts while out of descriptors or memory
+ACCEPT_BACKOFF = 0.1  # seconds between accepts while out of descriptors or memory
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 # ------------------------------------------------------------------------------------------- server
+
 
 class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing.
@@ -59,7 +60,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
     daemon_threads = True
     block_on_close = False
-    server_address: tuple[str, int]     # an IP listener's (host, port, ...): the host a str, not bytes
+    server_address: tuple[str, int]  # an IP listener's (host, port, ...): the host a str, not bytes
     allow_reuse_address = True
     # The listen backlog (the kernel caps it at net.core.somaxconn): a burst of connections waits here for
     # the accept loop. A full queue drops the client's handshake ACK, and its request waits for a resend (1 s+).
@@ -126,7 +127,7 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         super().process_request(request, client_address)
 
     def finish_request(self, request, client_address):
-        g = gate.current          # at most --running-threads connection threads at work at once (lb/http/gate.py)
+        g = gate.current  # at most --running-threads connection threads at work at once (lb/http/gate.py)
         if g is not None:
             g.join()
         try:
@@ -147,36 +148,47 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
 # ------------------------------------------------------------------------------------------- the edge
 
+
 class Edge:
     """The request pipeline over one configuration. serve_connection runs on each client's thread."""
 
-    def __init__(self, cfg, balancer, metrics, limiter=None, identifier=None, access_log=None,
-                 ejector=None, retry_budget=None, breaker=None):
+    def __init__(
+        self,
+        cfg,
+        balancer,
+        metrics,
+        limiter=None,
+        identifier=None,
+        access_log=None,
+        ejector=None,
+        retry_budget=None,
+        breaker=None,
+    ):
         self.cfg = cfg
         self.balancer = balancer
         self.metrics = metrics
-        self.limiter = limiter              # LimitStage, or None when limiting is off
+        self.limiter = limiter  # LimitStage, or None when limiting is off
         self.identifier = identifier or Identifier()
-        self.access_log = access_log        # AccessLog, or None
-        self.ejector = ejector or Ejector(0)          # passive health (lb/upstream/outlier.py)
+        self.access_log = access_log  # AccessLog, or None
+        self.ejector = ejector or Ejector(0)  # passive health (lb/upstream/outlier.py)
         self.retry_budget = retry_budget or RetryBudget()
-        self.breaker = breaker or Breaker()           # the pool's circuit breaker (lb/upstream/breaker.py)
-        self.pool = Pool("default", balancer, self.ejector, self.breaker)   # where no route sends elsewhere
-        self.router = None                  # lb/proxy/routes.py Router when [[routes]] are configured
+        self.breaker = breaker or Breaker()  # the pool's circuit breaker (lb/upstream/breaker.py)
+        self.pool = Pool("default", balancer, self.ejector, self.breaker)  # where no route sends elsewhere
+        self.router = None  # lb/proxy/routes.py Router when [[routes]] are configured
         self.refused_connections = 0
-        self.idle_closed = 0                # idle keep-alive connections closed to make room at the cap
-        self.draining = False               # set after SIGTERM's grace: finish what is in flight, take nothing new
-        self.closing = False                # set on SIGTERM itself: every response says Connection: close
-        self.conns: dict[socket.socket, bool] = {}   # client socket -> inside a request (for the drain)
+        self.idle_closed = 0  # idle keep-alive connections closed to make room at the cap
+        self.draining = False  # set after SIGTERM's grace: finish what is in flight, take nothing new
+        self.closing = False  # set on SIGTERM itself: every response says Connection: close
+        self.conns: dict[socket.socket, bool] = {}  # client socket -> inside a request (for the drain)
         # Keep-alive connections between requests (after one at least): socket -> (idle since, the
         # accepted socket EdgeServer counts), the ones a new connection at the cap may close.
         self.idle: dict[socket.socket, tuple[float, socket.socket]] = {}
-        self.forwarder = Forwarder(self)     # the upstream half: lb/proxy/forward.py
-        self.pipeline = Pipeline(self)       # the stages of every request: lb/proxy/pipeline.py
-        self.buffers = Budget()             # memory of every request and response buffer (lb/proxy/spool.py)
-        self.tls = None                     # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
-        self.tunnels: dict = {}             # client socket -> backend socket, while upgraded (for the drain)
-        self.holds = Holds()                # requests held by delay mode (--max-delay) now
+        self.forwarder = Forwarder(self)  # the upstream half: lb/proxy/forward.py
+        self.pipeline = Pipeline(self)  # the stages of every request: lb/proxy/pipeline.py
+        self.buffers = Budget()  # memory of every request and response buffer (lb/proxy/spool.py)
+        self.tls = None  # ssl.SSLContext when the listener speaks HTTPS (swapped on reload)
+        self.tunnels: dict = {}  # client socket -> backend socket, while upgraded (for the drain)
+        self.holds = Holds()  # requests held by delay mode (--max-delay) now
 
     # -- the connection loop ------------------------------------------------------------------------
 
@@ -200,21 +212,23 @@ class Edge:
         cert = tls.client_cert(tsock) if ctx.verify_mode != ssl.CERT_NONE else None
         if ctx.verify_mode != ssl.CERT_NONE:
             subject = cert.subject.lower() if cert is not None else None
-            self.metrics.tls_client_cert(cert is not None,
-                                         subject if subject in configured_subjects(cfg.rules) else None)
+            self.metrics.tls_client_cert(
+                cert is not None, subject if subject in configured_subjects(cfg.rules) else None
+            )
         try:
-            if tsock.selected_alpn_protocol() == "h2":      # offered only with [server] http2 on
+            if tsock.selected_alpn_protocol() == "h2":  # offered only with [server] http2 on
                 from lb.http2.server import serve as serve_h2
+
                 serve_h2(self, tsock, peer_ip, True, sock, cert)
             else:
                 self._serve(tsock, peer_ip, True, sock, cert)
         finally:
-            tls.close(tsock)   # wrapping detached the TCP socket: closing it is ours now
+            tls.close(tsock)  # wrapping detached the TCP socket: closing it is ours now
 
     def _serve(self, sock: socket.socket, peer_ip: str, over_tls: bool, accepted=None, cert=None) -> None:
         send_timeout(sock, self.cfg.send_timeout)
-        reader = Reader(sock, self.cfg.send_timeout)    # (the send bound matters to a TLS socket only)
-        reader.new_work = True                          # (lb/http/gate.py: new requests wait behind those under way)
+        reader = Reader(sock, self.cfg.send_timeout)  # (the send bound matters to a TLS socket only)
+        reader.new_work = True  # (lb/http/gate.py: new requests wait behind those under way)
         conn = ClientConn(sock, peer_ip, over_tls, reader, cert, accepted)
         down = H1Downstream(conn, self)
         conns = self.conns
@@ -228,8 +242,8 @@ class Edge:
         first = monotonic() + self.cfg.header_timeout
         check_tls = not over_tls
         try:
-            while True:                        # from SIGTERM on, handle() says close after each response
-                cfg = self.cfg                 # a reload applies from the next request on
+            while True:  # from SIGTERM on, handle() says close after each response
+                cfg = self.cfg  # a reload applies from the next request on
                 reader.deadline = first or None
                 try:
                     if not reader.buf:
@@ -241,20 +255,21 @@ class Edge:
                         if reader.buf[0] == tls.HANDSHAKE:
                             client_fault("client %s: TLS handshake sent to a plain-HTTP port; closed", peer_ip)
                             return
-                        if reader.buf[:3] == b"PRI" and cfg.http2 and _h2_preface(reader):   # h2c, prior knowledge
+                        if reader.buf[:3] == b"PRI" and cfg.http2 and _h2_preface(reader):  # h2c, prior knowledge
                             from lb.http2.server import serve as serve_h2
+
                             return serve_h2(self, sock, peer_ip, False, accepted, cert, bytes(reader.buf))
                     conns[sock] = True
                     idle.pop(sock, None)
                     reader.timeout = None
                     reader.deadline = first or monotonic() + cfg.header_timeout
                     first = 0.0
-                    reader.mark = reader.got - len(reader.buf)   # where this request's bytes begin
+                    reader.mark = reader.got - len(reader.buf)  # where this request's bytes begin
                     head = reader.read_head()
                     if head is None:
                         return
                     req = parse_request(head)
-                    req.client_cert = cert      # the connection's verified certificate (lb/http/tls.py), or None
+                    req.client_cert = cert  # the connection's verified certificate (lb/http/tls.py), or None
                 except HttpError as e:
                     self._refuse(sock, e.status, e.reason, peer_ip)
                     return
@@ -302,14 +317,14 @@ class Edge:
         while idle:
             try:
                 sock, (_, accepted) = min(list(idle.items()), key=_since)
-            except ValueError:        # emptied by the connections' own threads meanwhile
+            except ValueError:  # emptied by the connections' own threads meanwhile
                 return None
             if idle.pop(sock, None) is None:
-                continue              # it went busy (or ended) just now: the next one
+                continue  # it went busy (or ended) just now: the next one
             try:
                 socket.socket.shutdown(sock, socket.SHUT_RD)
             except OSError:
-                continue              # already closed: its slot frees itself
+                continue  # already closed: its slot frees itself
             return accepted
         return None
 
@@ -321,7 +336,7 @@ class Edge:
         client_fault("client %s: %d %s", peer_ip, status, reason)
         self.metrics.edge_answered(status, 0.0)
         rid = new_request_id()
-        access_log = self.access_log       # once: a reload may turn it off between two reads
+        access_log = self.access_log  # once: a reload may turn it off between two reads
         if access_log is not None:
             access_log.refusal(peer_ip, status, reason, request_id=rid.decode())
         extra = b"X-Request-Id: " + rid + b"\r\n" if self.cfg.request_id_response else b""
@@ -344,17 +359,17 @@ class Edge:
         x = Exchange(req, monotonic(), conn.scheme)
         x.reader = conn.reader
         if conn.identifier is not self.identifier:
-            conn.trust(self.identifier)      # once per connection and per reload
+            conn.trust(self.identifier)  # once per connection and per reload
         return self.pipeline.run(x, conn, down, body)
 
     def record(self, x: "Exchange", status: int) -> None:
         """The request's outcome is known: the access-log line (once per request)."""
         x.status = status
         self.metrics.answered(x.req.version)
-        access_log = self.access_log       # once: a reload may turn it off between two reads
+        access_log = self.access_log  # once: a reload may turn it off between two reads
         if access_log is not None:
             r = x.reader
-            if r is not None:                # head and body bytes read for this request (nginx's request_length)
+            if r is not None:  # head and body bytes read for this request (nginx's request_length)
                 x.bytes_received = r.got - len(r.buf) - r.mark
             access_log.record(x, status, monotonic() - x.start)
 
@@ -362,16 +377,20 @@ class Edge:
         """The client went away before its answer: not a backend failure. Logged and counted as 499
         (nginx's code), against the backend's requests when the request had reached it."""
         b = x.backend.url if (reached and x.backend is not None) else None
-        log.info("client closed the connection before the answer: %s %s -> 499%s", x.req.method.decode(),
-                 x.req.target[:200].decode("latin-1"), f" (backend {b})" if b else "")
+        log.info(
+            "client closed the connection before the answer: %s %s -> 499%s",
+            x.req.method.decode(),
+            x.req.target[:200].decode("latin-1"),
+            f" (backend {b})" if b else "",
+        )
         self.metrics.client_failed(b, 499, monotonic() - x.start)
         self.record(x, 499)
-
 
 
 def _h2_preface(reader: Reader) -> bool:
     """Whether the connection opens with HTTP/2's preface (read on until it is whole or cannot be)."""
     from lb.http2.server import PREFACE
+
     while len(reader.buf) < len(PREFACE) and PREFACE.startswith(bytes(reader.buf)):
         if not reader.fill():
             return False

@@ -27,7 +27,7 @@ from lb.upstream.failures import NOT_THE_BACKENDS, Failure
 from lb.upstream.retrypolicy import RetryPolicy, retry_after
 
 log = logging.getLogger("edge")
-retry_log = ClientFaults(log, what="retries")   # retries past connect: one WARNING per window, then a count
+retry_log = ClientFaults(log, what="retries")  # retries past connect: one WARNING per window, then a count
 
 
 class Forwarder:
@@ -36,7 +36,7 @@ class Forwarder:
     def __init__(self, edge):
         self.edge = edge
         self._policy, self._policy_of = None, None
-        self.relay = Relay(self).relay     # the response half: lb/proxy/relay.py
+        self.relay = Relay(self).relay  # the response half: lb/proxy/relay.py
 
     # -- one request --------------------------------------------------------------------------------
 
@@ -54,7 +54,7 @@ class Forwarder:
         """
         edge = self.edge
         req = x.req
-        streamed = not isinstance(body, (bytes, SpooledBody))   # a spooled body is whole, like bytes
+        streamed = not isinstance(body, (bytes, SpooledBody))  # a spooled body is whole, like bytes
         if streamed:
             length = None if req.chunked else req.content_length
         else:
@@ -62,24 +62,35 @@ class Forwarder:
         policy = self.policy()
         budget = edge.retry_budget
         budget.start()
-        t = None              # the tries so far (_Tries), made at the first failure
+        t = None  # the tries so far (_Tries), made at the first failure
         if not backend.in_rotation:
             # Ejected (or taken out) since it was picked -- in a burst, by the failures of requests
             # picked just before this one: choose again rather than try it. Nothing was tried yet.
             backend = self.repick(x, backend)
-        x.upstream_start = monotonic()   # upstream_seconds: every try, up to the last response byte
+        x.upstream_start = monotonic()  # upstream_seconds: every try, up to the last response byte
         try:
             while True:
                 cfg = edge.cfg
-                head = upstream_head(req, backend, conn.peer, conn.peer_trusted, cfg.no_pool, x.proto, x.upgrade,
-                                     x.rid_sent, length, cfg.allow_underscores, x)
-                x.counted = backend      # uncount() takes back this count, whichever backend a retry names next
+                head = upstream_head(
+                    req,
+                    backend,
+                    conn.peer,
+                    conn.peer_trusted,
+                    cfg.no_pool,
+                    x.proto,
+                    x.upgrade,
+                    x.rid_sent,
+                    length,
+                    cfg.allow_underscores,
+                    x,
+                )
+                x.counted = backend  # uncount() takes back this count, whichever backend a retry names next
                 with backend.lock:
                     backend.inflight += 1
                 try:
                     try:
                         if t is None and cfg.hedge_after and hedge.eligible(x, body):
-                            uc, rh, ur, backend = hedge.attempt(self, x, backend, head, body)   # lb/proxy/hedge.py
+                            uc, rh, ur, backend = hedge.attempt(self, x, backend, head, body)  # lb/proxy/hedge.py
                         else:
                             uc, rh, ur = attempt(cfg, x, backend, head, body)
                     except UpstreamFailed as f:
@@ -87,8 +98,9 @@ class Forwarder:
                         nxt = self.after_failure(x, t, backend, f, policy, streamed)
                         if nxt is None:
                             # a streamed body may be half read: close, lingering
-                            return self.failed(down, x, f.kind, f.detail, req.keep_alive and not streamed, t.tried,
-                                               linger=streamed)
+                            return self.failed(
+                                down, x, f.kind, f.detail, req.keep_alive and not streamed, t.tried, linger=streamed
+                            )
                         backend = nxt
                         continue
                     except HttpError as e:
@@ -119,8 +131,9 @@ class Forwarder:
             if t is not _ENDED:
                 budget.end(t is not None and t.held)
 
-    def after_failure(self, x, t: "_Tries", backend: Backend, f: UpstreamFailed, policy: RetryPolicy,
-                      streamed: bool) -> Backend | None:
+    def after_failure(
+        self, x, t: "_Tries", backend: Backend, f: UpstreamFailed, policy: RetryPolicy, streamed: bool
+    ) -> Backend | None:
         """A try failed before a response head: the backend to try next, or None to answer f."""
         t.tried += [backend, *f.also_tried]
         kind = f.kind
@@ -149,8 +162,9 @@ class Forwarder:
             sleep(policy.backoff(len(t.tried) - 1))
         return nxt
 
-    def after_status(self, x, t: "_Tries", backend: Backend, uc, rh, policy: RetryPolicy,
-                     streamed: bool) -> Backend | None:
+    def after_status(
+        self, x, t: "_Tries", backend: Backend, uc, rh, policy: RetryPolicy, streamed: bool
+    ) -> Backend | None:
         """A 5xx the retry policy names: the head is ours alone so far (relay() has not begun), so it can
         still go elsewhere, its connection closed with the body unread. The backend to try next, or None
         to relay this answer."""
@@ -182,14 +196,20 @@ class Forwarder:
         if duration:
             if isinstance(why, bytes):
                 why = why[9:].decode("latin-1")
-            log.warning("backend %s EJECTED for %gs: %d consecutive failed requests (last: %s); "
-                        "ejection %d", backend.url, duration, ej.eject_after, why, backend.times_ejected)
+            log.warning(
+                "backend %s EJECTED for %gs: %d consecutive failed requests (last: %s); ejection %d",
+                backend.url,
+                duration,
+                ej.eject_after,
+                why,
+                backend.times_ejected,
+            )
             edge.metrics.ejection(backend.url)
 
     def repick(self, x, backend: Backend) -> Backend:
         nxt = self.balancer(backend).pick()
         if nxt is None:
-            return backend    # nobody else: try it anyway (it may be the one that answers)
+            return backend  # nobody else: try it anyway (it may be the one that answers)
         x.backend = nxt
         if x.set_cookie:
             x.set_cookie = route_set_cookie(nxt)
@@ -229,24 +249,35 @@ class Forwarder:
                 secs = retry_after(value)
                 if secs:
                     self.balancer(backend).rest(backend, secs)
-                    retry_log("backend %s answered 503 with Retry-After: %s: not picked for %gs", backend.url,
-                              value.decode("latin-1"), secs)
+                    retry_log(
+                        "backend %s answered 503 with Retry-After: %s: not picked for %gs",
+                        backend.url,
+                        value.decode("latin-1"),
+                        secs,
+                    )
                 return
 
-    def retrying(self, x, failed: Backend, kind: str | None, detail: str, cond: str, nxt: Backend,
-                 tries: int) -> None:
+    def retrying(self, x, failed: Backend, kind: str | None, detail: str, cond: str, nxt: Backend, tries: int) -> None:
         """A failed try is retried elsewhere: logged and counted, not answered. kind: the failure's
         (None: the backend answered, with the status `detail` names)."""
         req = x.req
         x.tries = tries + 1
-        if x.set_cookie:          # sticky: the client is pinned to whoever answers
+        if x.set_cookie:  # sticky: the client is pinned to whoever answers
             x.set_cookie = route_set_cookie(nxt)
         x.backend = nxt
         # A connect failure's line as always (one per request: passive health ejects the backend soon);
         # the other conditions can be every request of an outage: rate-limited, then one summary.
         say = log.warning if cond == "connect" else retry_log
-        say("backend %s %s: %s %s (%s); retrying on %s (try %d)", failed.url, kind or "answered",
-            req.method.decode(), req.target[:200].decode("latin-1"), detail, nxt.url, tries + 1)
+        say(
+            "backend %s %s: %s %s (%s); retrying on %s (try %d)",
+            failed.url,
+            kind or "answered",
+            req.method.decode(),
+            req.target[:200].decode("latin-1"),
+            detail,
+            nxt.url,
+            tries + 1,
+        )
         self.edge.metrics.try_failed(failed.url, kind, cond)
 
     def failed(self, down, x, kind: Failure, detail: str, keep: bool, tried=None, linger: bool = False) -> bool:
@@ -255,12 +286,19 @@ class Forwarder:
         backends. linger: the rest of the request body may still be arriving."""
         req, backend = x.req, x.backend
         status = kind.status
-        after = "" if not tried or len(tried) < 2 else \
-            f" after {len(tried)} tries: {', '.join(b.url for b in tried)}"
-        log.warning("backend %s %s: %s %s -> %d (%s)%s", backend.url, kind, req.method.decode(),
-                    req.target[:200].decode("latin-1"), status, detail, after)
+        after = "" if not tried or len(tried) < 2 else f" after {len(tried)} tries: {', '.join(b.url for b in tried)}"
+        log.warning(
+            "backend %s %s: %s %s -> %d (%s)%s",
+            backend.url,
+            kind,
+            req.method.decode(),
+            req.target[:200].decode("latin-1"),
+            status,
+            detail,
+            after,
+        )
         self.edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
-        keep = keep and not self.edge.closing      # from SIGTERM on, as relay() and the pipeline say it
+        keep = keep and not self.edge.closing  # from SIGTERM on, as relay() and the pipeline say it
         return down.local_reply(x, status, kind.reason, keep, linger=linger)
 
     def client_failed(self, down, x, status: int, reason: str) -> bool:
@@ -271,6 +309,7 @@ class Forwarder:
         return down.local_reply(x, status, reason, False, linger=True)
 
     # -- relaying the response ------------------------------------------------------------------------
+
 
 class _Tries:
     """One request's tries once one failed: the backends tried, whether it holds a retry slot of the
@@ -284,4 +323,4 @@ class _Tries:
         self.regone = None
 
 
-_ENDED = _Tries()     # forward()'s mark: the budget was already told this request ended (a tunnel began)
+_ENDED = _Tries()  # forward()'s mark: the budget was already told this request ended (a tunnel began)

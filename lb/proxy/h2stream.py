@@ -19,10 +19,10 @@ class StreamDownstream(H1Downstream):
 
     def __init__(self, conn, edge, codec):
         H1Downstream.__init__(self, conn, edge)
-        self.sock = None                  # the relay's neutral path
-        self.codec = codec                # lb.http2.downstream.H2Downstream
+        self.sock = None  # the relay's neutral path
+        self.codec = codec  # lb.http2.downstream.H2Downstream
         codec.edge, codec.build = edge, replies.build
-        self.stream = codec.stream        # (lb/http2/h2c.py: its reset cancels a backend call)
+        self.stream = codec.stream  # (lb/http2/h2c.py: its reset cancels a backend call)
 
     def local_reply(self, x, status: int, reason: str, keep: bool, linger: bool = False) -> bool:
         try:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from lb.upstream.breaker import Breaker
 
 log = logging.getLogger("edge")
-hedge_log = ClientFaults(log, what="hedge failures")     # one WARNING per window under an outage, then a count
+hedge_log = ClientFaults(log, what="hedge failures")  # one WARNING per window under an outage, then a count
 
 RESULTS = ("won", "lost", "failed")
 
@@ -68,7 +68,7 @@ def attempt(fw, x, backend, head: bytes | bytearray, body: bytes):
     try:
         return race.run()
     except BaseException:
-        race.abandon()    # whatever ended the first try, a hedge still out must not win for nobody
+        race.abandon()  # whatever ended the first try, a hedge still out must not win for nobody
         raise
     finally:
         race.leave()
@@ -96,19 +96,19 @@ class Race:
         self.fw, self.x, self.first, self.head, self.body = fw, x, backend, head, body
         self.after = after
         # What fire() makes is None until then: once self.fired, other, done, lock and pipe are set.
-        self.started: float | None = None     # when the first try's request was sent (its first wait)
-        self.fired = False           # the hedge was sent
-        self.other: Backend | None = None     # the hedge's backend
-        self.winner: str | None = None        # "first" | "hedge", once a side claimed the race
-        self.result: tuple | None = None      # the hedge's (conn, rh, ur) when it won
-        self.failure: Any = None     # the hedge's UpstreamFailed (or _Failed), when it failed: .kind, .detail
-        self.done: threading.Event | None = None   # the hedge's thread is over (made when it starts)
-        self.lock: threading.Lock | None = None    # made with the hedge: a request never hedged pays for neither
-        self.pipe: tuple[int, int] | None = None   # (r, w): a byte on it once somebody claimed the race
-        self.users = 1               # who still needs the pipe (this request; the hedge's thread)
-        self.slot = False            # a retry budget slot and a breaker place are held for the hedge
+        self.started: float | None = None  # when the first try's request was sent (its first wait)
+        self.fired = False  # the hedge was sent
+        self.other: Backend | None = None  # the hedge's backend
+        self.winner: str | None = None  # "first" | "hedge", once a side claimed the race
+        self.result: tuple | None = None  # the hedge's (conn, rh, ur) when it won
+        self.failure: Any = None  # the hedge's UpstreamFailed (or _Failed), when it failed: .kind, .detail
+        self.done: threading.Event | None = None  # the hedge's thread is over (made when it starts)
+        self.lock: threading.Lock | None = None  # made with the hedge: a request never hedged pays for neither
+        self.pipe: tuple[int, int] | None = None  # (r, w): a byte on it once somebody claimed the race
+        self.users = 1  # who still needs the pipe (this request; the hedge's thread)
+        self.slot = False  # a retry budget slot and a breaker place are held for the hedge
         self.breaker: Breaker | None = None
-        self.taken = False           # the hedge's winning exchange became the request's (hedge_won)
+        self.taken = False  # the hedge's winning exchange became the request's (hedge_won)
 
     # -- the request's own thread -------------------------------------------------------------------
 
@@ -116,15 +116,15 @@ class Race:
         fw, x = self.fw, self.x
         try:
             conn, rh, ur = try_once(fw.edge.cfg, x, self.first, self.head, self.body, wait=self.wait_first)
-        except Exception as f:       # UpstreamFailed (forward's); anything else is not ours to judge
+        except Exception as f:  # UpstreamFailed (forward's); anything else is not ours to judge
             if not self.fired or getattr(f, "kind", None) is None:
                 raise
             if f.kind != "hedged":
-                self.done.wait()     # the first failed: the hedge may still answer (its own timeouts bound it)
+                self.done.wait()  # the first failed: the hedge may still answer (its own timeouts bound it)
                 if self.winner != "hedge":
                     x.hedge = ("failed", self.other.url)
-                    f.also_tried = (self.other,)   # a retry (--retry-on) goes to a third backend
-                    raise            # both failed: forward() answers (or retries) the first's failure
+                    f.also_tried = (self.other,)  # a retry (--retry-on) goes to a third backend
+                    raise  # both failed: forward() answers (or retries) the first's failure
             self.first_abandoned(None if f.kind == "hedged" else f)
             return self.hedge_won()
         if self.fired:
@@ -147,9 +147,9 @@ class Race:
                 return
             left = self.started + self.after - now
             if ur.timeout is not None and ur.timeout <= left:
-                return      # a per-try (or read) timeout shorter than the hedge's delay decides first
+                return  # a per-try (or read) timeout shorter than the hedge's delay decides first
             if left > 0 and _poll_one(ur.sock, left):
-                return                           # the head is arriving: no hedge (the common case)
+                return  # the head is arriving: no hedge (the common case)
             if not self.fire():
                 return
         self.race(ur, "first", self.started)
@@ -165,13 +165,13 @@ class Race:
             with first.lock:
                 first.inflight -= 1
         x.backend = other
-        if x.set_cookie:             # sticky: the client is pinned to whoever answers, as after a retry
+        if x.set_cookie:  # sticky: the client is pinned to whoever answers, as after a retry
             x.set_cookie = b"Set-Cookie: route=" + other.route.encode() + b"; Path=/; HttpOnly\r\n"
         conn, rh, ur = self.result
         x.upstream_status = rh.status
         x.hedge = ("won", self.first.url)
         self.fw.edge.metrics.inc("lb_hedges_total", result="won")
-        self.give_back()             # the first's connection is closed: the pool carries one again
+        self.give_back()  # the first's connection is closed: the pool carries one again
         return conn, rh, ur, other
 
     def abandon(self) -> None:
@@ -181,7 +181,7 @@ class Race:
             return
         if self.winner == "hedge" and not self.taken:
             other, result = self.other, self.result
-            assert other is not None and result is not None    # fired, then the hedge's claim() set its result
+            assert other is not None and result is not None  # fired, then the hedge's claim() set its result
             self.taken = True
             other.pool.release(result[0], False)
             with other.lock:
@@ -206,7 +206,7 @@ class Race:
         """Pick another backend and send it the request on a thread of its own: False when the pool
         has nobody else to ask, or the retry budget or the breaker says no."""
         edge = self.fw.edge
-        pool = self.first.cluster or edge.pool     # the hedge stays in the first try's pool (lb/upstream/pools.py)
+        pool = self.first.cluster or edge.pool  # the hedge stays in the first try's pool (lb/upstream/pools.py)
         budget, breaker = edge.retry_budget, pool.breaker
         # The caps first (a look, no lock): a hedge they refuse takes nobody's round-robin turn.
         if budget.retrying >= budget.allowed():
@@ -220,7 +220,7 @@ class Race:
             return False
         try:
             pipe = os.pipe()
-        except OSError:              # out of descriptors: the first try goes on alone (never its failure)
+        except OSError:  # out of descriptors: the first try goes on alone (never its failure)
             return False
         if breaker.max_requests:
             if not breaker.enter(count=False):
@@ -228,7 +228,7 @@ class Race:
                 _close(pipe)
                 return False
             self.breaker = breaker
-        if not budget.try_retry(False):      # taken by another request since the look above
+        if not budget.try_retry(False):  # taken by another request since the look above
             if self.breaker is not None:
                 self.breaker.leave()
                 self.breaker = None
@@ -243,11 +243,11 @@ class Race:
         self.other = other
         self.fired = True
         with other.lock:
-            other.inflight += 1      # the hedge loads its backend (least-request, the drain) from now
+            other.inflight += 1  # the hedge loads its backend (least-request, the drain) from now
         self.users += 1
         try:
             threading.Thread(target=self._hedge, daemon=True, name="hedge").start()
-        except RuntimeError:         # no thread to be had: the first try goes on alone
+        except RuntimeError:  # no thread to be had: the first try goes on alone
             self.users -= 1
             self.fired = False
             with other.lock:
@@ -258,12 +258,12 @@ class Race:
 
     def _hedge(self) -> None:
         other, done, won = self.other, self.done, False
-        assert other is not None and done is not None    # this thread is fire()'s, started once both were set
+        assert other is not None and done is not None  # this thread is fire()'s, started once both were set
         t = _Try(self.x.req)
         try:
             conn, rh, ur = try_once(self.fw.edge.cfg, t, other, self.head, self.body, wait=self.wait_hedge)
-        except Exception as f:       # forward.py's UpstreamFailed (kind, detail); never a dead thread
-            kind = getattr(f, "kind", None)    # with the accounting held
+        except Exception as f:  # forward.py's UpstreamFailed (kind, detail); never a dead thread
+            kind = getattr(f, "kind", None)  # with the accounting held
             if kind is None:
                 log.error("hedge to backend %s: %r", other.url, f)
                 self.failure = _Failed("protocol", repr(f))
@@ -288,7 +288,7 @@ class Race:
     def hedge_over(self) -> None:
         """The hedge lost or failed: its count, its budget slot and breaker place back; counted."""
         other, m, f = self.other, self.fw.edge.metrics, self.failure
-        assert other is not None                 # only a hedge that was sent is over
+        assert other is not None  # only a hedge that was sent is over
         with other.lock:
             other.inflight -= 1
         self.give_back()
@@ -300,8 +300,14 @@ class Race:
         if f.kind not in ("pool", "gone"):
             self.fw.observe(other, False, f.detail)
             m.inc("lb_upstream_errors_total", backend=other.url, kind=f.kind)
-        hedge_log("hedge to backend %s %s: %s %s (%s)", other.url, f.kind, self.x.req.method.decode(),
-                  self.x.req.target[:200].decode("latin-1"), f.detail)
+        hedge_log(
+            "hedge to backend %s %s: %s %s (%s)",
+            other.url,
+            f.kind,
+            self.x.req.method.decode(),
+            self.x.req.target[:200].decode("latin-1"),
+            f.detail,
+        )
 
     # -- the race -----------------------------------------------------------------------------------
 
@@ -311,7 +317,7 @@ class Race:
         Bounded by ur.timeout from when this side's request was sent (so a per-try timeout means the
         same hedged or not) and by ur.deadline."""
         sock = ur.sock
-        assert self.pipe is not None             # a race is run only once fire() sent the hedge
+        assert self.pipe is not None  # a race is run only once fire() sent the hedge
         wake = self.pipe[0]
         p = select.poll()
         p.register(sock, select.POLLIN)
@@ -326,7 +332,7 @@ class Race:
                 return
             if _pending(sock):
                 if not ur.fill():
-                    return               # closed: attempt() sees what it sees (a reset)
+                    return  # closed: attempt() sees what it sees (a reset)
                 continue
             left = limit - monotonic()
             if left <= 0:
@@ -341,7 +347,7 @@ class Race:
     def claim(self, me: str, result=None) -> bool:
         """The first to claim wins; the other side is woken to give up."""
         lock, pipe = self.lock, self.pipe
-        assert lock is not None and pipe is not None    # claimed only once the hedge was sent
+        assert lock is not None and pipe is not None  # claimed only once the hedge was sent
         with lock:
             if self.winner is not None:
                 return False
@@ -355,7 +361,7 @@ class Race:
 
     def give_back(self) -> None:
         """The loser's connection is closed: the budget slot and the breaker place go back, once."""
-        assert self.lock is not None             # given back only once the hedge was sent
+        assert self.lock is not None  # given back only once the hedge was sent
         with self.lock:
             if not self.slot:
                 return
@@ -367,7 +373,7 @@ class Race:
 
     def leave(self) -> None:
         if self.lock is None:
-            return                   # never hedged: nothing to close
+            return  # never hedged: nothing to close
         with self.lock:
             self.users -= 1
             close = self.users == 0 and self.pipe is not None
@@ -396,5 +402,10 @@ def status(cfg, metrics) -> dict:
     """/status: the setting and this process's hedges by result (sent = their sum), and those skipped."""
     results = metrics.by_label("lb_hedges_total", "result")
     by = {r: results.get(r, 0) for r in RESULTS}
-    return {"after": cfg.hedge_after, "sent": sum(by.values()), "won": by["won"], "by_result": by,
-            "skipped": metrics.by_label("lb_hedges_skipped_total", "reason")}
+    return {
+        "after": cfg.hedge_after,
+        "sent": sum(by.values()),
+        "won": by["won"],
+        "by_result": by,
+        "skipped": metrics.by_label("lb_hedges_skipped_total", "reason"),
+    }

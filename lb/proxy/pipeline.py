@@ -60,14 +60,14 @@ class Pipeline:
             status, reason, keep, counters = answer
             return self.reply(x, down, status, reason, keep, **counters)
         except ClientGone:
-            if x.status is None:     # the client left before its answer was complete: nginx's 499
+            if x.status is None:  # the client left before its answer was complete: nginx's 499
                 edge.metrics.edge_answered(499, monotonic() - x.start)
                 edge.record(x, 499)
             raise
         finally:
             if x.slots is not None:  # in-flight slots (--max-in-flight): given back on every path, here only
                 release_slots(x.slots)
-            if x.admitted is not None:   # the pool's circuit breaker, likewise
+            if x.admitted is not None:  # the pool's circuit breaker, likewise
                 x.admitted.leave()
 
     def reply(self, x, down, status: int, reason: str, keep: bool, **counters) -> bool:
@@ -90,7 +90,7 @@ class Pipeline:
         req = x.req
         rid = req.request_id
         if rid is None or not _REQUEST_ID.fullmatch(rid):
-            x.rid_sent = rid = new_request_id()      # replaces whatever the client sent
+            x.rid_sent = rid = new_request_id()  # replaces whatever the client sent
         x.request_id = rid
         if cfg.request_id_response:
             x.rid_header = b"X-Request-Id: " + rid + b"\r\n"
@@ -106,8 +106,12 @@ class Pipeline:
             route = x.route = router.match(req)
             if route is not None and route.acl and not route.admits(x.client_ip):
                 edge.metrics.inc("lb_route_denied_total", route=route.name)
-                return 403, f"forbidden (route {route.name})", \
-                    req.keep_alive and not (req.chunked or req.content_length), _NONE
+                return (
+                    403,
+                    f"forbidden (route {route.name})",
+                    req.keep_alive and not (req.chunked or req.content_length),
+                    _NONE,
+                )
         return None
 
     def limit(self, x, down, keep: bool):
@@ -123,7 +127,7 @@ class Pipeline:
         v = limiter.check(x.req, x.client_ip, route=x.route.name if x.route is not None else None)
         x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
         metrics = edge.metrics
-        if v.degraded:                   # the store was unreachable: its failure policy decided
+        if v.degraded:  # the store was unreachable: its failure policy decided
             metrics.limiter_error()
         if v.rejected or v.dry or v.exempt:
             metrics.limit_outcome(v.rejected, v.dry, v.exempt, v.admitted, v.label)
@@ -133,7 +137,7 @@ class Pipeline:
             return v.status, v.reason, keep and v.status != 400, _NONE
         x.slots = v.slots
         if v.delay and not edge.holds.hold(v.delay, limiter.max_delayed, metrics, down.hold):
-            x.rl += b"Retry-After: %d\r\n" % math.ceil(v.delay)   # held requests at their cap
+            x.rl += b"Retry-After: %d\r\n" % math.ceil(v.delay)  # held requests at their cap
             return limiter.status_code, "too many requests held", keep, _NONE
         return None
 
@@ -148,7 +152,7 @@ class Pipeline:
         sticky = route_cookie(req.cookie) if cfg.sticky and req.cookie else None
         route = x.route
         pool = x.pool = edge.pool if route is None else route.choose(sticky)
-        if pool is None:           # none of this route's pools has anyone in rotation: this route only
+        if pool is None:  # none of this route's pools has anyone in rotation: this route only
             edge.metrics.inc("lb_route_unavailable_total", route=route.name)
             return 503, f"no healthy backend (route {route.name})", keep, _UNAVAILABLE
         if route is not None:
@@ -156,8 +160,12 @@ class Pipeline:
         breaker = pool.breaker
         if breaker.max_requests:
             if not breaker.enter():
-                return 503, f"overflow: {breaker.max_requests} requests in flight to the pool (max_requests)", \
-                    keep, _NONE
+                return (
+                    503,
+                    f"overflow: {breaker.max_requests} requests in flight to the pool (max_requests)",
+                    keep,
+                    _NONE,
+                )
             x.admitted = breaker
         if pool.ejector.ejected:
             pool.sweep_ejections(edge.metrics)
@@ -196,15 +204,16 @@ class Pipeline:
             x.upgrade = tunnel.requested(req, edge.cfg.upgrades)
             if x.upgrade is not None:
                 return edge.forwarder.forward(x, x.backend, b"", conn, down)
-        if x.backend.h2 is not None:      # an h2c:// backend: the body streams with the call (lb/http2/h2c.py)
+        if x.backend.h2 is not None:  # an h2c:// backend: the body streams with the call (lb/http2/h2c.py)
             from lb.http2.h2c import forward as forward_h2c
+
             return forward_h2c(edge, x, x.backend, conn, down)
         if body is None:
             body = b""
             if has_body:
                 try:
                     body = down.read_body(x)
-                except NotBuffered as e:     # our disk, not the client: logged where it failed
+                except NotBuffered as e:  # our disk, not the client: logged where it failed
                     return self.reply(x, down, e.status, e.reason, False)
                 except HttpError as e:
                     client_fault("client %s: %d %s", conn.peer_ip, e.status, e.reason)
@@ -217,7 +226,7 @@ class Pipeline:
         try:
             return edge.forwarder.forward(x, x.backend, body, conn, down)
         finally:
-            body.close()         # its memory back to the budget, its temp file gone: on every path
+            body.close()  # its memory back to the budget, its temp file gone: on every path
 
 
 _NONE: dict = {}

@@ -25,7 +25,7 @@ from lb.upstream.failures import Failure
 
 log = logging.getLogger("edge")
 
-PIECE = 262144               # the most of a body held at once while relaying
+PIECE = 262144  # the most of a body held at once while relaying
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
@@ -42,7 +42,7 @@ class Relay:
         pool. The edge writes the framing: the client never sees a Content-Length and a
         Transfer-Encoding together, nor a length the edge did not parse."""
         sock = down.sock
-        if sock is None:                  # a Downstream without HTTP/1.1's raw path (HTTP/2)
+        if sock is None:  # a Downstream without HTTP/1.1's raw path (HTTP/2)
             return self.relay_fields(x, rh, ur, uc, down, in_sync)
         req, backend = x.req, x.backend
         out, mode, client_keep = self.response_head(x, rh, in_sync)
@@ -76,7 +76,7 @@ class Relay:
             raise
         self.relayed(x, rh, ur, uc, c, upstream_ok)
         if not in_sync:
-            linger(sock)    # the client may still be sending the body the backend refused
+            linger(sock)  # the client may still be sending the body the backend refused
         return client_keep
 
     def relay_fields(self, x, rh, ur: Reader, uc, down, in_sync: bool) -> bool:
@@ -117,12 +117,17 @@ class Relay:
         except (socket.timeout, UpstreamError, OSError, EOFError, HttpError) as e:
             backend.pool.release(uc, False)
             if not started:
-                raise ClientGone() from None      # start() failed: the client's side, not the backend's
+                raise ClientGone() from None  # start() failed: the client's side, not the backend's
             down.abort()
             kind = Failure.TIMEOUT if isinstance(e, socket.timeout) else Failure.RESET
             self.fw.observe(backend, False, f"{kind} mid-response")
-            log.warning("backend %s %s mid-response: %s %s (the response is aborted)",
-                        backend.url, kind, req.method.decode(), req.target[:200].decode("latin-1"))
+            log.warning(
+                "backend %s %s mid-response: %s %s (the response is aborted)",
+                backend.url,
+                kind,
+                req.method.decode(),
+                req.target[:200].decode("latin-1"),
+            )
             self.edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
             self.edge.record(x, status)
             return False
@@ -141,16 +146,17 @@ class Relay:
         client_keep = req.keep_alive and in_sync and not self.edge.closing
         skip = not_relayed(x.rl, x.rid_header)
         ours = x.rid_header + x.rl + x.set_cookie
-        edit = x.route.response_edit if x.route is not None else None    # a route's header rules (lb/proxy/routes.py)
+        edit = x.route.response_edit if x.route is not None else None  # a route's header rules (lb/proxy/routes.py)
         slow = False
         if edit is not None:
             skip = skip | edit.drop
             ours = edit.render(x) + ours
-            slow = not edit.drop <= RESPONSE_NAMES    # a removed name the parser does not locate
-        out, mode, client_keep = response_plan(rh, req.method, req.version == b"HTTP/1.0", client_keep,
-                                               skip, bool(x.rl), ours, slow)   # (lb/http/plan.py)
+            slow = not edit.drop <= RESPONSE_NAMES  # a removed name the parser does not locate
+        out, mode, client_keep = response_plan(
+            rh, req.method, req.version == b"HTTP/1.0", client_keep, skip, bool(x.rl), ours, slow
+        )  # (lb/http/plan.py)
         if rh.status == 101:
-            rh.close = True      # no tunnel here (the upgrade path is its own): the backend's side is done too
+            rh.close = True  # no tunnel here (the upgrade path is its own): the backend's side is done too
         return out, mode, client_keep
 
     def client_side(self, sock, rh, ur: Reader, url: str):
@@ -158,8 +164,12 @@ class Relay:
         client (_Buffered, reading through it) or straight (_Client)."""
         cfg = self.edge.cfg
         if _buffered(cfg, rh):
-            c = _Buffered(sock, Spool(self.edge.buffers, cfg.buffer_memory, cfg.max_temp_file_size, cfg.temp_dir),
-                          cfg.send_timeout, url)
+            c = _Buffered(
+                sock,
+                Spool(self.edge.buffers, cfg.buffer_memory, cfg.max_temp_file_size, cfg.temp_dir),
+                cfg.send_timeout,
+                url,
+            )
             return c, c.reader(ur)
         return _Client(sock), ur
 
@@ -168,17 +178,27 @@ class Relay:
         yet, else a close, so the truncation shows."""
         edge = self.edge
         req, backend = x.req, x.backend
-        kind = (Failure.TIMEOUT if isinstance(e, socket.timeout) else
-                Failure.PROTOCOL if isinstance(e, (UpstreamError, HttpError)) else Failure.RESET)
+        kind = (
+            Failure.TIMEOUT
+            if isinstance(e, socket.timeout)
+            else Failure.PROTOCOL
+            if isinstance(e, (UpstreamError, HttpError))
+            else Failure.RESET
+        )
         backend.pool.release(uc, False)
         if c is not None:
-            c.close()    # what is still buffered is never sent: the client sees the truncation
-        if c is not None and not c.n and not c.partial:   # nothing reached the client yet: a clean answer
+            c.close()  # what is still buffered is never sent: the client sees the truncation
+        if c is not None and not c.n and not c.partial:  # nothing reached the client yet: a clean answer
             self.fw.observe(backend, False, f"{kind} before the response body")
             return self.fw.failed(down, x, kind, "failed before the response body", req.keep_alive and in_sync)
         self.fw.observe(backend, False, f"{kind} mid-response")
-        log.warning("backend %s %s mid-response: %s %s (closing the client connection)",
-                    backend.url, kind, req.method.decode(), req.target[:200].decode("latin-1"))
+        log.warning(
+            "backend %s %s mid-response: %s %s (closing the client connection)",
+            backend.url,
+            kind,
+            req.method.decode(),
+            req.target[:200].decode("latin-1"),
+        )
         edge.metrics.upstream_error(backend.url, kind, status, monotonic() - x.start)
         edge.record(x, status)
         return False
@@ -192,8 +212,9 @@ class Relay:
         if reusable and ur.buf:
             # More than the response (a second one, a body after a HEAD, 204 or 304, a Content-Length
             # too short): never relayed, and the connection is not reused for someone else to read it.
-            log.warning("backend %s sent %d bytes after a complete response: closed, not relayed",
-                        backend.url, len(ur.buf))
+            log.warning(
+                "backend %s sent %d bytes after a complete response: closed, not relayed", backend.url, len(ur.buf)
+            )
             reusable = False
         elif reusable:
             ack_now(uc.sock)
@@ -219,11 +240,14 @@ def relayed_fields(x, rh) -> list[tuple[bytes, bytes]]:
     tokens = rh.conn_tokens
     limiting = bool(x.rl)
     skip = not_relayed(x.rl, x.rid_header)
-    edit = x.route.response_edit if x.route is not None else None    # lb/proxy/routes.py
+    edit = x.route.response_edit if x.route is not None else None  # lb/proxy/routes.py
     if edit is not None:
         skip = skip | edit.drop
-    out = [(name, value) for name, lname, value in rh.headers
-           if not (lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"))]
+    out = [
+        (name, value)
+        for name, lname, value in rh.headers
+        if not (lname in skip or (tokens and lname in tokens) or (limiting and lname[:12] == b"x-ratelimit-"))
+    ]
     out += _pairs((edit.render(x) if edit is not None else b"") + x.rid_header + x.rl + x.set_cookie)
     return out
 
@@ -308,7 +332,7 @@ class _Client:
 
     __slots__ = ("sock", "n")
     buffered = False
-    partial = False          # some bytes may have left though none are counted (a TLS want-write)
+    partial = False  # some bytes may have left though none are counted (a TLS want-write)
 
     def __init__(self, sock):
         self.sock, self.n = sock, 0
@@ -338,7 +362,7 @@ def _buffered(cfg, rh) -> bool:
     return on
 
 
-_TLS_PIECE = 16384       # one TLS record: a send that would block is retried with the same bytes
+_TLS_PIECE = 16384  # one TLS record: a send that would block is retried with the same bytes
 
 
 class _Buffered(_Client):
@@ -361,19 +385,24 @@ class _Buffered(_Client):
         self.streaming = False
         self.tls = type(sock) is not socket.socket
         self.send_timeout = send_timeout
-        self.last = monotonic()   # when the client last took a byte (it gets send_timeout between two)
+        self.last = monotonic()  # when the client last took a byte (it gets send_timeout between two)
         self.poll: select.poll | None = None
         self.url = url
         self.partial = False
-        self.nb = self.tls            # an SSLSocket takes no MSG_DONTWAIT: non-blocking until _blocking()
+        self.nb = self.tls  # an SSLSocket takes no MSG_DONTWAIT: non-blocking until _blocking()
         if self.tls:
             sock.setblocking(False)
 
     def reader(self, ur: Reader) -> Reader:
         """ur, as a reader that feeds the client while it waits for the backend (same buffer)."""
         pr = _PumpReader(ur.sock)
-        pr.buf, pr.timeout, pr.deadline, pr.applied, pr.send_bound = ur.buf, ur.timeout, ur.deadline, ur.applied, \
-            ur.send_bound
+        pr.buf, pr.timeout, pr.deadline, pr.applied, pr.send_bound = (
+            ur.buf,
+            ur.timeout,
+            ur.deadline,
+            ur.applied,
+            ur.send_bound,
+        )
         pr.client, pr.origin = self, ur
         return pr
 
@@ -386,8 +415,11 @@ class _Buffered(_Client):
         elif not self.spool.write(data):
             self.streaming = True
             if self.spool.error is not None:
-                log.warning("response buffer: temp file failed (%s); streaming the rest of a response from "
-                            "backend %s", self.spool.error.strerror or self.spool.error, self.url)
+                log.warning(
+                    "response buffer: temp file failed (%s); streaming the rest of a response from backend %s",
+                    self.spool.error.strerror or self.spool.error,
+                    self.url,
+                )
             self._blocking(data)
 
     def _push(self) -> None:
@@ -418,7 +450,7 @@ class _Buffered(_Client):
         two bytes taken (ClientGone, as a blocked send would); a backend silent for `timeout` is a
         socket.timeout, as its recv would be."""
         if getattr(up, "pending", None) and up.pending():
-            return                          # a TLS backend: a record already decrypted, readable now
+            return  # a TLS backend: a record already decrypted, readable now
         p = self.poll
         if p is None:
             p = self.poll = select.poll()
@@ -440,7 +472,7 @@ class _Buffered(_Client):
                 if fd == ufd:
                     readable = True
                 else:
-                    self._push()            # POLLERR/POLLHUP too: the send says what happened
+                    self._push()  # POLLERR/POLLHUP too: the send says what happened
             if readable:
                 return
 
@@ -485,7 +517,7 @@ class _PumpReader(Reader):
 
     __slots__ = ("client", "origin")
     client: _Buffered
-    origin: Reader              # the connection's own reader (the same buffer)
+    origin: Reader  # the connection's own reader (the same buffer)
 
     def fill(self) -> bool:
         c = self.client
@@ -498,14 +530,14 @@ class _PumpReader(Reader):
         try:
             return Reader.fill(self)
         finally:
-            self.origin.applied = self.applied     # the connection's own reader knows the socket's timeout
+            self.origin.applied = self.applied  # the connection's own reader knows the socket's timeout
 
 
 def _relay_body(mode: str, http10: bool, length: int | None, out: bytearray, ur: Reader, c: _Client) -> bool:
     """A body that does not leave with its head, as it arrives; True when the backend's connection ended
     in step (reusable), False when the body was delimited by its close."""
     if mode == "length":
-        assert length is not None         # "length": the head had a Content-Length (_body_mode)
+        assert length is not None  # "length": the head had a Content-Length (_body_mode)
         return _relay_length(length, out, ur, c)
     if mode == "chunked":
         return _relay_chunked(http10, out, ur, c)
@@ -558,7 +590,7 @@ def _relay_chunked(http10: bool, out: bytearray, ur: Reader, c: _Client) -> bool
             if len(pending) >= PIECE:
                 c.send(pending)
                 pending = bytearray()
-        elif ev == NEED:              # about to wait for the backend: flush what we have
+        elif ev == NEED:  # about to wait for the backend: flush what we have
             if pending:
                 c.send(pending)
                 pending = bytearray()

@@ -30,7 +30,7 @@ class LocalReply:
 
     def __init__(self, status: int, body: bytes, extra: bytes, close: bool, head_only: bool):
         self.status, self.phrase, self.body, self.close, self.head_only = status, phrase(status), body, close, head_only
-        self.extra = extra           # the same headers as HTTP/1.1 lines (the H1 codec's fast copy)
+        self.extra = extra  # the same headers as HTTP/1.1 lines (the H1 codec's fast copy)
         self.headers = _pairs(extra)
 
 
@@ -53,8 +53,14 @@ def body(reason: str) -> bytes:
 def h1(r: LocalReply) -> bytes:
     """An HTTP/1.1 encoding of r (the bytes framing.own_response writes)."""
     head = b"HTTP/1.1 %d %s\r\nDate: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s%s\r\n" % (
-        r.status, r.phrase, http_date(), CONTENT_TYPE, len(r.body), r.extra,
-        b"Connection: close\r\n" if r.close else b"")
+        r.status,
+        r.phrase,
+        http_date(),
+        CONTENT_TYPE,
+        len(r.body),
+        r.extra,
+        b"Connection: close\r\n" if r.close else b"",
+    )
     return head if r.head_only else head + r.body
 
 

@@ -33,7 +33,7 @@ def _host(req) -> bytes:
     """The Host header without port, lower case, no trailing dot."""
     h = req.host or b""
     if h[:1] == b"[":
-        h = h[:h.find(b"]") + 1]
+        h = h[: h.find(b"]") + 1]
     elif b":" in h:
         h = h.rsplit(b":", 1)[0]
     return h.lower().rstrip(b".")
@@ -66,8 +66,24 @@ class HeaderEdit:
 
 
 class Route:
-    __slots__ = ("name", "spec", "prefix", "host", "wildcard", "methods", "headers", "pools", "weights", "current",
-                 "lock", "request_edit", "response_edit", "allow", "deny", "acl")
+    __slots__ = (
+        "name",
+        "spec",
+        "prefix",
+        "host",
+        "wildcard",
+        "methods",
+        "headers",
+        "pools",
+        "weights",
+        "current",
+        "lock",
+        "request_edit",
+        "response_edit",
+        "allow",
+        "deny",
+        "acl",
+    )
 
     def __init__(self, spec, pools: dict):
         self.name = spec.name
@@ -75,7 +91,7 @@ class Route:
         self.prefix = spec.path_prefix.encode("latin-1") if spec.path_prefix else None
         h = spec.host.encode() if spec.host else None
         self.wildcard = h is not None and h.startswith(b"*.")
-        self.host = h[1:] if h is not None and self.wildcard else h    # "*.example.com" -> ".example.com"
+        self.host = h[1:] if h is not None and self.wildcard else h  # "*.example.com" -> ".example.com"
         self.methods = frozenset(m.encode() for m in spec.methods)
         self.headers = tuple((n.encode(), v.encode("latin-1")) for n, v in spec.headers)
         names = spec.pools
@@ -105,7 +121,7 @@ class Route:
         among the pools with anyone in rotation; None when none has anyone."""
         pools = self.pools
         if len(pools) == 1:
-            return pools[0]          # nobody in it: its balancer says so (a 503 for this route)
+            return pools[0]  # nobody in it: its balancer says so (a 503 for this route)
         if sticky:
             for p in pools:
                 if p.balancer.by_route(sticky) is not None:
@@ -126,12 +142,23 @@ class Route:
             return pools[best]
 
     def status(self) -> dict:
-        return {"name": self.name, "pools": [p.name for p in self.pools],
-                **({"split": {p.name: w for p, w in zip(self.pools, self.weights)}} if self.spec.split else {}),
-                "match": {k: v for k, v in (("path_prefix", self.spec.path_prefix), ("host", self.spec.host),
-                                            ("methods", list(self.spec.methods)),
-                                            ("headers", dict(self.spec.headers))) if v},
-                "allow": list(self.spec.allow), "deny": list(self.spec.deny)}
+        return {
+            "name": self.name,
+            "pools": [p.name for p in self.pools],
+            **({"split": {p.name: w for p, w in zip(self.pools, self.weights)}} if self.spec.split else {}),
+            "match": {
+                k: v
+                for k, v in (
+                    ("path_prefix", self.spec.path_prefix),
+                    ("host", self.spec.host),
+                    ("methods", list(self.spec.methods)),
+                    ("headers", dict(self.spec.headers)),
+                )
+                if v
+            },
+            "allow": list(self.spec.allow),
+            "deny": list(self.spec.deny),
+        }
 
 
 class Router:
@@ -148,12 +175,12 @@ class Router:
             for r in self.routes:
                 o = before.get(r.name)
                 if o is not None and o.spec.split == r.spec.split:
-                    r.current, r.lock = o.current, o.lock    # one turn state, under one lock
+                    r.current, r.lock = o.current, o.lock  # one turn state, under one lock
 
     def match(self, req) -> Route | None:
         """The first route whose conditions all hold, or None (the pool `default`). One loop, inline (a
         method call per route was a third of the cost at 100 routes); the path and host made once."""
-        path = normalize_path(req.target) if self.by_path else b""    # (made only when a route reads it)
+        path = normalize_path(req.target) if self.by_path else b""  # (made only when a route reads it)
         host = _host(req) if self.by_host else b""
         method = req.method
         headers = None

@@ -19,7 +19,7 @@ import os
 import tempfile
 import threading
 
-MEMORY = 262144          # the most one spool holds in memory before its file takes the rest
+MEMORY = 262144  # the most one spool holds in memory before its file takes the rest
 
 
 class Budget:
@@ -53,18 +53,17 @@ class Spool:
     """Bytes in order: content = mem[moff:] + file[rpos:wpos]. New data goes to the file whenever the file
     holds unread data (order) or memory cannot take it; a drained file is reused from offset 0."""
 
-    __slots__ = ("budget", "cap", "file_cap", "temp_dir", "mem", "moff", "held", "file", "fd", "rpos", "wpos",
-                 "error")
+    __slots__ = ("budget", "cap", "file_cap", "temp_dir", "mem", "moff", "held", "file", "fd", "rpos", "wpos", "error")
 
     def __init__(self, budget: Budget, cap: int, file_cap: int, temp_dir: str | None = None):
         self.budget, self.cap, self.file_cap, self.temp_dir = budget, cap, file_cap, temp_dir
         self.mem = bytearray()
-        self.moff = 0            # read offset into mem (compacted when mem drains)
-        self.held = 0            # bytes of the budget this spool holds
+        self.moff = 0  # read offset into mem (compacted when mem drains)
+        self.held = 0  # bytes of the budget this spool holds
         self.file: io.FileIO | None = None
         self.fd = -1
         self.rpos = self.wpos = 0
-        self.error: OSError | None = None   # why the file failed, once it did (the caller logs it)
+        self.error: OSError | None = None  # why the file failed, once it did (the caller logs it)
 
     def __len__(self) -> int:
         return len(self.mem) - self.moff + self.wpos - self.rpos
@@ -107,9 +106,9 @@ class Spool:
         if self.moff < len(mem):
             end = self.moff + n
             with memoryview(mem) as view:
-                data = bytes(view[self.moff:end])   # one copy, not a slice and then its copy
+                data = bytes(view[self.moff : end])  # one copy, not a slice and then its copy
             if end >= len(mem):
-                mem.clear()          # keeps its allocation (and its budget) for the next write
+                mem.clear()  # keeps its allocation (and its budget) for the next write
                 self.moff = 0
             else:
                 self.moff = end
@@ -120,7 +119,7 @@ class Spool:
                 raise SpoolError(errno.EIO, "temp file shorter than written")
             self.rpos += len(data)
             if self.rpos == self.wpos:
-                self.rpos = self.wpos = 0       # drained: reuse the file from the start
+                self.rpos = self.wpos = 0  # drained: reuse the file from the start
             return data
         return b""
 
@@ -156,7 +155,7 @@ class SpooledBody:
         s = self.spool
         mem = s.mem
         for i in range(0, len(mem), piece):
-            yield mem[i:i + piece]
+            yield mem[i : i + piece]
         pos = 0
         while pos < s.wpos:
             data = os.pread(s.fd, min(piece, s.wpos - pos), pos)

@@ -49,17 +49,26 @@ class UpstreamFailed(Exception):
         super().__init__(detail)
         self.kind, self.detail, self.sent = kind, detail, sent
 
-    also_tried = ()      # other backends this try reached (a failed hedge, lb/proxy/hedge.py): not retried on
+    also_tried = ()  # other backends this try reached (a failed hedge, lb/proxy/hedge.py): not retried on
 
     @property
     def status(self) -> int:
         return self.kind.status
 
 
-def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = False,
-                  close: bool = False, proto: bytes = b"http", upgrade: bytes | None = None,
-                  request_id: bytes | None = None, length: int | None = None,
-                  underscores: bool = False, x=None) -> bytearray:
+def upstream_head(
+    req: Request,
+    backend: Backend,
+    peer: bytes,
+    trusted: bool = False,
+    close: bool = False,
+    proto: bytes = b"http",
+    upgrade: bytes | None = None,
+    request_id: bytes | None = None,
+    length: int | None = None,
+    underscores: bool = False,
+    x=None,
+) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
     exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
 
@@ -76,18 +85,18 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
-    edit = x.route.request_edit if x is not None and x.route is not None else None   # lb/proxy/routes.py
+    edit = x.route.request_edit if x is not None and x.route is not None else None  # lb/proxy/routes.py
     slow = False
     if edit is not None:
         replaced = replaced | edit.drop
-        slow = not edit.drop <= REQUEST_NAMES      # a removed name the parser does not locate
-    fields, length = request_fields(req, replaced, underscores, length, slow)   # (lb/http/plan.py; Connection's
-    out += fields                                                          # tokens never name Host or the framing)
+        slow = not edit.drop <= REQUEST_NAMES  # a removed name the parser does not locate
+    fields, length = request_fields(req, replaced, underscores, length, slow)  # (lb/http/plan.py; Connection's
+    out += fields  # tokens never name Host or the framing)
     if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
         out += b"Host: " + hostport(backend.spec.host, backend.spec.port).encode() + b"\r\n"
     out += b"X-Forwarded-For: " + (req.xff + b", " + peer if req.xff else peer) + b"\r\n"
     if not (trusted and req.proto):
-        out += b"X-Forwarded-Proto: " + proto + b"\r\n"      # https when it came over our TLS
+        out += b"X-Forwarded-Proto: " + proto + b"\r\n"  # https when it came over our TLS
     if req.host and not (trusted and req.fwd_host):
         out += b"X-Forwarded-Host: " + req.host + b"\r\n"
     if request_id is not None:
@@ -100,7 +109,7 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
         out += b"Content-Length: %d\r\n" % length
     elif req.chunked:
         out += b"Transfer-Encoding: chunked\r\n"
-    if upgrade:   # an allowed upgrade (lb/proxy/tunnel.py): the one exception to hop-by-hop stripping
+    if upgrade:  # an allowed upgrade (lb/proxy/tunnel.py): the one exception to hop-by-hop stripping
         out += b"Upgrade: " + upgrade + b"\r\nConnection: Upgrade\r\n"
     elif close:
         out += b"Connection: close\r\n"
@@ -111,15 +120,15 @@ def upstream_head(req: Request, backend: Backend, peer: bytes, trusted: bool = F
 def classify(e: BaseException, reused: bool) -> tuple[Failure, str]:
     """(kind, detail) for a failure before any response byte reached the client."""
     if isinstance(e, UpstreamError):
-        return Failure(e.kind), e.detail   # type: ignore[call-arg]  # a lookup by value (EnumType.__call__), not __new__
+        return Failure(e.kind), e.detail  # type: ignore[call-arg]  # a lookup by value (EnumType.__call__), not __new__
     name = type(e).__name__
-    if isinstance(e, ssl.SSLError) and not reused:   # an https:// backend's handshake or certificate
+    if isinstance(e, ssl.SSLError) and not reused:  # an https:// backend's handshake or certificate
         if isinstance(e, ssl.SSLCertVerificationError):
             return Failure.CONNECT, f"TLS: certificate verify failed ({e.verify_message})"
         return Failure.CONNECT, "TLS: " + str(getattr(e, "reason", None) or e).replace("_", " ").lower()
-    if isinstance(e, Urllib3Error):   # raised by connect(): refused, unreachable, connect timeout
+    if isinstance(e, Urllib3Error):  # raised by connect(): refused, unreachable, connect timeout
         return Failure.CONNECT, name
-    if isinstance(e, (socket.timeout, BlockingIOError)):   # BlockingIOError: SO_SNDTIMEO (httpio.kernel_timeout)
+    if isinstance(e, (socket.timeout, BlockingIOError)):  # BlockingIOError: SO_SNDTIMEO (httpio.kernel_timeout)
         return Failure.TIMEOUT, "no response within the read timeout"
     if isinstance(e, ConnectionRefusedError):
         return Failure.CONNECT, "connection refused"
@@ -176,7 +185,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     retried = False
     while True:
         reused = conn.sock is not None
-        send_err = None     # why sending failed, if it did
+        send_err = None  # why sending failed, if it did
         try:
             if not reused:
                 conn.connect()
@@ -188,18 +197,17 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
             ur.apply(cfg.read_timeout)
         except (OSError, Urllib3Error) as e:
             pool.release(conn, False)
-            raise UpstreamFailed(*classify(e, reused)) from None   # nothing was sent: retryable
+            raise UpstreamFailed(*classify(e, reused)) from None  # nothing was sent: retryable
         try:
             _send_request(up, head, body, replayable, req.chunked)
         except (HttpError, ClientGone):
             pool.release(conn, False)
             raise
         except OSError as e:
-            send_err = e    # the backend stopped reading: it may have answered early (its 413)
+            send_err = e  # the backend stopped reading: it may have answered early (its 413)
         # After a failed send only an answer already there counts: read it without waiting long.
         per_try = cfg.per_try_timeout
-        ur.timeout = (per_try if 0 < per_try < cfg.read_timeout else cfg.read_timeout) \
-            if send_err is None else 0.5
+        ur.timeout = (per_try if 0 < per_try < cfg.read_timeout else cfg.read_timeout) if send_err is None else 0.5
         # The whole response within response_timeout of the backend having the request (Envoy's route
         # timeout starts at the request's end): a slow upload or a delay-mode hold is not the backend's.
         ur.deadline = monotonic() + cfg.response_timeout
@@ -208,11 +216,11 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
                 wait(ur)
             rhead = ur.read_head(max_first_line=8192, what="response")
             while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
-                rhead = ur.read_head(max_first_line=8192, what="response")   # interim 1xx: not relayed
+                rhead = ur.read_head(max_first_line=8192, what="response")  # interim 1xx: not relayed
             if rhead is None:
                 raise UpstreamError("reset", "closed the connection without a response")
             rh = parse_response(rhead)
-            x.upstream_status = rh.status      # the access log's upstream_status
+            x.upstream_status = rh.status  # the access log's upstream_status
             if per_try:
                 ur.timeout = cfg.read_timeout  # the body's reads: the per-try bound is the head's
         except HttpError as e:
@@ -231,7 +239,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
             raise f from None
         if send_err is not None:
             rh.early = True
-            rh.close = True          # the request was not sent whole: this connection is done
+            rh.close = True  # the request was not sent whole: this connection is done
         return conn, rh, ur
 
 
@@ -239,7 +247,7 @@ def _send_request(up, head: bytes | bytearray, body, replayable: bool, chunked: 
     if type(body) is bytes:
         up.sendall(head + body if body else head)
     elif replayable:
-        up.sendall(head)            # a buffered body, from its first byte on every try
+        up.sendall(head)  # a buffered body, from its first byte on every try
         for piece in body.pieces():
             up.sendall(piece)
     else:
@@ -255,14 +263,19 @@ def _head_refused(e: HttpError) -> UpstreamFailed:
     return UpstreamFailed(Failure.RESET, "closed the connection inside the response head", True)
 
 
-def _failed_before_head(e: BaseException, in_send: bool, reused: bool, per_try: float,
-                        read_timeout: float) -> UpstreamFailed:
+def _failed_before_head(
+    e: BaseException, in_send: bool, reused: bool, per_try: float, read_timeout: float
+) -> UpstreamFailed:
     """No response head: why, from the error of the send (in_send: the backend stopped reading the
     request) or of the read."""
-    if in_send and isinstance(e, (socket.timeout, BlockingIOError)):   # BlockingIOError: SO_SNDTIMEO
+    if in_send and isinstance(e, (socket.timeout, BlockingIOError)):  # BlockingIOError: SO_SNDTIMEO
         return UpstreamFailed(Failure.TIMEOUT, "stopped reading the request body", True)
     kind, detail = classify(e, reused)
-    if kind is Failure.TIMEOUT and 0 < per_try < read_timeout and isinstance(e, socket.timeout) \
-            and str(e) != "deadline":
+    if (
+        kind is Failure.TIMEOUT
+        and 0 < per_try < read_timeout
+        and isinstance(e, socket.timeout)
+        and str(e) != "deadline"
+    ):
         detail = f"no response head within the per-try timeout ({per_try:g}s)"
     return UpstreamFailed(kind, detail, True)

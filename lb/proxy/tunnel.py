@@ -27,7 +27,7 @@ from lb.http.framing import Reader, not_relayed
 from lb.upstream.failures import Failure
 
 PIECE = 65536
-_WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"     # RFC 6455 1.3
+_WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 1.3
 
 
 def requested(req, allowed: frozenset) -> bytes | None:
@@ -36,8 +36,9 @@ def requested(req, allowed: frozenset) -> bytes | None:
         return None
     for _, lname, value in req.headers:
         if lname == b"upgrade":
-            keep = [t.strip() for t in value.split(b",")
-                    if t.strip().split(b"/")[0].lower().decode("latin-1") in allowed]
+            keep = [
+                t.strip() for t in value.split(b",") if t.strip().split(b"/")[0].lower().decode("latin-1") in allowed
+            ]
             return b", ".join(keep) or None
     return None
 
@@ -59,8 +60,8 @@ def take(edge, x, uc, rh, ur: Reader, conn, down) -> bool:
         backend.pool.release(uc, False)
         return edge.forwarder.failed(down, x, Failure.PROTOCOL, wrong, False)
     up = uc.sock
-    uc.sock = None                                    # the socket is the tunnel's now
-    backend.pool.release(uc, False)                   # the slot goes back; nothing to reuse in it
+    uc.sock = None  # the socket is the tunnel's now
+    backend.pool.release(uc, False)  # the slot goes back; nothing to reuse in it
     reader = conn.reader
     try:
         return _run(edge, x, conn.sock, up, answer, bytes(ur.buf), bytes(reader.buf))
@@ -111,7 +112,7 @@ def switching_head(x, rh) -> bytearray | None:
     out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
     proto = None
     tokens = rh.conn_tokens
-    skip = not_relayed(x.rl, x.rid_header)   # as relay() skips them (Upgrade, hop-by-hop, is ours to write)
+    skip = not_relayed(x.rl, x.rid_header)  # as relay() skips them (Upgrade, hop-by-hop, is ours to write)
     for name, lname, value in rh.headers:
         if lname == b"upgrade":
             proto = value
@@ -121,23 +122,23 @@ def switching_head(x, rh) -> bytearray | None:
             out += name + b": " + value + b"\r\n"
     if not proto:
         return None
-    out += (b"Upgrade: " + proto + b"\r\nConnection: Upgrade\r\n" + x.rid_header + x.rl
-            + x.set_cookie + b"\r\n")
+    out += b"Upgrade: " + proto + b"\r\nConnection: Upgrade\r\n" + x.rid_header + x.rl + x.set_cookie + b"\r\n"
     return out
 
 
-def _run(edge, x, client: socket.socket, up: socket.socket, answer: bytes | bytearray, to_client: bytes,
-         to_up: bytes) -> bool:
+def _run(
+    edge, x, client: socket.socket, up: socket.socket, answer: bytes | bytearray, to_client: bytes, to_up: bytes
+) -> bool:
     """Relay the 101 and whatever either side sent early, then pump; record the tunnel when it ends."""
     cfg = edge.cfg
     backend = x.backend
     try:
-        if to_up:          # the client spoke before it saw the 101 (allowed): that goes first
+        if to_up:  # the client spoke before it saw the 101 (allowed): that goes first
             up.sendall(to_up)
         client.sendall(answer + to_client)
     except OSError:
-        pass               # the pump below sees the closed side at once
-    edge.metrics.backend_done(backend.url, 101, monotonic() - x.start)   # the handshake, as a request
+        pass  # the pump below sees the closed side at once
+    edge.metrics.backend_done(backend.url, 101, monotonic() - x.start)  # the handshake, as a request
     edge.metrics.tunnel_opened()
     edge.tunnels[client] = up
     moved, why = [len(to_up), len(to_client)], "?"
@@ -147,12 +148,11 @@ def _run(edge, x, client: socket.socket, up: socket.socket, answer: bytes | byte
         edge.tunnels.pop(client, None)
         x.tunnel = (moved[0], moved[1], why)
         edge.metrics.tunnel_closed(moved[0], moved[1])
-        edge.record(x, 101)        # the access log line: the tunnel's duration and bytes
+        edge.record(x, 101)  # the access log line: the tunnel's duration and bytes
     return False
 
 
-def pump(a: socket.socket, b: socket.socket, idle: float, moved: list[int] | None = None
-         ) -> tuple[list[int], str]:
+def pump(a: socket.socket, b: socket.socket, idle: float, moved: list[int] | None = None) -> tuple[list[int], str]:
     """Copy bytes both ways between a (client) and b (backend) until one closes or nothing moved for
     `idle` seconds: ([bytes a->b, bytes b->a], why it ended)."""
     moved = moved if moved is not None else [0, 0]
@@ -175,7 +175,7 @@ def pump(a: socket.socket, b: socket.socket, idle: float, moved: list[int] | Non
             try:
                 data = src.recv(PIECE)
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                continue          # woke for a partial TLS record: wait for the rest
+                continue  # woke for a partial TLS record: wait for the rest
             except OSError:
                 return moved, closed.replace("closed", "reset")
             if not data:
@@ -196,7 +196,7 @@ def _send_all(sock: socket.socket, data: bytes, timeout: float) -> None:
     waiter = None
     while view:
         try:
-            view = view[sock.send(view):]
+            view = view[sock.send(view) :]
             continue
         except (BlockingIOError, ssl.SSLWantWriteError):
             event = select.POLLOUT
@@ -216,7 +216,7 @@ def close_all(tunnels: dict) -> int:
     for client, up in list(tunnels.items()):
         for s in (client, up):
             try:
-                socket.socket.shutdown(s, socket.SHUT_RDWR)   # not SSLSocket's: see proxy.wake_idle
+                socket.socket.shutdown(s, socket.SHUT_RDWR)  # not SSLSocket's: see proxy.wake_idle
             except OSError:
                 pass
         n += 1

@@ -36,12 +36,13 @@ log = logging.getLogger("edge")
 @dataclass(frozen=True)
 class BackendSpec:
     """One backend as configured (--backends, [[backends]]), or one address a DNS-named one resolved to."""
-    url: str          # http://host:port or http://[v6]:port, normalised (no path, no trailing slash)
+
+    url: str  # http://host:port or http://[v6]:port, normalised (no path, no trailing slash)
     weight: int = 1
-    host: str = ""    # without brackets
+    host: str = ""  # without brackets
     port: int = 80
-    scheme: str = "http"   # or https: TLS to the backend, verified
-    address: str = ""      # one address a DNS name resolved to (lb/upstream/resolve.py): connect there, host stays the name
+    scheme: str = "http"  # or https: TLS to the backend, verified
+    address: str = ""  # one address a DNS name resolved to (lb/upstream/resolve.py): connect there, host stays the name
 
 
 def readable(conn, sock) -> bool:
@@ -68,7 +69,7 @@ def _sent_bytes(sock) -> bool:
         return sock.pending() > 0
     try:
         return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-    except OSError:           # reset (as good as closed), or readable no more
+    except OSError:  # reset (as good as closed), or readable no more
         return False
 
 
@@ -89,9 +90,9 @@ class LifoSlots:
         self.maxsize = maxsize
         self.items: list = []
         self.lock = threading.Lock()
-        self.waiters: deque = deque()    # (gate, box) per waiting getter, the longest-waiting first
+        self.waiters: deque = deque()  # (gate, box) per waiting getter, the longest-waiting first
         self.waiting = 0
-        self.breaker = None              # the pool's Breaker (lb/upstream/breaker.py): its cap on waiters, pool-wide
+        self.breaker = None  # the pool's Breaker (lb/upstream/breaker.py): its cap on waiters, pool-wide
 
     def qsize(self) -> int:
         return len(self.items)
@@ -105,7 +106,7 @@ class LifoSlots:
                 if self.waiters:
                     try:
                         item = self.items.pop()
-                    except IndexError:       # a getter on the lock-free path took it between our looks
+                    except IndexError:  # a getter on the lock-free path took it between our looks
                         return
                     gate, box = self.waiters.popleft()
                     box.append(item)
@@ -120,9 +121,9 @@ class LifoSlots:
                     raise queue.Empty from None
         with self.lock:
             self.waiting += 1
-            if not self.waiters:                     # nobody ahead: a slot that came back is ours
+            if not self.waiters:  # nobody ahead: a slot that came back is ours
                 try:
-                    item = self.items.pop()          # (unless a getter on the lock-free path took it)
+                    item = self.items.pop()  # (unless a getter on the lock-free path took it)
                 except IndexError:
                     pass
                 else:
@@ -133,7 +134,7 @@ class LifoSlots:
                 self.waiting -= 1
                 raise PendingFull
             gate = threading.Lock()
-            box: list = []                   # the connection put() hands over
+            box: list = []  # the connection put() hands over
             gate.acquire()
             self.waiters.append((gate, box))
         try:
@@ -159,15 +160,32 @@ class BackendPool(urllib3.HTTPConnectionPool):
     QueueCls = LifoSlots  # type: ignore[assignment]
     pool: LifoSlots | None  # type: ignore[assignment]
 
-    def __init__(self, host: str, port: int, *, maxsize: int, pool_timeout: float,
-                 connect_timeout: float, read_timeout: float, idle_timeout: float, reuse: bool = True,
-                 **tls):
-        super().__init__(host, port, maxsize=maxsize, block=True, retries=False,
-                         timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout), **tls)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        maxsize: int,
+        pool_timeout: float,
+        connect_timeout: float,
+        read_timeout: float,
+        idle_timeout: float,
+        reuse: bool = True,
+        **tls,
+    ):
+        super().__init__(
+            host,
+            port,
+            maxsize=maxsize,
+            block=True,
+            retries=False,
+            timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout),
+            **tls,
+        )
         self.pool_timeout = pool_timeout
         self.idle_timeout = idle_timeout
         self.reuse = reuse
-        self.url = f"{self.scheme}://{host}:{port}"     # make_backend sets the backend's own spelling
+        self.url = f"{self.scheme}://{host}:{port}"  # make_backend sets the backend's own spelling
 
     def _get_conn(self, timeout=None):
         # urllib3's _get_conn, with our own check of a pooled connection (below) and the idle expiry.
@@ -176,10 +194,13 @@ class BackendPool(urllib3.HTTPConnectionPool):
         try:
             conn = self.pool.get(block=True, timeout=timeout)
         except PendingFull:
-            raise PoolExhausted(f"overflow: {self.pool.breaker.max_pending} requests already wait for a "
-                                "connection (max_pending)") from None
+            raise PoolExhausted(
+                f"overflow: {self.pool.breaker.max_pending} requests already wait for a connection (max_pending)"
+            ) from None
         except queue.Empty:
-            raise EmptyPoolError(self, "Pool is empty and a new connection can't be opened due to blocking mode.") from None
+            raise EmptyPoolError(
+                self, "Pool is empty and a new connection can't be opened due to blocking mode."
+            ) from None
         if conn is None:
             return self._new_conn()
         sock = conn.sock
@@ -191,14 +212,16 @@ class BackendPool(urllib3.HTTPConnectionPool):
                 # second response, a body after a HEAD or a 204, a Content-Length too short): read as
                 # the next response, it would answer the next user with another's. Never reused.
                 if _sent_bytes(sock):
-                    log.warning("backend %s sent bytes on an idle connection (after a complete response): "
-                                "closed, not reused", self.url)
+                    log.warning(
+                        "backend %s sent bytes on an idle connection (after a complete response): closed, not reused",
+                        self.url,
+                    )
                 conn.close()
         return conn
 
     def _new_conn(self):
         conn = super()._new_conn()
-        conn.slot_of = self      # release() gives the slot back here, even if a reload replaced this pool
+        conn.slot_of = self  # release() gives the slot back here, even if a reload replaced this pool
         return conn
 
     def _put_conn(self, conn):
@@ -240,7 +263,7 @@ class Backend:
     is passive health (lb/upstream/outlier.py); `drained` is the operator's (admin API). Pickers read only
     `in_rotation`, recomputed by refresh() whenever one of the three changes."""
 
-    cluster: Any = None    # the Pool it belongs to (lb/upstream/pools.py); None: the default pool
+    cluster: Any = None  # the Pool it belongs to (lb/upstream/pools.py); None: the default pool
     h2: H2Upstream | None = None  # an h2c:// backend's HTTP/2 calls (lb/upstream/h2pool.py), else None
 
     def __init__(self, spec: BackendSpec, pool: BackendPool):
@@ -249,24 +272,24 @@ class Backend:
         self.weight = spec.weight
         # Sticky-session id: stable across restarts and edges, reveals nothing of the address.
         self.route = hashlib.sha1(spec.url.encode()).hexdigest()[:10]
-        self.current: float = 0   # smooth weighted round robin's running weight
-        self.up = True            # a backend starts UP; health checks take it out
-        self.ejected = False      # passive health: too many consecutive failures (lb/upstream/outlier.py)
+        self.current: float = 0  # smooth weighted round robin's running weight
+        self.up = True  # a backend starts UP; health checks take it out
+        self.ejected = False  # passive health: too many consecutive failures (lb/upstream/outlier.py)
         self.ejected_until = 0.0  # monotonic time the ejection ends
-        self.times_ejected = 0    # the ejection time's multiplier (decays while it behaves)
-        self.returned_at = 0.0    # when its last ejection ended
-        self.fail_run = 0         # consecutive failed requests (connect failures, timeouts, 5xx)
-        self.drained = False      # the operator took it out (POST /backends/<route>/drain)
+        self.times_ejected = 0  # the ejection time's multiplier (decays while it behaves)
+        self.returned_at = 0.0  # when its last ejection ended
+        self.fail_run = 0  # consecutive failed requests (connect failures, timeouts, 5xx)
+        self.drained = False  # the operator took it out (POST /backends/<route>/drain)
         self.in_rotation = True
-        self.joined_at: float | None = None     # when it last (re)joined the rotation: slow start ramps from here
+        self.joined_at: float | None = None  # when it last (re)joined the rotation: slow start ramps from here
         self.fail_streak = 0
         self.pass_streak = 0
-        self.last_probe = ""      # why the last probe passed or failed
+        self.last_probe = ""  # why the last probe passed or failed
         self.pool = pool
         self.inflight = 0
         self.lock = threading.Lock()
-        self.shown = "UP"         # the state last reported to on_state
-        self.on_state = None      # called with (backend, new state) when `state` changes (metrics)
+        self.shown = "UP"  # the state last reported to on_state
+        self.on_state = None  # called with (backend, new state) when `state` changes (metrics)
 
     def refresh(self, now: float | None = None) -> bool:
         """Recompute in_rotation; a backend that (re)joins starts its slow start at `now`. True on a change."""
@@ -280,7 +303,7 @@ class Backend:
             self.in_rotation = self.up and not self.ejected and not self.drained
             if self.in_rotation and not was:
                 self.joined_at = monotonic() if now is None else now
-                self.current = 0   # no running credit or debt carried over from before it left
+                self.current = 0  # no running credit or debt carried over from before it left
             return self.in_rotation != was
 
     def pool_full(self) -> bool:
@@ -291,7 +314,7 @@ class Backend:
     @property
     def state(self) -> str:
         """What /status shows: the most specific reason it is out, else UP."""
-        return ("DRAINED" if self.drained else "DOWN" if not self.up else "EJECTED" if self.ejected else "UP")
+        return "DRAINED" if self.drained else "DOWN" if not self.up else "EJECTED" if self.ejected else "UP"
 
     def __repr__(self):
         return f"<Backend {self.url} w={self.weight} {self.state}>"
@@ -301,18 +324,27 @@ def make_backend(spec: BackendSpec, cfg, joined_at: float | None = None, breaker
     cls, tls = BackendPool, {}
     if spec.scheme == "https":
         cls, tls = TLSBackendPool, {"cert_reqs": "CERT_REQUIRED", "ca_certs": cfg.ca_file}
-        if spec.address:     # one address of a DNS name: the certificate is still the name's
+        if spec.address:  # one address of a DNS name: the certificate is still the name's
             tls.update(server_hostname=spec.host, assert_hostname=spec.host)
-    pool = cls(spec.address or spec.host, spec.port, maxsize=cfg.pool_maxsize, pool_timeout=cfg.pool_timeout,
-               connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-               idle_timeout=cfg.pool_idle_timeout, reuse=not cfg.no_pool, **tls)
+    pool = cls(
+        spec.address or spec.host,
+        spec.port,
+        maxsize=cfg.pool_maxsize,
+        pool_timeout=cfg.pool_timeout,
+        connect_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+        idle_timeout=cfg.pool_idle_timeout,
+        reuse=not cfg.no_pool,
+        **tls,
+    )
     pool.url = spec.url
     slots = pool.pool
-    assert slots is not None     # urllib3 made it (None only once closed)
+    assert slots is not None  # urllib3 made it (None only once closed)
     slots.breaker = breaker
     b = Backend(spec, pool)
-    if spec.scheme == "h2c":         # HTTP/2 by prior knowledge: calls multiplexed (lb/upstream/h2pool.py)
+    if spec.scheme == "h2c":  # HTTP/2 by prior knowledge: calls multiplexed (lb/upstream/h2pool.py)
         from lb.upstream.h2pool import H2Upstream
+
         b.h2 = H2Upstream(spec.address or spec.host, spec.port, cfg.connect_timeout, spec.url)
-    b.joined_at = joined_at   # None at start: the whole pool starts together, nobody ramps
+    b.joined_at = joined_at  # None at start: the whole pool starts together, nobody ramps
     return b

@@ -20,31 +20,41 @@ from time import monotonic
 
 from lb.upstream.backends import Backend
 
-SLOW_START_MIN = 0.10    # a joining backend starts at this fraction of its weight (Envoy's min_weight_percent)
+SLOW_START_MIN = 0.10  # a joining backend starts at this fraction of its weight (Envoy's min_weight_percent)
 STRATEGIES = ("round-robin", "weighted", "least-request")
 
 
 class Balancer:
-    def __init__(self, backends: list[Backend], strategy: str = "weighted", slow_start: float = 0.0,
-                 clock=monotonic, rng: random.Random | None = None):
+    def __init__(
+        self,
+        backends: list[Backend],
+        strategy: str = "weighted",
+        slow_start: float = 0.0,
+        clock=monotonic,
+        rng: random.Random | None = None,
+    ):
         self.backends = list(backends)
         self.slow_start = slow_start
         self.clock = clock
         self._rng = rng or random.Random()
         self._cursor = 0
         self._lock = threading.Lock()
-        self.resting: dict[Backend, float] = {}    # backend -> clock() time it may be picked again
+        self.resting: dict[Backend, float] = {}  # backend -> clock() time it may be picked again
         self._set_strategy(strategy)
 
     def _set_strategy(self, strategy: str) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         self.strategy = strategy
-        self._pick = {"round-robin": self._round_robin, "weighted": self._smooth_weighted,
-                      "least-request": self._least_request}[strategy]
+        self._pick = {
+            "round-robin": self._round_robin,
+            "weighted": self._smooth_weighted,
+            "least-request": self._least_request,
+        }[strategy]
 
-    def set_backends(self, backends: list[Backend], strategy: str | None = None,
-                     slow_start: float | None = None) -> None:
+    def set_backends(
+        self, backends: list[Backend], strategy: str | None = None, slow_start: float | None = None
+    ) -> None:
         """Reload: the new list (and strategy, slow start) in one step under the lock."""
         with self._lock:
             self.backends = list(backends)
@@ -59,7 +69,7 @@ class Balancer:
         second opinion beside the request's own try (a hedge) -- round robin's cursor stays where the
         try left it, or the backend after the hedged one would lose its turn to it, and a pool whose
         slow backend is hedged on every request would send that backend every first try."""
-        if self.resting:     # empty but for a few seconds after a Retry-After: one truth test per pick
+        if self.resting:  # empty but for a few seconds after a Retry-After: one truth test per pick
             now = self.clock()
             for b, until in list(self.resting.items()):
                 if until <= now:
@@ -93,7 +103,7 @@ class Balancer:
     def _round_robin(self, exclude, turn: bool = True) -> Backend | None:
         """The next backend in configured order after the last one picked (weights ignored)."""
         if self.slow_start > 0:
-            return self._smooth_weighted(exclude, unit=True)   # a ramp needs weights: all 1 here
+            return self._smooth_weighted(exclude, unit=True)  # a ramp needs weights: all 1 here
         with self._lock:
             bs = self.backends
             n = len(bs)

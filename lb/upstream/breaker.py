@@ -17,9 +17,9 @@ class Breaker:
     def __init__(self, max_requests: int = 0, max_pending: int = 0):
         self.max_requests = max_requests
         self.max_pending = max_pending
-        self.requests = 0          # in flight to the pool, admitted by enter()
-        self.pending = 0           # waiting for a pooled connection (lb/upstream/backends.py LifoSlots)
-        self.overflow = {"max_requests": 0, "max_pending": 0}   # shed requests, by the cap that shed them
+        self.requests = 0  # in flight to the pool, admitted by enter()
+        self.pending = 0  # waiting for a pooled connection (lb/upstream/backends.py LifoSlots)
+        self.overflow = {"max_requests": 0, "max_pending": 0}  # shed requests, by the cap that shed them
         self._lock = threading.Lock()
 
     def configure(self, max_requests: int, max_pending: int) -> None:
@@ -55,5 +55,10 @@ class Breaker:
             self.pending -= 1
 
     def status(self) -> dict:
-        return {"max_requests": self.max_requests, "in_flight": self.requests,
-                "max_pending": self.max_pending, "pending": self.pending, "overflow": dict(self.overflow)}
+        return {
+            "max_requests": self.max_requests,
+            "in_flight": self.requests,
+            "max_pending": self.max_pending,
+            "pending": self.pending,
+            "overflow": dict(self.overflow),
+        }

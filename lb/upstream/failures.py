@@ -15,11 +15,11 @@ class Failure(StrEnum):
     RESET = "reset", 502, "backend closed the connection"
     TIMEOUT = "timeout", 504, "backend timed out"
     PROTOCOL = "protocol", 502, "backend sent an invalid response"
-    POOL = "pool", 503, "backend connection limit reached"    # our limit (max_conns), not the backend's fault
-    GONE = "gone", 502, "backend removed"                     # its pool closed by a reload
-    HEDGED = "hedged", 502, "answered by another backend"     # lost a hedge race (lb/proxy/hedge.py): never answered
+    POOL = "pool", 503, "backend connection limit reached"  # our limit (max_conns), not the backend's fault
+    GONE = "gone", 502, "backend removed"  # its pool closed by a reload
+    HEDGED = "hedged", 502, "answered by another backend"  # lost a hedge race (lb/proxy/hedge.py): never answered
 
-    status: int          # what the client gets (set by __new__; annotations alone are not members)
+    status: int  # what the client gets (set by __new__; annotations alone are not members)
     reason: str
 
     def __new__(cls, value: str, status: int, reason: str):

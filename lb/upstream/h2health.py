@@ -18,8 +18,8 @@ import h2.exceptions
 from lb.netaddr import hostport
 
 CHECK = b"/grpc.health.v1.Health/Check"
-EMPTY_REQUEST = b"\x00\x00\x00\x00\x00"      # a gRPC message frame: not compressed, length 0 (service "")
-SERVING = b"\x08\x01"                        # HealthCheckResponse{status: SERVING}
+EMPTY_REQUEST = b"\x00\x00\x00\x00\x00"  # a gRPC message frame: not compressed, length 0 (service "")
+SERVING = b"\x08\x01"  # HealthCheckResponse{status: SERVING}
 
 
 def probe(b, path: str, timeout: float, grpc: bool) -> tuple[bool, str]:
@@ -29,9 +29,13 @@ def probe(b, path: str, timeout: float, grpc: bool) -> tuple[bool, str]:
         s = socket.create_connection((b.spec.address or b.spec.host, b.spec.port), timeout=timeout)
         c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
         c.initiate_connection()
-        fields = [(b":method", b"POST" if grpc else b"GET"), (b":scheme", b"http"),
-                  (b":path", CHECK if grpc else path.encode()),
-                  (b":authority", hostport(b.spec.host, b.spec.port).encode()), (b"user-agent", b"edge-health")]
+        fields = [
+            (b":method", b"POST" if grpc else b"GET"),
+            (b":scheme", b"http"),
+            (b":path", CHECK if grpc else path.encode()),
+            (b":authority", hostport(b.spec.host, b.spec.port).encode()),
+            (b"user-agent", b"edge-health"),
+        ]
         if grpc:
             fields += [(b"content-type", b"application/grpc"), (b"te", b"trailers")]
         c.send_headers(1, fields, end_stream=not grpc)
@@ -60,11 +64,14 @@ def probe(b, path: str, timeout: float, grpc: bool) -> tuple[bool, str]:
                 elif isinstance(ev, h2.events.StreamEnded):
                     code = meta.get(b"grpc-status")
                     if code != b"0":
-                        return False, f"grpc-status {code.decode() if code else 'missing'}" + \
-                            (f" ({meta[b'grpc-message'].decode('latin-1')})" if b"grpc-message" in meta else "")
+                        return False, f"grpc-status {code.decode() if code else 'missing'}" + (
+                            f" ({meta[b'grpc-message'].decode('latin-1')})" if b"grpc-message" in meta else ""
+                        )
                     return body[5:] == SERVING, "SERVING" if body[5:] == SERVING else "NOT_SERVING"
                 elif isinstance(ev, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
-                    return False, "the backend reset the check" + ("" if grpc else " (a gRPC server? [health] protocol = \"grpc\")")
+                    return False, "the backend reset the check" + (
+                        "" if grpc else ' (a gRPC server? [health] protocol = "grpc")'
+                    )
             out = c.data_to_send()
             if out:
                 s.sendall(out)

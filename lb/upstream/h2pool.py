@@ -30,9 +30,9 @@ from lb.http.hpacktable import cap_encoder_table
 
 log = logging.getLogger("edge")
 
-MAX_CONNS = 4                  # connections per backend (each carries up to its peer's stream limit)
-MAX_STREAMS = 1000             # our own bound on calls per connection, whatever the peer allows
-WINDOW = 1 << 20               # receive window, per stream and (x16) per connection
+MAX_CONNS = 4  # connections per backend (each carries up to its peer's stream limit)
+MAX_STREAMS = 1000  # our own bound on calls per connection, whatever the peer allows
+WINDOW = 1 << 20  # receive window, per stream and (x16) per connection
 
 
 class H2Unavailable(OSError):
@@ -45,11 +45,11 @@ class Call:
     backend's GOAWAY said it never processed this stream."""
 
     __slots__ = ("conn", "sid", "q", "done", "unacked")
-    q: queue.SimpleQueue[tuple]     # the events, as the connection's reader puts them
+    q: queue.SimpleQueue[tuple]  # the events, as the connection's reader puts them
 
     def __init__(self, conn: "H2UpConn", sid: int):
         self.conn, self.sid, self.q, self.done = conn, sid, queue.SimpleQueue(), False
-        self.unacked = 0          # DATA received (queued or being relayed) not yet given back as window
+        self.unacked = 0  # DATA received (queued or being relayed) not yet given back as window
 
     def get(self, timeout: float | None):
         try:
@@ -73,18 +73,23 @@ class H2UpConn:
         self.sock = socket.create_connection((host, port), timeout=connect_timeout)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None,
-                                                                       validate_inbound_headers=True))
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None, validate_inbound_headers=True)
+        )
         self.cv = threading.Condition(threading.Lock())
         self.calls: dict[int, Call] = {}
         self.dead = False
         self.goaway = False
-        self.inbuf = bytearray()        # received, not yet a complete frame
+        self.inbuf = bytearray()  # received, not yet a complete frame
         with self.cv:
-            self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
-                h2.settings.SettingCodes.ENABLE_PUSH: 0,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 1 << 16})
+            self.h2.local_settings = h2.settings.Settings(
+                client=True,
+                initial_values={
+                    h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                    h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW,
+                    h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 1 << 16,
+                },
+            )
             self.h2.initiate_connection()
             self.h2.increment_flow_control_window(16 * WINDOW - 65535)
             self._flush()
@@ -113,7 +118,7 @@ class H2UpConn:
                 self.h2.send_headers(sid, fields, end_stream=end)
                 self._flush()
             except h2.exceptions.TooManyStreamsError:
-                self.calls.pop(sid, None)       # the connection is full, not broken: its calls go on
+                self.calls.pop(sid, None)  # the connection is full, not broken: its calls go on
                 raise H2Unavailable("HTTP/2 connection at its stream limit") from None
             except (OSError, h2.exceptions.ProtocolError) as e:
                 self.calls.pop(sid, None)
@@ -150,7 +155,7 @@ class H2UpConn:
 
     def ack(self, call: Call, n: int) -> None:
         with self.cv:
-            n = min(n, call.unacked)       # (what _close_ours gave back already is not given twice)
+            n = min(n, call.unacked)  # (what _close_ours gave back already is not given twice)
             if n <= 0:
                 return
             call.unacked -= n
@@ -190,7 +195,7 @@ class H2UpConn:
             pass
         try:
             if n:
-                self.h2.acknowledge_received_data(n, sid)     # (a closed stream's: the connection's alone)
+                self.h2.acknowledge_received_data(n, sid)  # (a closed stream's: the connection's alone)
             self._flush()
         except (OSError, h2.exceptions.ProtocolError):
             pass
@@ -213,7 +218,7 @@ class H2UpConn:
                     self.cv.notify_all()
                     if self.goaway and not self.calls:
                         why = "went away (GOAWAY), its calls done"
-                        break                # ours to close: the backend waits for us to (RFC 9113 6.8)
+                        break  # ours to close: the backend waits for us to (RFC 9113 6.8)
         except (OSError, h2.exceptions.ProtocolError) as e:
             why = f"{type(e).__name__}: {e}"
         finally:
@@ -232,24 +237,24 @@ class H2UpConn:
         """(cv held) The backend's GOAWAY: no more calls here; those past `last` were never processed."""
         self.goaway = True
         for sid, c in list(self.calls.items()):
-            if sid > last:           # never processed: the caller may try it elsewhere
+            if sid > last:  # never processed: the caller may try it elsewhere
                 self.calls.pop(sid, None)
                 c.q.put(("refused", "GOAWAY before it was processed"))
 
     def _event(self, ev) -> None:
         """(cv held) One event, to its call."""
         t = type(ev)
-        if t is h2.events.ConnectionTerminated:         # (GOAWAYs are taken before h2: lb/http/h2frames.py)
+        if t is h2.events.ConnectionTerminated:  # (GOAWAYs are taken before h2: lb/http/h2frames.py)
             self._went_away(ev.last_stream_id or 0)
             return
         if t is h2.events.RemoteSettingsChanged:
-            cap_encoder_table(self.h2)       # however big a table the backend allows
+            cap_encoder_table(self.h2)  # however big a table the backend allows
             return
-        sid: int = getattr(ev, "stream_id", 0)     # 0 (or none): a connection's event
+        sid: int = getattr(ev, "stream_id", 0)  # 0 (or none): a connection's event
         c = self.calls.get(sid) if sid else None
         if c is None:
             if t is h2.events.DataReceived and ev.flow_controlled_length:
-                self.h2.acknowledge_received_data(ev.flow_controlled_length, sid)   # a cancelled call's
+                self.h2.acknowledge_received_data(ev.flow_controlled_length, sid)  # a cancelled call's
             return
         if t is h2.events.ResponseReceived:
             c.q.put(("headers", ev.headers, ev.stream_ended is not None))
@@ -300,7 +305,7 @@ class H2Upstream:
             if conn is None:
                 if len(self.conns) >= MAX_CONNS:
                     raise H2Unavailable(f"all {MAX_CONNS} HTTP/2 connections at their stream limit")
-                conn = H2UpConn(self.host, self.port, self.connect_timeout, self.url)   # OSError: connect
+                conn = H2UpConn(self.host, self.port, self.connect_timeout, self.url)  # OSError: connect
                 self.conns.append(conn)
         return conn.open(fields, end)
 

@@ -34,24 +34,27 @@ def probe(b: Backend, path: str, timeout: float, protocol: str = "http") -> tupl
     """
     if b.spec.scheme == "h2c":
         from lb.upstream.h2health import probe as probe_h2
+
         return probe_h2(b, path, timeout, protocol == "grpc")
     deadline = monotonic() + timeout
     s = None
     try:
         s = socket.create_connection((b.spec.address or b.spec.host, b.spec.port), timeout=timeout)
-        if b.spec.scheme == "https":    # verified as the request pool verifies it
+        if b.spec.scheme == "https":  # verified as the request pool verifies it
             ctx = ssl.create_default_context(cafile=getattr(b.pool, "ca_certs", None))
-            s.settimeout(max(deadline - monotonic(), 0.001))     # the handshake is inside the deadline
+            s.settimeout(max(deadline - monotonic(), 0.001))  # the handshake is inside the deadline
             s = ctx.wrap_socket(s, server_hostname=b.spec.host)
         s.settimeout(max(deadline - monotonic(), 0.001))
-        s.sendall(b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\nUser-Agent: edge-health\r\n\r\n"
-                  % (path.encode(), hostport(b.spec.host, b.spec.port).encode()))
+        s.sendall(
+            b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\nUser-Agent: edge-health\r\n\r\n"
+            % (path.encode(), hostport(b.spec.host, b.spec.port).encode())
+        )
         r = Reader(s)
         r.deadline = deadline
         head = r.read_head(max_first_line=8192, what="response")
         if head is None:
             return False, "closed without a response"
-        rh = parse_response(head)   # the body is not waited for: what came with the head is dropped
+        rh = parse_response(head)  # the body is not waited for: what came with the head is dropped
     except socket.timeout:
         return False, f"timeout after {timeout:g}s"
     except (HttpError, UpstreamError) as e:
@@ -72,7 +75,7 @@ def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:
         b.fail_streak = 0
         if not b.up and b.pass_streak >= rise:
             b.up = True
-            b.refresh()             # back in rotation (unless ejected or drained): slow start begins
+            b.refresh()  # back in rotation (unless ejected or drained): slow start begins
             return "UP"
     else:
         b.fail_streak += 1
@@ -85,12 +88,21 @@ def record(b: Backend, ok: bool, why: str, rise: int, fall: int) -> str | None:
 
 
 class HealthChecker:
-    def __init__(self, path: str, interval: float, timeout: float, rise: int, fall: int,
-                 ejector=None, metrics=None, protocol: str = "http"):
+    def __init__(
+        self,
+        path: str,
+        interval: float,
+        timeout: float,
+        rise: int,
+        fall: int,
+        ejector=None,
+        metrics=None,
+        protocol: str = "http",
+    ):
         self.path, self.interval, self.timeout, self.rise, self.fall = path, interval, timeout, rise, fall
-        self.protocol = protocol    # "grpc": h2c:// backends answer grpc.health.v1.Health/Check
-        self.ejector = ejector      # lb/upstream/outlier.py: passed probes end its ejections
-        self.metrics = metrics      # counts each probe (lb_health_probes_total) and the returns probes cause
+        self.protocol = protocol  # "grpc": h2c:// backends answer grpc.health.v1.Health/Check
+        self.ejector = ejector  # lb/upstream/outlier.py: passed probes end its ejections
+        self.metrics = metrics  # counts each probe (lb_health_probes_total) and the returns probes cause
         self._stops: dict[Backend, threading.Event] = {}
 
     def watch(self, b: Backend) -> None:
@@ -116,16 +128,28 @@ class HealthChecker:
                 self.metrics.probe(b.url, ok)
             change = record(b, ok, why, self.rise, self.fall)
             if change == "DOWN":
-                log.warning("backend %s DOWN: %d consecutive failed probes of %s (last: %s)",
-                            b.url, b.fail_streak, self.path, why)
+                log.warning(
+                    "backend %s DOWN: %d consecutive failed probes of %s (last: %s)",
+                    b.url,
+                    b.fail_streak,
+                    self.path,
+                    why,
+                )
             elif change == "UP":
-                log.warning("backend %s UP: %d consecutive passed probes of %s (last: %s)",
-                            b.url, b.pass_streak, self.path, why)
+                log.warning(
+                    "backend %s UP: %d consecutive passed probes of %s (last: %s)", b.url, b.pass_streak, self.path, why
+                )
             ej = self.ejector
             if ok and b.ejected and ej is not None and ej.probe_passed(b, self.rise, monotonic()):
-                log.warning("backend %s returns from ejection: active health check passed (%d consecutive "
-                            "passed probes of %s; ejected %d times)%s", b.url, b.pass_streak, self.path,
-                            b.times_ejected, "" if b.in_rotation else f"; still out: {b.state}")
+                log.warning(
+                    "backend %s returns from ejection: active health check passed (%d consecutive "
+                    "passed probes of %s; ejected %d times)%s",
+                    b.url,
+                    b.pass_streak,
+                    self.path,
+                    b.times_ejected,
+                    "" if b.in_rotation else f"; still out: {b.state}",
+                )
                 if self.metrics is not None:
                     self.metrics.ejection(b.url, returned=True)
             if stop.wait(self.interval):

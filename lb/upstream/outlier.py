@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 
-MAX_EJECTION_TIME = 300.0     # Envoy's max_ejection_time default
+MAX_EJECTION_TIME = 300.0  # Envoy's max_ejection_time default
 
 
 class Ejector:
@@ -29,7 +29,7 @@ class Ejector:
         self.eject_after = eject_after
         self.eject_for = eject_for
         self.max_percent = max_percent
-        self.ejected = 0           # how many are out now: sweep() does nothing while this is 0
+        self.ejected = 0  # how many are out now: sweep() does nothing while this is 0
         self._lock = threading.Lock()
 
     def configure(self, eject_after: int, eject_for: float, max_percent: float) -> None:
@@ -38,13 +38,13 @@ class Ejector:
     def observe(self, b, ok: bool, now: float, pool) -> float | None:
         """One request's outcome on backend b; the ejection's duration when this result ejected it."""
         if ok:
-            if b.fail_run:          # the common case (a success after a success) takes no lock
+            if b.fail_run:  # the common case (a success after a success) takes no lock
                 b.fail_run = 0
             return None
         if not self.eject_after:
             return None
         with self._lock:
-            if not b.up:            # DOWN: the active checks have it out; UP again, it starts clean
+            if not b.up:  # DOWN: the active checks have it out; UP again, it starts clean
                 b.fail_run = 0
                 return None
             b.fail_run += 1
@@ -52,7 +52,7 @@ class Ejector:
                 return None
             out = sum(1 for x in pool if x.ejected)
             if out + 1 > len(pool) * self.max_percent / 100:
-                return None         # the cap: keep failing over to it rather than empty the pool
+                return None  # the cap: keep failing over to it rather than empty the pool
             # the multiplier decays by one for each eject_for it stayed in since its last return
             if b.times_ejected and self.eject_for > 0:
                 b.times_ejected = max(0, b.times_ejected - int((now - b.returned_at) // self.eject_for))
@@ -61,7 +61,7 @@ class Ejector:
             b.ejected = True
             b.ejected_until = now + duration
             b.fail_run = 0
-            b.pass_streak = 0       # the probes that may end it early (probe_passed) count from here
+            b.pass_streak = 0  # the probes that may end it early (probe_passed) count from here
             self.ejected += 1
         b.refresh(now)
         return duration
@@ -89,11 +89,11 @@ class Ejector:
         if not b.ejected or b.pass_streak < rise:
             return False
         with self._lock:
-            if not b.ejected:       # the sweep returned it meanwhile
+            if not b.ejected:  # the sweep returned it meanwhile
                 return False
             b.ejected = False
             b.fail_run = 0
-            b.returned_at = now     # its multiplier decays from here, as after a sweep
+            b.returned_at = now  # its multiplier decays from here, as after a sweep
             self.ejected -= 1
         b.refresh(now)
         return True

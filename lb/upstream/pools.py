@@ -24,14 +24,22 @@ from lb.upstream.outlier import Ejector
 
 log = logging.getLogger("edge")
 
-POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeout", "pool_idle_timeout", "no_pool",
-                 "ca_file")
+POOL_SETTINGS = (
+    "pool_maxsize",
+    "pool_timeout",
+    "connect_timeout",
+    "read_timeout",
+    "pool_idle_timeout",
+    "no_pool",
+    "ca_file",
+)
 
 
 def pool_config(cfg, spec):
     """The configuration a pool's parts are built from: the top level's, with the pool's own overrides
     (a PoolSpec of lb/config/routes.py)."""
     from dataclasses import replace
+
     return replace(cfg, strategy=spec.strategy or cfg.strategy, **dict(spec.overrides))
 
 
@@ -41,8 +49,8 @@ class Pool:
         self.balancer = balancer
         self.ejector = ejector
         self.breaker = breaker
-        self.health = health      # HealthChecker; the default pool's is the App's
-        self.cfg = cfg            # the configuration its parts were built from (named pools)
+        self.health = health  # HealthChecker; the default pool's is the App's
+        self.cfg = cfg  # the configuration its parts were built from (named pools)
         for b in balancer.backends:
             b.cluster = self
 
@@ -57,8 +65,13 @@ class Pool:
     def sweep_ejections(self, metrics) -> None:
         """Ejected backends whose time is up return to the rotation: one log line and a count each."""
         for b in self.ejector.sweep(self.balancer.backends, monotonic()):
-            log.warning("backend %s%s returns from ejection (ejected %d times)%s", b.url, self._of(),
-                        b.times_ejected, "" if b.in_rotation else f"; still out: {b.state}")
+            log.warning(
+                "backend %s%s returns from ejection (ejected %d times)%s",
+                b.url,
+                self._of(),
+                b.times_ejected,
+                "" if b.in_rotation else f"; still out: {b.state}",
+            )
             metrics.ejection(b.url, returned=True)
 
     def _of(self) -> str:
@@ -70,8 +83,15 @@ def build(spec, cfg, metrics, on_state) -> Pool:
     pc = pool_config(cfg, spec)
     breaker = Breaker(pc.max_requests, pc.max_pending)
     ejector = Ejector(pc.eject_after, pc.eject_for, pc.max_ejected_percent)
-    health = HealthChecker(pc.health_path, pc.health_interval, pc.health_probe_timeout, rise=pc.healthy_threshold,
-                           fall=pc.unhealthy_threshold, ejector=ejector, metrics=metrics)
+    health = HealthChecker(
+        pc.health_path,
+        pc.health_interval,
+        pc.health_probe_timeout,
+        rise=pc.healthy_threshold,
+        fall=pc.unhealthy_threshold,
+        ejector=ejector,
+        metrics=metrics,
+    )
     backends = [make_backend(s, pc, breaker=breaker) for s in spec.backends]
     pool = Pool(spec.name, Balancer(backends, pc.strategy, slow_start=pc.slow_start), ejector, breaker, health, pc)
     metrics.declare_backends(b.url for b in backends)

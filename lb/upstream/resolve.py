@@ -60,12 +60,12 @@ def query(server: tuple[str, int], name: str, qtype: int, timeout: float) -> lis
     fam = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
     with socket.socket(fam, socket.SOCK_DGRAM) as s:
         s.settimeout(timeout)
-        s.connect(server)          # a connected UDP socket takes answers from that server only
+        s.connect(server)  # a connected UDP socket takes answers from that server only
         s.send(packet)
         while True:
             data = s.recv(4096)
             if len(data) >= 12 and struct.unpack("!H", data[:2])[0] == qid:
-                break              # another id: a late answer to an earlier query
+                break  # another id: a late answer to an earlier query
     return parse_answer(data, qtype)
 
 
@@ -84,7 +84,7 @@ def _skip_name(data: bytes, i: int) -> int:
         if i >= len(data):
             raise ResolveError("truncated answer")
         n = data[i]
-        if n & 0xC0 == 0xC0:       # a compression pointer ends the name
+        if n & 0xC0 == 0xC0:  # a compression pointer ends the name
             return i + 2
         if n == 0:
             return i + 1
@@ -105,9 +105,9 @@ def parse_answer(data: bytes, qtype: int) -> list[tuple[str, int]]:
         out = []
         for _ in range(an):
             i = _skip_name(data, i)
-            rtype, _, ttl, rdlen = struct.unpack("!HHIH", data[i:i + 10])
+            rtype, _, ttl, rdlen = struct.unpack("!HHIH", data[i : i + 10])
             i += 10
-            rdata = data[i:i + rdlen]
+            rdata = data[i : i + rdlen]
             i += rdlen
             if rtype == qtype == A and rdlen == 4:
                 out.append((socket.inet_ntop(socket.AF_INET, rdata), ttl))

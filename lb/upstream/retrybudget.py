@@ -27,11 +27,11 @@ class RetryBudget:
     def __init__(self, percent: float = 20.0, minimum: int = 10):
         self.percent = percent
         self.minimum = minimum
-        self.active = 0            # requests being forwarded
-        self.retrying = 0          # of which: holding a retry slot
-        self.peak = 0              # the most retries ever in flight at once
+        self.active = 0  # requests being forwarded
+        self.retrying = 0  # of which: holding a retry slot
+        self.peak = 0  # the most retries ever in flight at once
         self.granted = 0
-        self.refused = 0           # budget exhausted: the request failed instead of retrying
+        self.refused = 0  # budget exhausted: the request failed instead of retrying
         self._lock = threading.Lock()
 
     def configure(self, percent: float, minimum: int) -> None:

@@ -25,7 +25,7 @@ from time import time
 
 CONDITIONS = ("connect", "reset", "timeout", "5xx", "502", "503", "504")
 REPLAYABLE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE"})
-RETRY_AFTER_MAX = 300.0     # a Retry-After keeps a backend out at most this long (a typo must not cost a day)
+RETRY_AFTER_MAX = 300.0  # a Retry-After keeps a backend out at most this long (a typo must not cost a day)
 
 
 def parse_conditions(text) -> tuple[str, ...]:
@@ -49,10 +49,11 @@ class RetryPolicy:
     def __init__(self, on=("connect",), base: float = 0.025, cap: float = 0.25, rng=None):
         self.on = frozenset(parse_conditions(on))
         # The statuses retried, as ints: one set lookup per response when any is configured.
-        self.statuses = frozenset(range(500, 600)) if "5xx" in self.on else \
-            frozenset(int(c) for c in self.on if c.isdigit())
+        self.statuses = (
+            frozenset(range(500, 600)) if "5xx" in self.on else frozenset(int(c) for c in self.on if c.isdigit())
+        )
         self.base, self.cap = base, cap
-        self.rng = rng or random.random          # () -> float in [0, 1)
+        self.rng = rng or random.random  # () -> float in [0, 1)
 
     def condition(self, kind: str, status: int | None = None) -> str | None:
         """The configured condition a failed try meets: kind is UpstreamFailed's (connect, reset,
@@ -63,13 +64,14 @@ class RetryPolicy:
             return None
         return kind if kind in self.on and kind in ("connect", "reset", "timeout") else None
 
-    def should_retry(self, kind: str, status: int | None, method: bytes, replayable: bool,
-                     sent_to_client: bool) -> str | None:
+    def should_retry(
+        self, kind: str, status: int | None, method: bytes, replayable: bool, sent_to_client: bool
+    ) -> str | None:
         """The condition this try is retried for, or None. The budget and a backend not yet tried are
         the caller's to find."""
         cond = self.condition(kind, status)
         if cond is None or cond == "connect":
-            return cond                    # nothing reached the backend: any method, any body
+            return cond  # nothing reached the backend: any method, any body
         if sent_to_client or not replayable or method not in REPLAYABLE_METHODS:
             return None
         return cond

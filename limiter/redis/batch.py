@@ -32,7 +32,7 @@ class Call:
     def __init__(self, script, cmd: bytes):
         self.script = script
         self.cmd = cmd
-        self.reply: Any = None      # the script's reply as RESP gives it (bytes, an int, a list)
+        self.reply: Any = None  # the script's reply as RESP gives it (bytes, an int, a list)
         self.error: Exception | None = None
         self.lead = False  # woken to lead the next flight rather than with a result
         self.asking = False  # cmd starts with ASKING (a cluster slot in migration): its +OK comes first

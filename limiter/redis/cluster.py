@@ -74,8 +74,7 @@ class ClusterNode(RedisLink):
 class ClusterLink:
     """The link the store holds for a cluster: route(key) -> the ClusterNode owning key's slot."""
 
-    def __init__(self, target, timeout: float, pool_size: int, retry_interval: float,
-                 refresh_every: float = 0.25):
+    def __init__(self, target, timeout: float, pool_size: int, retry_interval: float, refresh_every: float = 0.25):
         self.target = target
         self.name = target.display
         self.timeout = timeout
@@ -170,8 +169,13 @@ class ClusterLink:
             self._refresh_lock.release()
 
     def _slots_from(self, host: str, port: int) -> list[ClusterNode]:
-        kw = dict(self.target.connection_kwargs(host, port), socket_timeout=self.timeout,
-                  socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0), protocol=2)
+        kw = dict(
+            self.target.connection_kwargs(host, port),
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), 0),
+            protocol=2,
+        )
         conn = (redis.SSLConnection if self.target.tls else redis.Connection)(**kw)
         try:
             conn.send_command("CLUSTER", "SLOTS")
@@ -183,7 +187,7 @@ class ClusterLink:
         for start, end, master, *_replicas in reply:
             mhost = master[0].decode() if master[0] else host  # an empty host means "the node you asked"
             n = self.node(mhost, int(master[1]))
-            table[start:end + 1] = [n] * (end - start + 1)
+            table[start : end + 1] = [n] * (end - start + 1)
             covered += end - start + 1
         if not covered:
             raise RedisError("CLUSTER SLOTS: no slot is served")

@@ -15,7 +15,7 @@ from limiter.redis.link import RedisLink
 from limiter.redis.sentinel import SentinelLink
 from limiter.redis.url import Target
 
-_LINKS: dict[tuple, RedisLink] = {}    # one link per (target, settings) per process
+_LINKS: dict[tuple, RedisLink] = {}  # one link per (target, settings) per process
 _LINKS_LOCK = threading.Lock()
 
 

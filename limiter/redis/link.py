@@ -112,21 +112,21 @@ class _Slot:
         buf = self.buf
         kind = buf[pos]
         if kind == 36:  # $ bulk string
-            n = int(buf[pos + 1:i])
+            n = int(buf[pos + 1 : i])
             if n < 0:
                 return None, i + 2
             end = i + 2 + n
             while len(self.buf) < end + 2:
                 self.fill()
-            return self.buf[i + 2:end], end + 2
+            return self.buf[i + 2 : end], end + 2
         if kind == 58:  # : integer
-            return int(buf[pos + 1:i]), i + 2
+            return int(buf[pos + 1 : i]), i + 2
         if kind == 43:  # + simple string
-            return buf[pos + 1:i], i + 2
+            return buf[pos + 1 : i], i + 2
         if kind == 45:  # - error
-            return _parse_error(buf[pos + 1:i].decode("utf-8", "replace")), i + 2
+            return _parse_error(buf[pos + 1 : i].decode("utf-8", "replace")), i + 2
         if kind == 42:  # * array
-            n = int(buf[pos + 1:i])
+            n = int(buf[pos + 1 : i])
             if n < 0:
                 return None, i + 2
             out, pos = [], i + 2
@@ -134,7 +134,7 @@ class _Slot:
                 v, pos = self.reply(pos)
                 out.append(v)
             return out, pos
-        raise InvalidResponse(f"Protocol error from Redis: {bytes(buf[pos:pos + 20])!r}")
+        raise InvalidResponse(f"Protocol error from Redis: {bytes(buf[pos : pos + 20])!r}")
 
     def next_reply(self):
         v, end = self.reply()
@@ -267,8 +267,15 @@ class RedisLink:
     change and keeps one pool.  `name` (what the logs show) never holds the password.
     """
 
-    def __init__(self, target: Target, timeout: float, pool_size: int, retry_interval: float,
-                 host: str | None = None, port: int | None = None):
+    def __init__(
+        self,
+        target: Target,
+        timeout: float,
+        pool_size: int,
+        retry_interval: float,
+        host: str | None = None,
+        port: int | None = None,
+    ):
         self.target = target
         host, port = (host, port) if host is not None else (target.hosts[0] if target.hosts else (None, None))
         self.name = target.display if target.kind == "single" else f"{target.display} node {host}:{port}"
@@ -277,7 +284,8 @@ class RedisLink:
         self.retry_interval = retry_interval
         self.connection_kwargs = dict(
             target.connection_kwargs(host, port),
-            socket_timeout=timeout, socket_connect_timeout=timeout,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),  # redis-py's default retries would multiply the timeout
             health_check_interval=0,
             protocol=2,  # RESP2: no HELLO handshake, no push messages that could sit unread on a connection
@@ -312,8 +320,13 @@ class RedisLink:
 
     def _new_pool(self) -> _Pool:
         kwargs = self.connection_kwargs
-        cls = (redis.UnixDomainSocketConnection if self.target.socket else
-               redis.SSLConnection if self.target.tls else redis.Connection)
+        cls = (
+            redis.UnixDomainSocketConnection
+            if self.target.socket
+            else redis.SSLConnection
+            if self.target.tls
+            else redis.Connection
+        )
         # (redis's stubs leave UnixDomainSocketConnection's host abstract; it takes a path instead)
         return _Pool(lambda: cls(**kwargs), self.pool_size, self.timeout)  # type: ignore[abstract]
 
@@ -441,8 +454,13 @@ class RedisLink:
                 self.up = False
                 self.outages += 1
                 self.down_since = t
-                log.warning("limiter store %s unavailable (%s: %s); failure policy applies, retrying every %gs",
-                            self.name, type(error).__name__, error, self.retry_interval)
+                log.warning(
+                    "limiter store %s unavailable (%s: %s); failure policy applies, retrying every %gs",
+                    self.name,
+                    type(error).__name__,
+                    error,
+                    self.retry_interval,
+                )
 
     def call_failed(self, error: Exception) -> None:
         """One call failed on a server that answers (call_error(error)): counted, the breaker untouched;
@@ -454,9 +472,13 @@ class RedisLink:
                 return
             more = self.call_errors - self._call_logged_count - 1
             self._call_logged, self._call_logged_count = t, self.call_errors
-        log.warning("limiter store %s: a call failed (%s: %s); that request's failure policy applies, the "
-                    "store stays up%s", self.name, type(error).__name__, error,
-                    f" ({more} more such calls in the last minute)" if more > 0 else "")
+        log.warning(
+            "limiter store %s: a call failed (%s: %s); that request's failure policy applies, the store stays up%s",
+            self.name,
+            type(error).__name__,
+            error,
+            f" ({more} more such calls in the last minute)" if more > 0 else "",
+        )
 
     def succeeded(self) -> bool:
         """Called after a success while down; True for the one caller that flips the state back."""
@@ -464,8 +486,11 @@ class RedisLink:
             if self.up:
                 return False
             self.up = True
-            log.warning("limiter store %s back after %.1fs; enforcing shared limits again",
-                        self.name, monotonic() - self.down_since)
+            log.warning(
+                "limiter store %s back after %.1fs; enforcing shared limits again",
+                self.name,
+                monotonic() - self.down_since,
+            )
             return True
 
 

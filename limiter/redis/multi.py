@@ -45,8 +45,9 @@ def build_lua(stores, enforce) -> str:
         parts.append(f"out[{i}] = limit{i}({{KEYS[{i}]}}, ARGV, proxy)\n")
         if on:
             parts.append(f"if string.byte(out[{i}], 1) ~= 49 then admitted = false end\n")
-    parts.append("if admitted then\n  for _, w in ipairs(writes) do rcall(unpack(w)) end\nend\n"
-                 "return table.concat(out, '\\n')\n")
+    parts.append(
+        "if admitted then\n  for _, w in ipairs(writes) do rcall(unpack(w)) end\nend\nreturn table.concat(out, '\\n')\n"
+    )
     return "".join(parts)
 
 
@@ -75,7 +76,11 @@ class _Call:
 
     def __init__(self, script: _Script, keys: list[bytes]):
         head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (
-            4 + len(keys), script.sha.encode(), len(str(len(keys))), len(keys))
+            4 + len(keys),
+            script.sha.encode(),
+            len(str(len(keys))),
+            len(keys),
+        )
         for k in keys[:-1]:
             head += b"$%d\r\n%s\r\n" % (len(k), k)
         self.head = head
@@ -101,7 +106,7 @@ def allow_all_redis(checks, now: float):
 
 def _one_call(link, checks, keys, now):
     stores = [lim for lim, _, _ in checks]
-    node = link.route(keys[-1])        # one server owns them all (see split_keys above)
+    node = link.route(keys[-1])  # one server owns them all (see split_keys above)
     # The stores' denial caches (RedisStore, "denials answered locally"): when one enforcing limit is
     # known to deny, the script would reject and write nothing -- answer without the round trip. Only
     # the limits the cache knows are reported; the others were not asked (NotAsked). (Per group: on a
@@ -111,15 +116,17 @@ def _one_call(link, checks, keys, now):
         for d, lim in zip(known, stores):
             if d is not None:
                 lim.answered_locally += 1
-        return False, [d if d is not None else tuple.__new__(NotAsked, (True, lim.limit, 0, 0.0, 0.0))
-                       for d, lim in zip(known, stores)]
+        return False, [
+            d if d is not None else tuple.__new__(NotAsked, (True, lim.limit, 0, 0.0, 0.0))
+            for d, lim in zip(known, stores)
+        ]
     if node.up or node.may_try():
         script = script_for(stores, [e for _, _, e in checks])
         try:
             reply = node.evalsha(_Call(script, keys), keys[-1], now)
         except RedisError as e:
-            failed = getattr(e, "node", None) or node      # a redirected call names the server that failed
-            if call_error(e):                              # OOM, a script error: this call, not the server
+            failed = getattr(e, "node", None) or node  # a redirected call names the server that failed
+            if call_error(e):  # OOM, a script error: this call, not the server
                 failed.call_failed(e)
             else:
                 failed.failed(e)
@@ -128,10 +135,10 @@ def _one_call(link, checks, keys, now):
                 node.succeeded()
             admitted, decisions, states = True, [], []
             for (lim, key, enforce), raw in zip(checks, reply.split(b"\n")):
-                if lim._locals:            # this server answers again: its local counts are stale
+                if lim._locals:  # this server answers again: its local counts are stale
                     lim._locals.pop(node, None)
                 new, d = lim._step(lim._state(raw[2:] or None), now)
-                if d.allowed != (raw[0] == 49):    # the script's verdict stands; what it wrote is unknown
+                if d.allowed != (raw[0] == 49):  # the script's verdict stands; what it wrote is unknown
                     d, new = lim._drifted(key, now, raw, d), None
                 if enforce and not d.allowed:
                     admitted = False
@@ -148,9 +155,10 @@ def _one_call(link, checks, keys, now):
 
 def _fallback(checks, now, node):
     """Redis unavailable: the stores' failure policy (every store of one edge has the same)."""
-    if checks[0][0].on_error == "local":   # all or nothing on the in-process fallback limiters too
+    if checks[0][0].on_error == "local":  # all or nothing on the in-process fallback limiters too
         from limiter.memory import MemoryStore, allow_all_memory
         from limiter.redis.store import LocalDecision
+
         local = []
         for lim, key, enforce in checks:
             lim.degraded += 1

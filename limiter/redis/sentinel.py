@@ -51,8 +51,14 @@ class SentinelLink(RedisLink):
         self._discover()
 
     def _ask(self, host: str, port: int):
-        conn = redis.Connection(host=host, port=port, socket_timeout=self.timeout,
-                                socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0), protocol=2)
+        conn = redis.Connection(
+            host=host,
+            port=port,
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), 0),
+            protocol=2,
+        )
         try:
             conn.send_command("SENTINEL", "get-master-addr-by-name", self.target.master)
             reply = conn.read_response()
@@ -82,8 +88,12 @@ class SentinelLink(RedisLink):
             old_pool, self.pool = self.pool, self._new_pool()
             self.outages += 1  # the new master may lack the old one's last writes: drop what was cached
             old_pool.close()  # idle connections to the old master; busy ones are dropped with their pool
-            log.warning("limiter store %s: master %s:%d%s", self.name, *addr,
-                        f" (was {old[0]}:{old[1]}): failover followed" if old else "")
+            log.warning(
+                "limiter store %s: master %s:%d%s",
+                self.name,
+                *addr,
+                f" (was {old[0]}:{old[1]}): failover followed" if old else "",
+            )
             return True
         self._asked_at = monotonic()
         if self.master is None and not self._said_none:  # once, not once per probe

@@ -51,9 +51,11 @@ _shaped_sl_state.exact_after_admission = False  # type: ignore[attr-defined]
 
 _PEEKS[ShapedSlidingLog] = PEEK_SLIDING_LOG
 
-_SCRIPTS.update({
-    ShapedTokenBucket: (TOKEN_BUCKET, _tb_state, lambda a: (a.capacity, a.per_token, a.rate, a.cost, a.max_delay)),
-    ShapedFixedWindow: (FIXED_WINDOW, _fw_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
-    ShapedSlidingCounter: (SLIDING_COUNTER, _sc_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
-    ShapedSlidingLog: (SLIDING_LOG, _shaped_sl_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
-})
+_SCRIPTS.update(
+    {
+        ShapedTokenBucket: (TOKEN_BUCKET, _tb_state, lambda a: (a.capacity, a.per_token, a.rate, a.cost, a.max_delay)),
+        ShapedFixedWindow: (FIXED_WINDOW, _fw_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
+        ShapedSlidingCounter: (SLIDING_COUNTER, _sc_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
+        ShapedSlidingLog: (SLIDING_LOG, _shaped_sl_state, lambda a: (a.window, a.limit, a.cost, a.max_delay)),
+    }
+)

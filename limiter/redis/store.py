@@ -95,6 +95,7 @@ SLIDING_LOG = _COMMON + lua("sliding_log.lua")
 
 # Each takes the state part of the script's reply (bytes after "<0|1> "; None if the key was missing).
 
+
 def _tb_state(raw):
     if raw is None:
         return None
@@ -148,6 +149,7 @@ _SCRIPTS = {
 
 # ---------------------------------------------------------------------------------------- the store
 
+
 class RedisStore:
     """allow(key, now) for one algorithm, with state held in Redis (one Lua script call per decision).
 
@@ -155,11 +157,25 @@ class RedisStore:
     ca_file, cert_file, key_file: the [limits] redis_* settings.
     """
 
-    def __init__(self, algorithm, url: str, *, prefix: str | None = None, timeout: float = 0.05,
-                 pool_size: int = 64, on_error: str = "fail-open", retry_interval: float = 0.5,
-                 ttl_grace: float = 1.0, max_keys: int = 100_000, password_file: str | None = None,
-                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
-                 clock=time, deny_cache: int = 10_000):
+    def __init__(
+        self,
+        algorithm,
+        url: str,
+        *,
+        prefix: str | None = None,
+        timeout: float = 0.05,
+        pool_size: int = 64,
+        on_error: str = "fail-open",
+        retry_interval: float = 0.5,
+        ttl_grace: float = 1.0,
+        max_keys: int = 100_000,
+        password_file: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        clock=time,
+        deny_cache: int = 10_000,
+    ):
         if on_error not in POLICIES:
             raise ValueError(f"on_error must be one of {', '.join(POLICIES)}; got {on_error!r}")
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
@@ -219,9 +235,10 @@ class RedisStore:
             now = self.clock()
         k = f"{self.prefix}{{{key}}}".encode()
         if not hasattr(self, "_peek"):
-            peek = _PEEKS.get(type(self.algorithm))   # a script whose reply needs the constants
-            self._peek = _Script(self.head + peek if peek else
-                                 PEEK_LOG if isinstance(self.algorithm, SlidingLog) else PEEK_GET)
+            peek = _PEEKS.get(type(self.algorithm))  # a script whose reply needs the constants
+            self._peek = _Script(
+                self.head + peek if peek else PEEK_LOG if isinstance(self.algorithm, SlidingLog) else PEEK_GET
+            )
         reply = self._route(k).evalsha(self._peek, k, now)
         state = self._state(reply[2:] or None)
         if type(state) is list:
@@ -330,8 +347,10 @@ class RedisStore:
         """Lua and step() disagree: the verdict of the script, whose state is the one written, stands
         (with step()'s durations, Remaining 0); counted, logged once, raised when strict."""
         self.drift += 1
-        msg = (f"RedisStore drift: Lua {'admitted' if reply[0] == 49 else 'denied'} but {self.algorithm!r}.step "
-               f"{'admitted' if d.allowed else 'denied'} key={key!r} now={now!r} reply={reply!r}")
+        msg = (
+            f"RedisStore drift: Lua {'admitted' if reply[0] == 49 else 'denied'} but {self.algorithm!r}.step "
+            f"{'admitted' if d.allowed else 'denied'} key={key!r} now={now!r} reply={reply!r}"
+        )
         if self.strict:
             raise DriftError(msg)
         if self.drift == 1:

@@ -25,25 +25,28 @@ ENV_PASSWORD = "EDGE_REDIS_PASSWORD"
 
 @dataclass(frozen=True)
 class Target:
-    kind: str                                   # "single", "sentinel" or "cluster"
-    hosts: tuple[tuple[str, int], ...]          # the server, the sentinels, or the cluster's seed nodes
+    kind: str  # "single", "sentinel" or "cluster"
+    hosts: tuple[tuple[str, int], ...]  # the server, the sentinels, or the cluster's seed nodes
     db: int = 0
-    master: str | None = None                   # sentinel: the monitored master's name
+    master: str | None = None  # sentinel: the monitored master's name
     tls: bool = False
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
-    socket: str | None = None                   # redis+unix://: the socket's path (hosts is empty)
+    socket: str | None = None  # redis+unix://: the socket's path (hosts is empty)
 
     @property
     def display(self) -> str:
         """The URL without credentials: what logs, /status and errors may show."""
         if self.socket:
             return f"redis+unix://{self.socket}" + (f"?db={self.db}" if self.db else "")
-        scheme = {"single": "rediss" if self.tls else "redis", "sentinel": "redis-sentinel",
-                  "cluster": "redis-cluster"}[self.kind]
+        scheme = {
+            "single": "rediss" if self.tls else "redis",
+            "sentinel": "redis-sentinel",
+            "cluster": "redis-cluster",
+        }[self.kind]
         hosts = ",".join(f"{_host(h)}:{p}" for h, p in self.hosts)
         if self.kind == "sentinel":
             return f"{scheme}://{hosts}/{self.master}" + (f"/{self.db}" if self.db else "")
@@ -58,8 +61,13 @@ class Target:
             return dict(path=self.socket, db=self.db, username=self.username, password=self.password)
         kw = dict(host=host, port=port, db=self.db, username=self.username, password=self.password)
         if self.tls:
-            kw.update(ssl_ca_certs=self.ca_file, ssl_certfile=self.cert_file, ssl_keyfile=self.key_file,
-                      ssl_cert_reqs="required", ssl_check_hostname=True)
+            kw.update(
+                ssl_ca_certs=self.ca_file,
+                ssl_certfile=self.cert_file,
+                ssl_keyfile=self.key_file,
+                ssl_cert_reqs="required",
+                ssl_check_hostname=True,
+            )
         return kw
 
 
@@ -86,7 +94,7 @@ def redact(url: str) -> str:
     if not sep or not at:
         return url
     user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}:***@{host}" if colon else f"{scheme}://***@{host}"   # a lone field is the password
+    return f"{scheme}://{user}:***@{host}" if colon else f"{scheme}://***@{host}"  # a lone field is the password
 
 
 def _redact(url: str) -> str:
@@ -111,8 +119,15 @@ def _check_file(path: str | None, what: str) -> None:
         raise ValueError(f"{what}: cannot read {path}")
 
 
-def parse(url: str, *, password_file: str | None = None, ca_file: str | None = None,
-          cert_file: str | None = None, key_file: str | None = None, environ=None) -> Target:
+def parse(
+    url: str,
+    *,
+    password_file: str | None = None,
+    ca_file: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    environ=None,
+) -> Target:
     """A store URL (and the [limits] secret/TLS settings) -> Target.  ValueError: one line, no secret."""
     if not isinstance(url, str):
         raise ValueError(f"store URL must be a string, got {type(url).__name__}")
@@ -153,25 +168,34 @@ def parse(url: str, *, password_file: str | None = None, ca_file: str | None = N
         master, parts = unquote(parts[0]), parts[1:]
     if parts:
         if scheme == "redis-cluster" or len(parts) > 1 or not parts[0].isdigit():
-            raise ValueError(f"{_redact(url)}: expected /DB (a number)" if scheme != "redis-cluster"
-                             else f"{_redact(url)}: a cluster has no database number (it has db 0 only)")
+            raise ValueError(
+                f"{_redact(url)}: expected /DB (a number)"
+                if scheme != "redis-cluster"
+                else f"{_redact(url)}: a cluster has no database number (it has db 0 only)"
+            )
         db = int(parts[0])
     if len(hosts) > 1 and scheme in ("redis", "rediss"):
-        raise ValueError(f"{_redact(url)}: one HOST:PORT for {scheme}:// (several: redis-cluster:// or "
-                         f"redis-sentinel://)")
+        raise ValueError(
+            f"{_redact(url)}: one HOST:PORT for {scheme}:// (several: redis-cluster:// or redis-sentinel://)"
+        )
     tls = scheme == "rediss"
     if (ca_file or cert_file or key_file) and not tls:
-        raise ValueError(f"redis_ca_file/redis_cert_file/redis_key_file apply to rediss:// only, "
-                         f"not {_redact(url)}")
+        raise ValueError(f"redis_ca_file/redis_cert_file/redis_key_file apply to rediss:// only, not {_redact(url)}")
     if bool(cert_file) != bool(key_file):
         raise ValueError("redis_cert_file and redis_key_file go together (a client certificate and its key)")
     _check_file(ca_file, "redis_ca_file")
     _check_file(cert_file, "redis_cert_file")
     _check_file(key_file, "redis_key_file")
     environ = os.environ if environ is None else environ
-    sources = [s for s, present in (("the store URL", password is not None),
-                                    ("redis_password_file", password_file is not None),
-                                    (ENV_PASSWORD, bool(environ.get(ENV_PASSWORD)))) if present]
+    sources = [
+        s
+        for s, present in (
+            ("the store URL", password is not None),
+            ("redis_password_file", password_file is not None),
+            (ENV_PASSWORD, bool(environ.get(ENV_PASSWORD))),
+        )
+        if present
+    ]
     if len(sources) > 1:
         raise ValueError(f"the Redis password is given twice ({' and '.join(sources)}); give it in one place")
     if password_file is not None:
