@@ -258,8 +258,6 @@ def _header_name(n, where: str) -> None:
 
 
 def parse_routes(value) -> tuple[RouteSpec, ...]:
-    from lb.limiting.rules import normalize_path
-
     if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
         raise ConfigError("routes: expected [[routes]] tables with name, match and pool (or split)")
     out, seen, problems = [], set(), []
@@ -281,46 +279,8 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
             if "pool" in r and (not isinstance(pool, str) or not pool):
                 raise ConfigError(f"{where}.pool: expected a pool's name, got {pool!r}")
             if "split" in r:
-                sp = r["split"]
-                if not isinstance(sp, list) or not sp:
-                    raise ConfigError(f'{where}.split: empty; expected [{{ pool = "a", weight = 90 }}, ...]')
-                parts: list[tuple[str, int]] = []
-                for j, s in enumerate(sp):
-                    if not isinstance(s, dict):
-                        raise ConfigError(f'{where}.split[{j}]: expected {{ pool = "NAME", weight = N }}')
-                    _unknown(s, ("pool", "weight"), f"{where}.split[{j}]")
-                    w = s.get("weight", 1)
-                    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-                        raise ConfigError(f"{where}.split[{j}].weight: must be a whole number >= 1, got {w!r}")
-                    p = s.get("pool")
-                    if not isinstance(p, str) or not p:
-                        raise ConfigError(f"{where}.split[{j}].pool: expected a pool's name, got {p!r}")
-                    if p in (q for q, _ in parts):
-                        raise ConfigError(f"{where}.split: pool {p!r} is named twice")
-                    parts.append((p, w))
-                split = tuple(parts)
-            m = r.get("match", {})
-            if not isinstance(m, dict):
-                raise ConfigError(f'{where}.match: expected a table like {{ path_prefix = "/v2/" }}')
-            _unknown(m, ("path_prefix", "host", "methods", "headers"), f"{where}.match")
-            prefix = m.get("path_prefix")
-            if prefix is not None and (
-                not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.isascii()
-            ):
-                raise ConfigError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
-            host = m.get("host")
-            if host is not None and (not isinstance(host, str) or not host or any(c in host for c in " /:@")):
-                raise ConfigError(f"{where}.match.host: expected a host name without a port, got {host!r}")
-            methods = m.get("methods", [])
-            if isinstance(methods, str):
-                methods = [methods]
-            if not isinstance(methods, list) or not all(isinstance(x, str) and _TOKEN.fullmatch(x) for x in methods):
-                raise ConfigError(f'{where}.match.methods: expected a list of methods like ["GET"], got {methods!r}')
-            hs = m.get("headers", {})
-            if not isinstance(hs, dict) or not all(
-                isinstance(k, str) and _TOKEN.fullmatch(k) and isinstance(v, str) for k, v in hs.items()
-            ):
-                raise ConfigError(f'{where}.match.headers: expected a table of name = "exact value", got {hs!r}')
+                split = _split(r["split"], where)
+            prefix, host, methods, headers = _match(r.get("match", {}), where)
             allow = _cidrs(r.get("allow", []), f"{where}.allow")
             deny = _cidrs(r.get("deny", []), f"{where}.deny")
             out.append(
@@ -328,10 +288,10 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
                     name=name,
                     pool=pool,
                     split=split,
-                    path_prefix=normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
-                    host=host.lower().rstrip(".") if host else None,
-                    methods=tuple(x.upper() for x in methods),
-                    headers=tuple(sorted((k.lower(), v) for k, v in hs.items())),
+                    path_prefix=prefix,
+                    host=host,
+                    methods=methods,
+                    headers=headers,
                     request_headers=_header_rules(r.get("request_headers", {}), f"{where}.request_headers"),
                     response_headers=_header_rules(r.get("response_headers", {}), f"{where}.response_headers"),
                     allow=allow,
@@ -343,6 +303,58 @@ def parse_routes(value) -> tuple[RouteSpec, ...]:
     if problems:
         raise ConfigError(*problems)
     return tuple(out)
+
+
+def _split(sp, where: str) -> tuple[tuple[str, int], ...]:
+    """A route's split = [{ pool, weight }, ...]: each pool once, each weight a whole number >= 1."""
+    if not isinstance(sp, list) or not sp:
+        raise ConfigError(f'{where}.split: empty; expected [{{ pool = "a", weight = 90 }}, ...]')
+    parts: list[tuple[str, int]] = []
+    for j, s in enumerate(sp):
+        if not isinstance(s, dict):
+            raise ConfigError(f'{where}.split[{j}]: expected {{ pool = "NAME", weight = N }}')
+        _unknown(s, ("pool", "weight"), f"{where}.split[{j}]")
+        w = s.get("weight", 1)
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ConfigError(f"{where}.split[{j}].weight: must be a whole number >= 1, got {w!r}")
+        p = s.get("pool")
+        if not isinstance(p, str) or not p:
+            raise ConfigError(f"{where}.split[{j}].pool: expected a pool's name, got {p!r}")
+        if p in (q for q, _ in parts):
+            raise ConfigError(f"{where}.split: pool {p!r} is named twice")
+        parts.append((p, w))
+    return tuple(parts)
+
+
+def _match(m, where: str) -> tuple[str | None, str | None, tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """A route's match table, checked and put in the form requests are compared in (path, host, methods, headers)."""
+    from lb.limiting.rules import normalize_path
+
+    if not isinstance(m, dict):
+        raise ConfigError(f'{where}.match: expected a table like {{ path_prefix = "/v2/" }}')
+    _unknown(m, ("path_prefix", "host", "methods", "headers"), f"{where}.match")
+    prefix = m.get("path_prefix")
+    if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.isascii()):
+        raise ConfigError(f"{where}.match.path_prefix: must start with '/', got {prefix!r}")
+    host = m.get("host")
+    if host is not None and (not isinstance(host, str) or not host or any(c in host for c in " /:@")):
+        raise ConfigError(f"{where}.match.host: expected a host name without a port, got {host!r}")
+    methods = m.get("methods", [])
+    if isinstance(methods, str):
+        methods = [methods]
+    if not isinstance(methods, list) or not all(isinstance(x, str) and _TOKEN.fullmatch(x) for x in methods):
+        raise ConfigError(f'{where}.match.methods: expected a list of methods like ["GET"], got {methods!r}')
+    hs = m.get("headers", {})
+    if not isinstance(hs, dict) or not all(
+        isinstance(k, str) and _TOKEN.fullmatch(k) and isinstance(v, str) for k, v in hs.items()
+    ):
+        raise ConfigError(f'{where}.match.headers: expected a table of name = "exact value", got {hs!r}')
+    return (
+        normalize_path(prefix.encode()).decode("latin-1") if prefix else None,
+        host.lower().rstrip(".") if host else None,
+        tuple(x.upper() for x in methods),
+        tuple(sorted((k.lower(), v) for k, v in hs.items())),
+    )
 
 
 def _covers(a: RouteSpec, b: RouteSpec) -> bool:

@@ -563,6 +563,20 @@ _VALUE_BAD = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _LOWER_TCHAR = bytes(c for c in _TCHAR if not 65 <= c <= 90)
 
 
+def _check_pseudo_fields(method: bytes, target: bytes, n_headers: int) -> None:
+    """A stream's :method and :path by _request_line's rules (CONNECT refused too), and its field count."""
+    if not method or method.translate(None, _TCHAR) or method != method.upper():
+        raise HttpError(400, "invalid method")
+    if method == b"TRACE":
+        raise HttpError(405, "TRACE is not allowed")
+    if method == b"CONNECT":
+        raise HttpError(405, "CONNECT is not allowed")  # the edge is no tunnel for HTTP/2 streams
+    if not target or target[:1] != b"/" or _TARGET_BAD.search(target):
+        raise HttpError(400, "invalid request target")  # asterisk-form too, as parse_request
+    if n_headers > MAX_HEADERS:
+        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
+
+
 def request_from_fields(
     method: bytes,
     target: bytes,
@@ -575,16 +589,7 @@ def request_from_fields(
     value), pseudo-fields taken out. The caller sets chunked when a body follows without a length
     (an HTTP/1.1 backend then gets it chunked). :authority is the Host (a Host field too must agree);
     split cookie fields are one again (RFC 9113 8.2.3). HttpError as parse_request raises it."""
-    if not method or method.translate(None, _TCHAR) or method != method.upper():
-        raise HttpError(400, "invalid method")
-    if method == b"TRACE":
-        raise HttpError(405, "TRACE is not allowed")
-    if method == b"CONNECT":
-        raise HttpError(405, "CONNECT is not allowed")  # the edge is no tunnel for HTTP/2 streams
-    if not target or target[:1] != b"/" or _TARGET_BAD.search(target):
-        raise HttpError(400, "invalid request target")  # asterisk-form too, as parse_request
-    if len(headers) > MAX_HEADERS:
-        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
+    _check_pseudo_fields(method, target, len(headers))
     r = Request()
     r.method, r.target, r.version = method, target, version
     r.content_length = None

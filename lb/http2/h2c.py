@@ -64,6 +64,30 @@ def _upload(call, pieces, failed: list) -> None:
         call.reset(ErrorCodes.CANCEL)
 
 
+def _deadline(req, response_timeout: float) -> float:
+    """When the answer must be in: response_timeout, or sooner when the call says grpc-timeout."""
+    deadline = monotonic() + response_timeout
+    for _, lname, value in req.headers:
+        if lname == b"grpc-timeout":
+            t = parse_timeout(value)
+            if t is not None:
+                deadline = min(deadline, monotonic() + t)
+    return deadline
+
+
+def _request_body(reader, req, cfg):
+    """(body, pieces): the request body's pieces as they arrive, and the same as body when the whole of it
+    is here already (a unary call: read inline, kept for a replay), else body None."""
+    reader.timeout, reader.deadline = cfg.body_timeout, None
+    pieces = (
+        iter_chunked(reader, cfg.max_body_size, cfg.body_min_rate)
+        if req.chunked
+        else iter_fixed(reader, req.content_length, cfg.body_min_rate)
+    )
+    st = getattr(reader, "stream", None)
+    return (pieces if st is not None and st.body_end else None), pieces
+
+
 def forward(edge, x, backend, conn, down) -> bool:
     """Forward x.req to the h2c backend and relay its answer to `down` (start, send, finish: any
     Downstream); True when the client connection may carry another request (HTTP/2 ignores it)."""
@@ -73,12 +97,7 @@ def forward(edge, x, backend, conn, down) -> bool:
     fw = edge.forwarder
     has_body = req.chunked or bool(req.content_length)
     keep = req.keep_alive and not edge.closing
-    deadline = monotonic() + cfg.response_timeout
-    for _, lname, value in req.headers:
-        if lname == b"grpc-timeout":
-            t = parse_timeout(value)
-            if t is not None:
-                deadline = min(deadline, monotonic() + t)
+    deadline = _deadline(req, cfg.response_timeout)
     x.upstream_start = monotonic()
     stream = getattr(down, "stream", None)  # an HTTP/2 client's stream: its reset cancels the call
     budget = edge.retry_budget
@@ -87,18 +106,7 @@ def forward(edge, x, backend, conn, down) -> bool:
     tried: list = []
     try:
         fields = _fields(x, req, peer, trusted, req.content_length if not req.chunked else None)
-        body = None  # the whole request body, when it is here already (replayable)
-        pieces = None
-        if has_body:
-            reader.timeout, reader.deadline = cfg.body_timeout, None
-            pieces = (
-                iter_chunked(reader, cfg.max_body_size, cfg.body_min_rate)
-                if req.chunked
-                else iter_fixed(reader, req.content_length, cfg.body_min_rate)
-            )
-            st = getattr(reader, "stream", None)
-            if st is not None and st.body_end:
-                body = pieces  # a unary call: read inline below, kept for a replay
+        body, pieces = _request_body(reader, req, cfg) if has_body else (None, None)
         replays = 1  # a call the backend refused unprocessed (GOAWAY, REFUSED_STREAM) is tried again
         while True:
             while True:
