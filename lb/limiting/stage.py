@@ -24,16 +24,15 @@ import logging
 import math
 import threading
 from time import sleep
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from lb import netaddr
 from lb.limiting import views
 from lb.limiting.identity import MAX_KEY, ip_key, kind_name
 from lb.limiting.keys import KeyRegistry, KeySpec, key_label
+from lb.limiting.limiters import Limiters
 from lb.limiting.rules import BUILTIN, Matcher, normalize_path
-from limiter import build, parse_rate
 from limiter.compose import allow_all
-from limiter.concurrency import InFlight
 from limiter.shaping import Delayed
 
 log = logging.getLogger("edge")
@@ -167,52 +166,8 @@ class LimitStage:
         self.algorithm = algorithm
         self.store = store
         self.options = tuple(sorted(store_options.items()))
-        old = reuse or {}
-        cache: dict[str, Any] = {}  # limiters of several kinds (memory, Redis, shm) and in-flight tables
-
-        def limiter_for(rate: str, algo: str = algorithm, rule: str = BUILTIN, cost: int = 1, delay: float = max_delay):
-            n, period = parse_rate(rate)
-            # The built-in rule keeps its old names (and Redis keys); each [[rules]] table has its own.
-            key = f"{n}/{period}" if rule == BUILTIN and algo == algorithm else f"{rule}:{algo}:{n}/{period}"
-            key += (f"+cost{cost}" if cost != 1 else "") + (f"+delay{delay!r}" if delay else "")
-            if key not in cache and key in old:
-                cache[key] = old[key]
-            if key not in cache:
-                prefix: dict[str, Any] = (
-                    {"prefix": f"edge:{algo}:{key}:" if rule == BUILTIN else f"edge:rule:{key}:"}
-                    if store != "memory"
-                    else {}
-                )
-                cache[key] = build(
-                    algo, limit=n, window=period, store=store, cost=cost, max_delay=delay, **prefix, **store_options
-                )
-            return cache[key]
-
-        def inflight_for(n: int, rule: str = BUILTIN):
-            key = f"inflight:{rule}:{n}"
-            if key not in cache and key in old:
-                cache[key] = old[key]
-            if key not in cache:
-                if store in ("memory", "shm"):
-                    from limiter import concurrency  # --workers: the table the supervisor shared
-
-                    cache[key] = (
-                        concurrency.ShmInFlight(n, inflight_table, name=key)
-                        if inflight_table is not None
-                        else InFlight(n)
-                    )
-                else:
-                    from limiter.concurrency import RedisInFlight
-
-                    cache[key] = RedisInFlight(
-                        n,
-                        store,
-                        prefix=f"edge:inflight:{rule}:",
-                        ttl=inflight_ttl,
-                        **{k: v for k, v in store_options.items() if k != "max_keys"},
-                    )
-            return cache[key]
-
+        made = Limiters(algorithm, store, max_delay, inflight_ttl, inflight_table, reuse, store_options)
+        limiter_for, inflight_for = made.rate, made.inflight
         self.default = limiter_for(default) if default else None
         self.ipv6_prefix = ipv6_prefix  # IPv6 clients are keyed by this prefix (identity.ip_key)
         self.overrides = {kind_name(k, ipv6_prefix): limiter_for(rate) for k, rate in overrides}
@@ -241,7 +196,7 @@ class LimitStage:
         self.max_delay, self.max_delayed = max_delay, max_delayed
         self.status_code = status
         self.ietf = ietf_headers
-        self.limiters = cache
+        self.limiters = made.cache
 
     @property
     def declared(self) -> list[tuple[str, bool]]:

@@ -22,7 +22,6 @@ from dataclasses import replace
 from lb import logs
 from lb.config.load import Config, admin_token
 from lb.errors import ConfigError, StartError
-from lb.limiting import store
 from lb.limiting.identity import Identifier
 from lb.limiting.keys import draw_label_secret
 from lb.limiting.stage import SharedTables
@@ -31,7 +30,7 @@ from lb.ops import fanout
 from lb.ops import metrics as metrics_mod
 from lb.ops.admin import AdminServer, start_admin
 from lb.ops.metrics import Metrics
-from lb.process import actions, parts, reloading, resolving, sdnotify, status
+from lb.process import actions, parts, readiness, reloading, resolving, sdnotify, startlog, status
 from lb.proxy.edge import Edge, EdgeServer
 from lb.proxy.tunnel import close_all as close_tunnels
 from lb.upstream.backends import BackendSpec, make_backend
@@ -40,7 +39,6 @@ from lb.upstream.breaker import Breaker
 from lb.upstream.health import HealthChecker
 from lb.upstream.outlier import Ejector
 from lb.upstream.retrybudget import RetryBudget
-from limiter.redis import url as redis_url
 
 log = logging.getLogger("edge")
 
@@ -118,7 +116,7 @@ class App:
         self._resolving: threading.Thread | None = None  # the re-resolution thread, once a resolver is set
         backends = self._build(cfg)
         self._bind(cfg, worker)
-        self._log_start(cfg, backends)
+        startlog.log_start(cfg, self.server, self.edge.limiter, backends)
         self.admin: AdminServer | None = None
         try:
             self.admin_token = admin_token(cfg)  # None: admin writes are off (403 says how to turn them on)
@@ -187,32 +185,6 @@ class App:
         if cfg.admin:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
         self.server = make_server(cfg.listen, self.edge, cfg.takeover)
-
-    def _log_start(self, cfg: Config, backends) -> None:
-        log.info(
-            "listening on %s%s, %d backends (%s): %s",
-            hostport(*self.server.server_address[:2]),
-            f" (https, {cfg.tls_min_version}+)" if cfg.tls_cert else "",
-            len(backends),
-            cfg.strategy,
-            ", ".join(f"{b.url}={b.weight}" for b in backends),
-        )
-        if self.edge.limiter is not None:
-            rules = "".join(
-                f", rule {r.name} {r.limit or ''}{f' max_in_flight {r.max_in_flight}' if r.max_in_flight else ''}"
-                f" by {r.key}{' (dry run)' if r.dry_run else ''}"
-                for r in cfg.rules
-            )
-            log.info(
-                "limiting %s per key (%s, %s store%s), %d overrides, %d known keys%s",
-                cfg.limit or "off",
-                cfg.algorithm,
-                redis_url.redact(cfg.store),
-                "" if cfg.store == "memory" else f", timeout {cfg.redis_timeout:g}s, {cfg.on_store_error} on error",
-                len(cfg.key_limits),
-                len(cfg.keys),
-                rules,
-            )
 
     def _join_workers(self, rundir: str, worker: int) -> None:
         """A worker of --workers N: its numbers published (worker 0 sums them), the others' admin actions
@@ -310,39 +282,7 @@ class App:
         return None
 
     def wait_until_ready(self) -> None:
-        """The start-up store check: one line; with fail-closed, not ready until the store answers."""
-        ok, line = store.check(self.cfg)
-        if line:
-            policy = self.cfg.on_store_error
-            if ok:
-                log.info("%s", line)
-            elif policy == "fail-closed":
-                log.error("%s; fail-closed: not reporting ready until it answers (requests get 503 meanwhile)", line)
-                last = time.monotonic()
-                while not self.stopping:
-                    time.sleep(1.0)
-                    ok, line = store.check(self.cfg)
-                    if ok:
-                        log.info("%s; ready now", line)
-                        break
-                    if time.monotonic() - last > 30:
-                        log.error("%s; still not ready", line)
-                        last = time.monotonic()
-            else:
-                how = {
-                    "fail-open": "requests are allowed while it is down",
-                    "local": "each process limits on its own while it is down",
-                }[policy]
-                log.warning("%s; %s: starting anyway, %s", line, policy, how)
-        if ok and not self.stopping:
-            self._memory_policy(self.cfg)
-        self.ready = not self.stopping
-
-    @staticmethod
-    def _memory_policy(cfg) -> None:
-        """One line per Redis server about its maxmemory-policy (a warning when it can evict limiter keys)."""
-        for level, line in store.memory_policy(cfg):
-            log.log(level, "%s", line)
+        readiness.wait_until_ready(self)
 
     def reopen_logs(self) -> None:
         """SIGUSR1/SIGHUP: a fresh access-log file and stderr (when it is a file) after logrotate moved them."""

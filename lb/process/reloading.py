@@ -13,7 +13,7 @@ from lb.config.load import Config, admin_token, load
 from lb.errors import ConfigError, StartError
 from lb.limiting.identity import Identifier
 from lb.ops.accesslog import AccessLog
-from lb.process import parts, resolving, sdnotify
+from lb.process import parts, readiness, resolving, sdnotify
 from lb.process.membership import joined_and_left
 from lb.upstream.backends import make_backend
 
@@ -84,7 +84,7 @@ def reload(app) -> bool:
     )
     sdnotify.notify("READY=1", f"STATUS=serving {len(matched.keep)} backends")
     resolving.start_resolving(app)
-    app._memory_policy(new)  # Redis's own configuration may have changed too
+    readiness.memory_policy(new)  # Redis's own configuration may have changed too
     if old_log is not None:
         old_log.close()  # last: it waits for the old file's queued lines (up to its timeout)
     return True

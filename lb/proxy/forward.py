@@ -71,19 +71,7 @@ class Forwarder:
         try:
             while True:
                 cfg = edge.cfg
-                head = upstream_head(
-                    req,
-                    backend,
-                    conn.peer,
-                    conn.peer_trusted,
-                    cfg.no_pool,
-                    x.proto,
-                    x.upgrade,
-                    x.rid_sent,
-                    length,
-                    cfg.allow_underscores,
-                    x,
-                )
+                head = _try_head(cfg, x, backend, conn, length)
                 x.counted = backend  # uncount() takes back this count, whichever backend a retry names next
                 with backend.lock:
                     backend.inflight += 1
@@ -309,6 +297,23 @@ class Forwarder:
         return down.local_reply(x, status, reason, False, linger=True)
 
     # -- relaying the response ------------------------------------------------------------------------
+
+
+def _try_head(cfg, x, backend: Backend, conn, length):
+    """This try's request head to `backend`: tries.upstream_head fed from x, conn and cfg."""
+    return upstream_head(
+        x.req,
+        backend,
+        conn.peer,
+        conn.peer_trusted,
+        cfg.no_pool,
+        x.proto,
+        x.upgrade,
+        x.rid_sent,
+        length,
+        cfg.allow_underscores,
+        x,
+    )
 
 
 class _Tries:

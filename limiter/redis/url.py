@@ -135,23 +135,9 @@ def parse(
     if not sep or scheme not in SCHEMES:
         raise ValueError(f"store: expected memory, {', '.join(s + '://' for s in SCHEMES)}; got {_redact(url)!r}")
     socket = None
-    if scheme in ("redis+unix", "unix"):  # [USER[:PASSWORD]@]/PATH.sock[?db=N]: a path, not HOST:PORT
-        rest, _, query = rest.partition("?")
-        socket = rest.rpartition("@")[2]
-        if not socket.startswith("/"):
-            raise ValueError(f"{_redact(url)}: expected an absolute socket path, e.g. {scheme}:///run/redis.sock")
-        qdb = query[3:] if query.startswith("db=") else None
-        if (query and qdb is None) or (qdb is not None and not qdb.isdigit()):
-            raise ValueError(f"{_redact(url)}: the only option is ?db=N (a number)")
-        rest = rest[: len(rest) - len(socket)] + f"unix/{qdb or 0}"  # parsed below like HOST/DB
-    userinfo, at, rest = rest.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, pw = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(pw) if colon else None
-        if not colon and user:  # redis://SECRET@host: the lone field is the password (redis-py's reading)
-            username, password = None, unquote(user)
+    if scheme in ("redis+unix", "unix"):
+        rest, socket = _unix_socket(scheme, rest, url)
+    username, password, rest = _userinfo(rest)
     path = ""
     if "/" in rest:
         rest, _, path = rest.partition("/")
@@ -160,6 +146,45 @@ def parse(
     hosts = () if socket else tuple(_hostport(h, url) for h in rest.split(",")) if rest else ()
     if not hosts and not socket:
         raise ValueError(f"{_redact(url)}: no HOST:PORT")
+    master, db = _master_and_db(scheme, path, url)
+    if len(hosts) > 1 and scheme in ("redis", "rediss"):
+        raise ValueError(
+            f"{_redact(url)}: one HOST:PORT for {scheme}:// (several: redis-cluster:// or redis-sentinel://)"
+        )
+    tls = scheme == "rediss"
+    _check_tls_files(url, tls, ca_file, cert_file, key_file)
+    password = _password(password, password_file, os.environ if environ is None else environ)
+    kind = {"redis-sentinel": "sentinel", "redis-cluster": "cluster"}.get(scheme, "single")
+    return Target(kind, hosts, db, master, tls, username, password, ca_file, cert_file, key_file, socket)
+
+
+def _unix_socket(scheme: str, rest: str, url: str) -> tuple[str, str]:
+    """[USER[:PASSWORD]@]/PATH.sock[?db=N]: a path, not HOST:PORT -> (rest rewritten as [USERINFO@]unix/DB, path)."""
+    rest, _, query = rest.partition("?")
+    socket = rest.rpartition("@")[2]
+    if not socket.startswith("/"):
+        raise ValueError(f"{_redact(url)}: expected an absolute socket path, e.g. {scheme}:///run/redis.sock")
+    qdb = query[3:] if query.startswith("db=") else None
+    if (query and qdb is None) or (qdb is not None and not qdb.isdigit()):
+        raise ValueError(f"{_redact(url)}: the only option is ?db=N (a number)")
+    return rest[: len(rest) - len(socket)] + f"unix/{qdb or 0}", socket  # parsed by parse() like HOST/DB
+
+
+def _userinfo(rest: str) -> tuple[str | None, str | None, str]:
+    """[USER[:PASSWORD]@]REST -> (username, password, REST)."""
+    userinfo, at, rest = rest.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+        if not colon and user:  # redis://SECRET@host: the lone field is the password (redis-py's reading)
+            username, password = None, unquote(user)
+    return username, password, rest
+
+
+def _master_and_db(scheme: str, path: str, url: str) -> tuple[str | None, int]:
+    """The URL's path: [/MASTER] for redis-sentinel://, then [/DB] (none for a cluster)."""
     parts = [p for p in path.split("/") if p] if path else []
     master, db = None, 0
     if scheme == "redis-sentinel":
@@ -174,11 +199,10 @@ def parse(
                 else f"{_redact(url)}: a cluster has no database number (it has db 0 only)"
             )
         db = int(parts[0])
-    if len(hosts) > 1 and scheme in ("redis", "rediss"):
-        raise ValueError(
-            f"{_redact(url)}: one HOST:PORT for {scheme}:// (several: redis-cluster:// or redis-sentinel://)"
-        )
-    tls = scheme == "rediss"
+    return master, db
+
+
+def _check_tls_files(url: str, tls: bool, ca_file, cert_file, key_file) -> None:
     if (ca_file or cert_file or key_file) and not tls:
         raise ValueError(f"redis_ca_file/redis_cert_file/redis_key_file apply to rediss:// only, not {_redact(url)}")
     if bool(cert_file) != bool(key_file):
@@ -186,7 +210,10 @@ def parse(
     _check_file(ca_file, "redis_ca_file")
     _check_file(cert_file, "redis_cert_file")
     _check_file(key_file, "redis_key_file")
-    environ = os.environ if environ is None else environ
+
+
+def _password(password: str | None, password_file: str | None, environ) -> str | None:
+    """The one place the password is given: the URL, redis_password_file, or the environment."""
     sources = [
         s
         for s, present in (
@@ -199,8 +226,7 @@ def parse(
     if len(sources) > 1:
         raise ValueError(f"the Redis password is given twice ({' and '.join(sources)}); give it in one place")
     if password_file is not None:
-        password = _read_password_file(password_file)
-    elif password is None and environ.get(ENV_PASSWORD):
-        password = environ[ENV_PASSWORD]
-    kind = {"redis-sentinel": "sentinel", "redis-cluster": "cluster"}.get(scheme, "single")
-    return Target(kind, hosts, db, master, tls, username, password, ca_file, cert_file, key_file, socket)
+        return _read_password_file(password_file)
+    if password is None and environ.get(ENV_PASSWORD):
+        return environ[ENV_PASSWORD]
+    return password
