@@ -537,24 +537,30 @@ def _read_fields(r: Request, fields, keep_alive: bool) -> bool:
             if value.lower() != b"100-continue":
                 raise HttpError(417, "unsupported expectation")
             r.expect_continue = True
-        elif lname == b"x-api-key":
-            # One key per request: the limiter must count the key the backend will read (Go's Header.Get
-            # and Python's email.message take the first of several, a last-wins limiter the last).
-            if r.api_key is not None:
-                raise HttpError(400, "more than one X-Api-Key header")
-            r.api_key = value
-        elif lname == b"x-request-id":
-            r.request_id = value
-        elif lname == b"x-forwarded-for":
-            r.xff = value if r.xff is None else r.xff + b", " + value
-        elif lname == b"x-forwarded-proto":
-            r.proto = value
-        elif lname == b"x-forwarded-host":
-            r.fwd_host = value
         elif lname == b"cookie":
             r.cookie = value if r.cookie is None else r.cookie + b"; " + value
+        else:
+            _identity_field(r, lname, value)
     r.conn_tokens = tokens
     return keep_alive
+
+
+def _identity_field(r: Request, lname: bytes, value: bytes) -> None:
+    """The fields HTTP/1.1 and HTTP/2 requests read alike: who asks, and what proxies before us said."""
+    if lname == b"x-api-key":
+        # One key per request: the limiter must count the key the backend will read (Go's Header.Get
+        # and Python's email.message take the first of several, a last-wins limiter the last).
+        if r.api_key is not None:
+            raise HttpError(400, "more than one X-Api-Key header")
+        r.api_key = value
+    elif lname == b"x-request-id":
+        r.request_id = value
+    elif lname == b"x-forwarded-for":
+        r.xff = value if r.xff is None else r.xff + b", " + value
+    elif lname == b"x-forwarded-proto":
+        r.proto = value
+    elif lname == b"x-forwarded-host":
+        r.fwd_host = value
 
 
 # A field value relayed into an HTTP/1.1 head: any CR, LF, NUL or other control but HTAB would split or cut
@@ -627,18 +633,8 @@ def request_from_fields(
                 raise HttpError(400, "connection-specific header in an HTTP/2 request")
             elif lname == b"expect":
                 continue  # 100-continue is implicit in HTTP/2's flow control
-            elif lname == b"x-api-key":
-                if r.api_key is not None:
-                    raise HttpError(400, "more than one X-Api-Key header")
-                r.api_key = value
-            elif lname == b"x-request-id":
-                r.request_id = value
-            elif lname == b"x-forwarded-for":
-                r.xff = value if r.xff is None else r.xff + b", " + value
-            elif lname == b"x-forwarded-proto":
-                r.proto = value
-            elif lname == b"x-forwarded-host":
-                r.fwd_host = value
+            else:
+                _identity_field(r, lname, value)
         out.append((lname, lname, value))
     host = authority if authority else host_field
     if authority and host_field is not None and host_field.lower() != authority.lower():
