@@ -19,6 +19,8 @@ The peers and their configurations (bench/peers/):
   edge         python3 edge.py --backends ... (this checkout)
   edge-limit   + --limit 10000000/s (memory store; every request admitted)
   edge-redis   + --store redis://... (the same limit in Redis)
+  floor        floor_threads.py: the least a thread-per-connection Python proxy can do (no parsing, no
+               checks, no pool: one recv, one sendall each way) -- the model's own cost, not a product
 
 Install the peers outside the project's requirements:
   apt-get install -y nginx-light haproxy caddy
@@ -49,7 +51,7 @@ from wrk.placement import place  # noqa: E402
 
 PEERS_DIR = ROOT / "bench" / "peers"
 TICK = os.sysconf("SC_CLK_TCK")
-ORDER = ("nginx", "haproxy", "edge", "edge-limit", "edge-redis", "caddy", "proxy.py", "twisted")
+ORDER = ("nginx", "haproxy", "edge", "edge-limit", "edge-redis", "caddy", "proxy.py", "twisted", "floor")
 
 
 def free_port() -> int:
@@ -91,7 +93,10 @@ def wrk(port: int, pid: int, seconds: float, connections: int) -> tuple[float, f
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", f"http://127.0.0.1:{port}/"],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
     cpu = cpu_seconds(pid) - c0
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if m is None:
+        raise RuntimeError(out[-1500:])
+    rps = float(m.group(1))
     total = int(re.search(r"(\d+) requests in", out).group(1))
     errors = sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -161,6 +166,8 @@ def start(name: str, cpu: int, backend: int, redis_url: str, py: str, stack: con
                             "--num-workers", "1", "--num-acceptors", "1", "--enable-reverse-proxy",
                             "--plugins", "proxypy_reverse.ToBackend", "--log-level", "ERROR"], cpu, port,
                      {"PEER_BACKEND": f"http://127.0.0.1:{backend}", "PYTHONPATH": str(PEERS_DIR)})
+    if name == "floor":
+        return spawn(name, [sys.executable, str(PEERS_DIR / "floor_threads.py"), str(port), str(backend)], cpu, port)
     if name == "twisted":
         return spawn(name, [py, str(PEERS_DIR / "twisted_proxy.py"), str(port), str(backend)], cpu, port)
     edge = [sys.executable, "edge.py", "--listen", f"127.0.0.1:{port}", "--backends",
