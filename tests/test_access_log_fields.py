@@ -91,3 +91,64 @@ def test_a_chunk_longer_than_declared_counts_the_two_bytes_read_where_its_crlf_b
     finally:
         e.stop()
     assert f" bytes_received={len(head) + len(b'3') + 2 + 3 + 2} " in line, line
+
+
+def _routed_conf(backends, log, fmt: str) -> str:
+    return f"""access_log = "{log}"
+access_log_format = "{fmt}"
+[[backends]]
+url = "{backends[0].url}"
+
+[[pools]]
+name = "api-pool"
+backends = [{{ url = "{backends[1].url}" }}]
+
+[[pools]]
+name = "static-pool"
+backends = [{{ url = "{backends[2].url}" }}]
+
+[[routes]]
+name = "api"
+match = {{ path_prefix = "/api/" }}
+pool = "api-pool"
+
+[[routes]]
+name = "static"
+match = {{ path_prefix = "/static/" }}
+pool = "static-pool"
+
+[[routes]]
+name = "closed"
+match = {{ path_prefix = "/closed/" }}
+pool = "api-pool"
+deny = ["127.0.0.1/32"]
+"""
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_each_line_names_the_route_that_matched(backends, tmp_path, fmt):
+    """With [[routes]], which route served a request is on its line (route=NAME, JSON "route"); a request
+    no route matched (the default pool) has none, and its line is what it was before routes; a route's
+    refusal (its deny list's 403) names the route too."""
+    log, conf = tmp_path / "access.log", tmp_path / "edge.toml"
+    conf.write_text(_routed_conf(backends, log, fmt))
+    e = Edge("--config", str(conf))
+    try:
+        for path in ("/api/users", "/static/app.css", "/other"):
+            assert request(e.port, "GET", path).status == 200
+        assert request(e.port, "GET", "/closed/x").status == 403
+        lines = _lines(log, 4)
+    finally:
+        e.stop()
+    if fmt == "json":
+        by = {(d := json.loads(ln))["path"]: d for ln in lines}
+        assert by["/api/users"]["route"] == "api" and by["/api/users"]["upstream"] == backends[1].url
+        assert by["/static/app.css"]["route"] == "static" and by["/static/app.css"]["upstream"] == backends[2].url
+        assert "route" not in by["/other"] and by["/other"]["upstream"] == backends[0].url
+        assert (by["/closed/x"]["status"], by["/closed/x"]["route"]) == (403, "closed")
+    else:
+        by = {ln.split('"')[1].split()[1]: ln for ln in lines}
+        assert by["/api/users"].endswith(" upstream_status=200 route=api") and backends[1].url in by["/api/users"]
+        assert by["/static/app.css"].endswith(" upstream_status=200 route=static")
+        assert " route=" not in by["/other"] and by["/other"].endswith(" upstream_status=200")
+        assert " 403 " in by["/closed/x"] and by["/closed/x"].endswith(" upstream_status=- route=closed")

@@ -212,3 +212,90 @@ def test_a_resolver_that_is_not_an_address_is_a_config_error_naming_the_key():
     line = config_error("--backends", "http://127.0.0.1:9", "--resolver", "dns.example:53")
     assert "upstream.resolver" in line and "dns.example:53" in line
     assert "--max-requests" in config_error("--backends", "http://127.0.0.1:9", "--max-requests", "-1")
+
+
+def pool_addresses(e, pool):
+    return sorted(b["address"] for b in status(e)["pools"][pool]["backends"] if "address" in b)
+
+
+def test_a_named_pools_names_follow_dns_like_the_default_pools(tmp_path):
+    """A [[pools]] entry's backend given by name: one backend per address, re-resolved every
+    resolve_interval, joining and draining as the default pool's do; the default pool is left alone."""
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    d = Backend("default")
+    dns.records["pool.test"] = ["127.0.0.1"]
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text(f"""[upstream]
+resolver = "127.0.0.1:{dns.port}"
+resolve_interval = 0.3
+[[backends]]
+url = "{d.url}"
+[[pools]]
+name = "api"
+backends = [{{ url = "http://pool.test:{a.port}" }}]
+[[routes]]
+name = "api"
+match = {{ path_prefix = "/api/" }}
+pool = "api"
+""")
+    e = Edge("--config", str(cfg), "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert pool_addresses(e, "api") == ["127.0.0.1"]
+        assert status(e)["resolved"] == {f"http://pool.test:{a.port}": {"addresses": ["127.0.0.1"]}}
+        assert served_by(e) == {"default"}
+        assert {request(e.port, "GET", "/api/x").header("X-Backend") for _ in range(6)} == {"one"}
+
+        dns.records["pool.test"] = ["127.0.0.1", "127.0.0.2"]
+        wait_until(lambda: pool_addresses(e, "api") == ["127.0.0.1", "127.0.0.2"], what="127.0.0.2 joins the pool")
+        assert {request(e.port, "GET", "/api/x").header("X-Backend") for _ in range(12)} == {"one", "two"}
+        dns.records["pool.test"] = ["127.0.0.2"]
+        wait_until(lambda: pool_addresses(e, "api") == ["127.0.0.2"], what="127.0.0.1 leaves the pool")
+        e.wait_log(r"pool\.test:\d+ \(127\.0\.0\.1\) removed \(drained\)")
+        assert {request(e.port, "GET", "/api/x").header("X-Backend") for _ in range(6)} == {"two"}
+        assert [x["url"] for x in status(e)["backends"]] == [d.url]        # the default pool untouched
+        assert served_by(e) == {"default"}
+        # a reload keeps the pool's name and its addresses as they are (it asks nothing it knows)
+        import signal
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reloaded: 1 backends")
+        assert pool_addresses(e, "api") == ["127.0.0.2"]
+        assert status(e)["resolved"] == {f"http://pool.test:{a.port}": {"addresses": ["127.0.0.2"]}}
+        # a reload that adds a name that does not resolve to the pool is rejected before anything changes
+        cfg.write_text(cfg.read_text().replace('backends = [{ url', 'backends = [{ url = "http://nowhere.test:80" }, { url'))
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reload rejected.*pools \(api\)\.backends: http://nowhere\.test:80: nowhere\.test does not resolve")
+        assert pool_addresses(e, "api") == ["127.0.0.2"]
+        assert {request(e.port, "GET", "/api/x").header("X-Backend") for _ in range(4)} == {"two"}
+    finally:
+        e.stop()
+        for x in (a, b, d):
+            x.stop()
+        dns.close()
+
+
+def test_a_named_pools_name_that_does_not_resolve_at_start_is_refused_in_one_line(tmp_path):
+    dns = TinyDNS()
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text(f"""[upstream]
+resolver = "127.0.0.1:{dns.port}"
+[[backends]]
+url = "http://127.0.0.1:9"
+[[pools]]
+name = "api"
+backends = [{{ url = "http://nowhere.test:80" }}]
+[[routes]]
+name = "api"
+match = {{ path_prefix = "/api/" }}
+pool = "api"
+""")
+    try:
+        import subprocess, sys
+        from tests.support import ROOT
+        p = subprocess.run([sys.executable, "edge.py", "--listen", "127.0.0.1:0", "--config", str(cfg)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=20)
+        assert p.returncode != 0 and "Traceback" not in p.stderr
+        assert "pools (api).backends: http://nowhere.test:80: nowhere.test does not resolve" in p.stderr, p.stderr
+    finally:
+        dns.close()

@@ -157,6 +157,54 @@ def test_workers_share_the_port_and_a_crashed_worker_is_restarted(backends):
         e.stop()
 
 
+def exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (the reaper of an orphan here may be slow or absent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no holder; a listener is
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_a_sigkilled_supervisor_takes_its_workers_with_it(backends):
+    """kill -9 (or the OOM killer) on the supervisor: each worker gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG), finishes what it is serving as on any SIGTERM and exits, freeing the port:
+    no orphans left serving with nothing to restart or stop them."""
+    e = Edge("--backends", backends[0].url, "--workers", "2")
+    pids: list[int] = []
+    try:
+        e.wait_log(r"all 2 workers ready", timeout=20)
+        pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(e.popen.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+        assert len(pids) == 2
+        slow: dict = {}
+        th = threading.Thread(target=lambda: slow.update(r=request(e.port, "GET", "/slow?ms=1500&orphan", timeout=15)))
+        th.start()
+        wait_until(lambda: "/slow?ms=1500&orphan" in backends[0].stats()["last"], timeout=10,
+                   what="the slow request at the backend")
+        e.kill()                                                   # SIGKILL: no handler, no goodbye
+        wait_until(lambda: all(exited(p) for p in pids), timeout=20, what="every worker gone")
+        wait_until(lambda: port_free(e.port), timeout=5, what="the port free")
+        th.join(15)
+        assert slow["r"].status == 200                             # drained, as on SIGTERM
+        assert len(re.findall(r"received SIGTERM: draining", e.log())) == 2
+    finally:
+        e.stop()
+        for p in pids:
+            if not exited(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def summed_counters(port) -> dict:
     """/metrics' counter and histogram samples {(name, labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -26,7 +26,9 @@ only. `limited_by`: the rules that rejected the request, and dry-run rules that 
 ("NAME:dry_run"), comma-separated. Over mutual TLS, a request with a client certificate ends with its
 subject, `cert=CN=partner-a,O=Example` (escaped like the path; JSON: "client_cert"). A hedged request
 (lb/proxy/hedge.py) ends with `hedge=won|lost|failed other=URL` (JSON: "hedge"); one that came over
-HTTP/2 ends with `proto=HTTP/2` (JSON: "protocol"). Absent values are
+HTTP/2 ends with `proto=HTTP/2` (JSON: "protocol"). With [[routes]], a request one of them matched has
+`route=NAME` after upstream_status (JSON: "route"; absent: no route matched, the default pool served it,
+or the edge refused the request before routing). Absent values are
 `-` in text and null in JSON. SIGUSR1/SIGHUP reopen
 the file (logrotate).
 """
@@ -124,6 +126,29 @@ def _user_agent(headers) -> bytes | None:
     return None
 
 
+def _extras(route, tunnel, cert, hedge, req) -> list[tuple[str, object, str]]:
+    """The fields a line has only when they apply, in their order: (JSON name, JSON value, text), so a
+    line without them reads as it did before they were added."""
+    out: list[tuple[str, object, str]] = []
+    if route is not None:
+        out.append(("route", route, f" route={escape(route, 256)}"))
+    if tunnel:  # a 101's tunnel: (bytes up, bytes down, why it ended), logged when it closes
+        out.append(
+            (
+                "tunnel",
+                {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]},
+                f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})",
+            )
+        )
+    if cert is not None:
+        out.append(("client_cert", cert.subject, f" cert={escape(cert.subject, 512)}"))
+    if hedge is not None:
+        out.append(("hedge", {"result": hedge[0], "other": hedge[1]}, f" hedge={hedge[0]} other={hedge[1]}"))
+    if req is not None and req.version == b"HTTP/2":
+        out.append(("protocol", "HTTP/2", " proto=HTTP/2"))
+    return out
+
+
 def _text(v) -> str:
     return "-" if v is None else escape(v) if isinstance(v, str) else str(v)
 
@@ -158,6 +183,7 @@ class AccessLog:
         that learns something new (tries, limited_by, key_name) only has to set it on the Exchange."""
         req = x.req
         backend = x.backend
+        route = getattr(x, "route", None)
         self.q.put(
             (
                 time.time(),
@@ -178,6 +204,7 @@ class AccessLog:
                 getattr(x, "bytes_received", None),
                 getattr(x, "upstream_status", None),
                 getattr(x, "hedge", None),
+                route.name if route is not None else None,
             )
         )
 
@@ -200,6 +227,7 @@ class AccessLog:
                 None,
                 seconds,
                 0,
+                None,
                 None,
                 None,
                 None,
@@ -244,6 +272,7 @@ class AccessLog:
             received,
             up_status,
             hedge,
+            route,
         ) = item
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         host = ua = cert = None
@@ -255,7 +284,7 @@ class AccessLog:
         key = key[4:] if key and key.startswith("key:") else None
         up_s = None if up_s is None else round(up_s, 6)
         secs, limited_by = round(secs, 6), limited_by or None
-        # a 101's tunnel: (bytes up, bytes down, why it ended), logged when it closes
+        extras = _extras(route, tunnel, cert, hedge, req)
         if self.fmt == "json":  # ensure_ascii: one line, always
             d = dict(
                 zip(
@@ -281,14 +310,7 @@ class AccessLog:
                     ),
                 )
             )
-            if tunnel:
-                d["tunnel"] = {"up": tunnel[0], "down": tunnel[1], "end": tunnel[2]}
-            if cert is not None:
-                d["client_cert"] = cert.subject
-            if hedge is not None:
-                d["hedge"] = {"result": hedge[0], "other": hedge[1]}
-            if req is not None and req.version == b"HTTP/2":
-                d["protocol"] = "HTTP/2"  # absent: HTTP/1.x (the lines before HTTP/2 are unchanged)
+            d.update((name, value) for name, value, _ in extras)
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
         return (
@@ -297,10 +319,7 @@ class AccessLog:
             f"key={_text(key)} tries={tries} limited_by={_text(limited_by)} "
             f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
             f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
-            + (f" up={tunnel[0]} down={tunnel[1]} ({tunnel[2]})" if tunnel else "")
-            + (f" cert={escape(cert.subject, 512)}" if cert is not None else "")
-            + (f" hedge={hedge[0]} other={hedge[1]}" if hedge is not None else "")
-            + (" proto=HTTP/2" if req is not None and req.version == b"HTTP/2" else "")
+            + "".join(text for _, _, text in extras)
         )
 
     def _writer(self) -> None:

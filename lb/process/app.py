@@ -143,6 +143,7 @@ class App:
         self.metrics.breaker = self.breaker
         try:
             specs = resolving.concrete(self, cfg.backends, cfg)
+            resolving.concrete_pools(self, cfg)  # asked here: a [[pools]] name that does not resolve is refused too
         except ConfigError as e:
             raise StartError(str(e)) from None
         backends = [make_backend(s, cfg, breaker=self.breaker) for s in specs]

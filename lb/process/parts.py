@@ -10,6 +10,7 @@ from lb.config.load import Config
 from lb.errors import StartError
 from lb.limiting.store import redis_files
 from lb.ops.accesslog import AccessLog
+from lb.process import resolving
 from lb.upstream import pools as pools_mod
 
 log = logging.getLogger("edge")
@@ -20,7 +21,7 @@ def set_routes(app, cfg: Config) -> None:
     or retired (their backends drain); then the route table, in one assignment (a split's turn carried)."""
     from lb.proxy.routes import Router
 
-    want = {p.name: p for p in cfg.pools}
+    want = {p.name: p for p in resolving.concrete_pools(app, cfg)}  # names: their addresses (asked before)
     for name, spec in want.items():
         if name in app.pools:
             pools_mod.update(app.pools[name], spec, cfg, app.metrics, app._state_changed)

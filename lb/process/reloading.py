@@ -59,11 +59,12 @@ def reload(app) -> bool:
         app.resolved = {}  # another resolver: every name asked again
     try:
         specs = resolving.concrete(app, new.backends, new)
+        resolving.concrete_pools(app, new)  # before anything is swapped in (set_routes takes the answers)
     except ConfigError as e:
         log.error(REJECTED, e)
         sdnotify.notify("READY=1")
         return False
-    for url in set(app.resolved) - {s.url for s in new.backends}:
+    for url in set(app.resolved) - {s.url for s in resolving.every_spec(new)}:
         del app.resolved[url]
     matched = match_backends(app, specs, new)
     retune(app, new)

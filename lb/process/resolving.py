@@ -1,6 +1,8 @@
 """DNS-named backends of a running App (with a resolver set): each name stands for one backend per address,
 asked at start and again every resolve_interval (sooner with a short TTL); a changed answer joins and
-drains backends like a reload does, a failed one keeps the last good set (lb/upstream/resolve.py asks)."""
+drains backends like a reload does, a failed one keeps the last good set (lb/upstream/resolve.py asks).
+The default pool's backends and every [[pools]] entry's alike: a URL in several pools is asked once and
+its answer applied to each of them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import replace
 
 from lb.errors import ConfigError, ResolveError
 from lb.process.membership import joined_and_left
+from lb.upstream import pools as pools_mod
 from lb.upstream.backends import BackendSpec, make_backend
 from lb.upstream.resolve import is_address, lookup
 
@@ -19,7 +22,21 @@ log = logging.getLogger("edge")
 RESOLVE_TIMEOUT = 2.0  # one DNS question; a resolver silent this long is a failed resolution
 
 
-def concrete(app, specs, cfg) -> list[BackendSpec]:
+def every_spec(cfg) -> list[BackendSpec]:
+    """The backends as configured, the default pool's and then each named pool's, one per URL."""
+    seen: dict[str, BackendSpec] = {}
+    for spec in (*cfg.backends, *(s for p in cfg.pools for s in p.backends)):
+        seen.setdefault(spec.url, spec)
+    return list(seen.values())
+
+
+def concrete_pools(app, cfg) -> list:
+    """cfg's [[pools]] entries (PoolSpec) with the backends their names stand for (see concrete).
+    Raises ConfigError as concrete does, naming the pool."""
+    return [replace(p, backends=tuple(concrete(app, p.backends, cfg, f"pools ({p.name}).backends"))) for p in cfg.pools]
+
+
+def concrete(app, specs, cfg, where: str = "backends") -> list[BackendSpec]:
     """The backends the configured ones stand for: with a resolver set, a DNS name is one backend per
     address (the addresses known, or asked now); an IP literal, or any name without a resolver, is one.
     Raises ConfigError for a name that does not resolve (at start, or new in a reload)."""
@@ -34,7 +51,7 @@ def concrete(app, specs, cfg) -> list[BackendSpec]:
                 addrs, _ = lookup(spec.host, cfg.resolver, RESOLVE_TIMEOUT)
             except ResolveError as e:
                 raise ConfigError(
-                    f"backends: {spec.url}: {spec.host} does not resolve with resolver {cfg.resolver} ({e})"
+                    f"{where}: {spec.url}: {spec.host} does not resolve with resolver {cfg.resolver} ({e})"
                 ) from None
             app.resolved[spec.url] = addrs
             app.resolutions["ok"] += 1
@@ -54,7 +71,7 @@ def resolve_loop(app) -> None:
         cfg = app.cfg
         wait = cfg.resolve_interval
         if cfg.resolver is not None:
-            for spec in cfg.backends:
+            for spec in every_spec(cfg):
                 if not is_address(spec.host):
                     ttl = resolve(app, spec, cfg)
                     if ttl is not None:
@@ -85,27 +102,40 @@ def resolve(app, spec: BackendSpec, cfg) -> float | None:
         if app.cfg is not cfg or addrs == app.resolved.get(spec.url):
             return ttl  # unchanged, or a reload came between (it resolved with what it knew)
         app.resolved[spec.url] = addrs
-        want = {s.url: s for s in (at(spec, a) for a in addrs)}
-        mine = spec.url + " ("
-        old = app.balancer.backends
-        removed = [b for b in old if b.spec.address and b.url.startswith(mine) and b.url not in want]
-        have = {b.url for b in old}
-        added = [
-            make_backend(s, cfg, joined_at=time.monotonic(), breaker=app.breaker)  # slow start, if on
-            for u, s in want.items()
-            if u not in have
-        ]
-        app.balancer.set_backends([b for b in old if b not in removed] + added)
-        joined_and_left(app, added, removed)
+        n_added, n_removed = 0, 0
+        if any(s.url == spec.url for s in cfg.backends):
+            n_added, n_removed = _apply_default(app, spec, addrs, cfg)
+        for p in cfg.pools:  # each named pool that lists the name, as a reload would update it
+            if any(s.url == spec.url for s in p.backends):
+                now = replace(p, backends=tuple(concrete(app, p.backends, cfg)))  # every answer known: no question
+                added, removed = pools_mod.update(app.pools[p.name], now, cfg, app.metrics, app._state_changed)
+                n_added, n_removed = n_added + added, n_removed + removed
         log.info(
             "backend %s: %s resolves to %s (%d added, %d draining)",
             spec.url,
             spec.host,
             ", ".join(addrs),
-            len(added),
-            len(removed),
+            n_added,
+            n_removed,
         )
     return ttl
+
+
+def _apply_default(app, spec: BackendSpec, addrs: list[str], cfg) -> tuple[int, int]:
+    """The default pool's backends for spec's name made its addresses' (joined, drained); (added, removed)."""
+    want = {s.url: s for s in (at(spec, a) for a in addrs)}
+    mine = spec.url + " ("
+    old = app.balancer.backends
+    removed = [b for b in old if b.spec.address and b.url.startswith(mine) and b.url not in want]
+    have = {b.url for b in old}
+    added = [
+        make_backend(s, cfg, joined_at=time.monotonic(), breaker=app.breaker)  # slow start, if on
+        for u, s in want.items()
+        if u not in have
+    ]
+    app.balancer.set_backends([b for b in old if b not in removed] + added)
+    joined_and_left(app, added, removed)
+    return len(added), len(removed)
 
 
 def at(spec: BackendSpec, address: str) -> BackendSpec:

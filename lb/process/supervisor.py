@@ -11,13 +11,15 @@ for all of them. Each worker has a pipe back: "ready" once it listens (and its s
   exits 1, so systemd's Restart= (and the operator) see it instead of a healthy-looking service.
 - SIGHUP is passed on (each worker reloads; one arriving during start-up waits until all are ready);
   SIGUSR1 reopens the logs here and in every worker; SIGTERM/SIGINT are passed on and the workers
-  drain. The parent holds no threads when it forks.
+  drain. The parent holds no threads when it forks. A parent that dies without a word (SIGKILL) takes
+  its workers with it: the kernel sends each SIGTERM (PR_SET_PDEATHSIG), and they drain.
 - Metrics: each worker publishes its numbers on a unix socket in a private directory; worker 0's admin
   port sums them (one scrape target).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
@@ -51,6 +53,7 @@ def exit_reason(status: int) -> str:
 
 log = logging.getLogger("edge")
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 START_FAILURES = 3  # consecutive failures of a worker that never became ready
 DEATHS, DEATH_WINDOW = 5, 30.0
 
@@ -182,8 +185,10 @@ class _Supervisor:
             time.sleep(pause)  # a worker that dies at once is not restarted in a tight loop
         w.started = time.monotonic()
         r, wfd = os.pipe()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
+            _die_with(parent)
             _child(
                 w.index,
                 wfd,
@@ -334,6 +339,20 @@ def _read_pipes(workers, timeout: float) -> None:
         if not data and fd in fds:
             # EOF: the worker is gone; waitpid will say how
             pass
+
+
+def _die_with(parent: int) -> None:
+    """In the forked worker, first: SIGTERM when the supervisor dies, so a SIGKILLed supervisor (kill -9,
+    the OOM killer) leaves no orphans holding the port with nothing to restart or stop them; the worker
+    drains as on any SIGTERM. The kernel only sends it for a death after the prctl: a supervisor already
+    gone (the worker has been reparented) means stop now, before serving anything."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the orphan stays, as before
+        return
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir, shared) -> None:
