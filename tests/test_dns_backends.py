@@ -13,11 +13,13 @@ from tests.support import Backend, Edge, request, wait_until
 
 
 class TinyDNS:
-    """Answers A queries from `records` (name -> [IPv4]); AAAA with no records; `fail` -> SERVFAIL."""
+    """Answers A queries from `records` (name -> [IPv4]); AAAA with no records; `fail` -> SERVFAIL;
+    `truncate` -> every answer with a record loses its last two bytes (a record shorter than it says)."""
 
     def __init__(self):
         self.records: dict[str, list[str]] = {}
         self.fail = False
+        self.truncate = False
         self.queries = 0
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
@@ -49,6 +51,8 @@ class TinyDNS:
                 continue
             answers = b"".join(b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(a)
                                for a in addrs)
+            if self.truncate and answers:
+                answers = answers[:-2]
             self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, len(addrs), 0, 0) + question + answers, peer)
 
     def close(self):
@@ -298,4 +302,32 @@ pool = "api"
         assert p.returncode != 0 and "Traceback" not in p.stderr
         assert "pools (api).backends: http://nowhere.test:80: nowhere.test does not resolve" in p.stderr, p.stderr
     finally:
+        dns.close()
+
+
+def test_the_resolution_thread_outlives_an_answer_it_cannot_read():
+    """Whatever goes wrong with one name's re-resolution (here an answer whose record is shorter than it
+    says), the thread that re-resolves every name goes on: the last addresses stay, the trouble is one
+    log line, and the next good answer is followed."""
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    dns.records["api.test"] = ["127.0.0.1"]
+    e = Edge("--backends", f"http://api.test:{a.port}", "--resolver", f"127.0.0.1:{dns.port}",
+             "--resolve-interval", "0.3", "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert addresses(e) == ["127.0.0.1"]
+        dns.truncate = True
+        before = dns.queries
+        wait_until(lambda: dns.queries >= before + 8, what="several unreadable answers")
+        assert served_by(e, 4) == {"one"}                       # the last good set serves on
+        assert e.log().count("resolving api.test failed") == 1   # one line, not one per round
+        dns.truncate = False
+        dns.records["api.test"] = ["127.0.0.2"]
+        wait_until(lambda: addresses(e) == ["127.0.0.2"], what="the next good answer followed")
+        assert served_by(e, 4) == {"two"}
+    finally:
+        e.stop()
+        for x in (a, b):
+            x.stop()
         dns.close()
