@@ -331,3 +331,25 @@ def test_the_resolution_thread_outlives_an_answer_it_cannot_read():
         for x in (a, b):
             x.stop()
         dns.close()
+
+
+def test_an_unreadable_answer_or_name_at_start_is_refused_in_one_line():
+    """A name the resolver answers with a record shorter than it says, or a name DNS cannot carry (a label
+    of 64 characters): a name that does not resolve, refused in one line like any other, not a traceback."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+    dns = TinyDNS()
+    dns.records["api.test"] = ["127.0.0.1"]
+    dns.truncate = True
+    long_name = "a" * 64 + ".test"
+    try:
+        for url, why in (("http://api.test:80", "malformed answer"), (f"http://{long_name}:80", "bad name")):
+            p = subprocess.run([sys.executable, "edge.py", "--listen", "127.0.0.1:0", "--backends", url,
+                                "--resolver", f"127.0.0.1:{dns.port}"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=20)
+            assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+            assert f"backends: {url}: " in p.stderr and "does not resolve" in p.stderr and why in p.stderr, p.stderr
+    finally:
+        dns.close()
