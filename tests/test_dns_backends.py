@@ -353,3 +353,52 @@ def test_an_unreadable_answer_or_name_at_start_is_refused_in_one_line():
             assert f"backends: {url}: " in p.stderr and "does not resolve" in p.stderr and why in p.stderr, p.stderr
     finally:
         dns.close()
+
+
+def test_a_rejected_reload_to_another_resolver_leaves_the_running_answers_alone(tmp_path):
+    """A reload that names another resolver, rejected because that one does not answer, changes nothing:
+    the running names keep the answers they run on, so a pool with two names still follows the one that
+    moves while the other fails (before, the rejected reload had emptied the answers: re-resolving the
+    moving name asked again for the failing one, and that error ended re-resolution)."""
+    import signal
+
+    from tests.support import free_port
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    c = Backend("three", a.port, host="127.0.0.3")
+    d = Backend("default")
+    dns.records["a.test"] = ["127.0.0.1"]
+    dns.records["b.test"] = ["127.0.0.2"]
+    cfg = tmp_path / "edge.toml"
+    conf = f"""[upstream]
+resolver = "127.0.0.1:{dns.port}"
+resolve_interval = 0.3
+[[backends]]
+url = "{d.url}"
+[[pools]]
+name = "api"
+backends = [{{ url = "http://a.test:{a.port}" }}, {{ url = "http://b.test:{a.port}" }}]
+[[routes]]
+name = "api"
+match = {{ path_prefix = "/api/" }}
+pool = "api"
+"""
+    cfg.write_text(conf)
+    e = Edge("--config", str(cfg), "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert pool_addresses(e, "api") == ["127.0.0.1", "127.0.0.2"]
+        del dns.records["b.test"]                                   # b.test fails from now on: its address stays
+        e.wait_log(r"resolving b\.test failed")
+        cfg.write_text(conf.replace(f"127.0.0.1:{dns.port}", f"127.0.0.1:{free_port()}"))   # nobody answers there
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reload rejected.*a\.test does not resolve with resolver")
+        assert status(e)["resolved"][f"http://a.test:{a.port}"]["addresses"] == ["127.0.0.1"]
+        dns.records["a.test"] = ["127.0.0.3"]                       # the other name moves: followed
+        wait_until(lambda: pool_addresses(e, "api") == ["127.0.0.2", "127.0.0.3"], what="a.test's move followed")
+        assert {request(e.port, "GET", "/api/x").header("X-Backend") for _ in range(12)} == {"two", "three"}
+    finally:
+        e.stop()
+        for x in (a, b, c, d):
+            x.stop()
+        dns.close()
