@@ -59,7 +59,8 @@ class Forwarder:
             length = None if req.chunked else req.content_length
         else:
             length = len(body) if (req.chunked or req.content_length is not None) else None
-        policy = self.policy()
+        cfg = edge.cfg
+        policy = self._policy if self._policy_of is cfg else self.policy()
         budget = edge.retry_budget
         budget.start()
         t = None  # the tries so far (_Tries), made at the first failure
@@ -73,8 +74,9 @@ class Forwarder:
                 cfg = edge.cfg
                 head = _try_head(cfg, x, backend, conn, length)
                 x.counted = backend  # uncount() takes back this count, whichever backend a retry names next
-                with backend.lock:
-                    backend.inflight += 1
+                backend.lock.acquire()  # (not `with`: half its cost; an int's increment cannot raise)
+                backend.inflight += 1
+                backend.lock.release()
                 try:
                     try:
                         if t is None and cfg.hedge_after and hedge.eligible(x, body):

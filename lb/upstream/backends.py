@@ -51,14 +51,20 @@ def readable(conn, sock) -> bool:
     object kept with the connection: a third of a MSG_PEEK recv's CPU, which raises BlockingIOError
     in the common case. TLS: a record OpenSSL already decrypted is invisible to poll(), so pending()
     first; the raw socket shows the rest (a record not read yet, a close_notify, the FIN)."""
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+    if type(sock) is not socket.socket and isinstance(sock, ssl.SSLSocket) and sock.pending():
         return True
-    watch = conn.__dict__.get("watch")
+    watch = conn.watch
     if watch is None or watch[0] is not sock:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        watch = conn.watch = (sock, poller)
+        watch = _watch(conn, sock)
     return bool(watch[1].poll(0))
+
+
+def _watch(conn, sock) -> tuple:
+    """(sock, a poll object watching it for input), kept with the connection."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    watch = conn.watch = (sock, poller)
+    return watch
 
 
 def _sent_bytes(sock) -> bool:
@@ -102,15 +108,19 @@ class LifoSlots:
             raise queue.Full
         self.items.append(item)
         if self.waiting:
-            with self.lock:
-                if self.waiters:
-                    try:
-                        item = self.items.pop()
-                    except IndexError:  # a getter on the lock-free path took it between our looks
-                        return
-                    gate, box = self.waiters.popleft()
-                    box.append(item)
-                    gate.release()
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        """After a put's append, with callers waiting: the slot to the longest waiter."""
+        with self.lock:
+            if self.waiters:
+                try:
+                    item = self.items.pop()
+                except IndexError:  # a getter on the lock-free path took it between our looks
+                    return
+                gate, box = self.waiters.popleft()
+                box.append(item)
+                gate.release()
 
     def get(self, block: bool = True, timeout=None):
         if not self.waiting or not block:
@@ -188,7 +198,7 @@ class BackendPool(urllib3.HTTPConnectionPool):
         self.url = f"{self.scheme}://{host}:{port}"  # make_backend sets the backend's own spelling
 
     def _get_conn(self, timeout=None):
-        # urllib3's _get_conn, with our own check of a pooled connection (below) and the idle expiry.
+        # urllib3's _get_conn, with our own check of a pooled connection (_checked) and the idle expiry.
         if self.pool is None:
             raise ClosedPoolError(self, "Pool is closed.")
         try:
@@ -201,13 +211,22 @@ class BackendPool(urllib3.HTTPConnectionPool):
             raise EmptyPoolError(
                 self, "Pool is empty and a new connection can't be opened due to blocking mode."
             ) from None
+        return self._checked(conn)
+
+    def _checked(self, conn):
+        """A slot taken from the pool, as a connection safe to use: new if the slot was empty, closed (so
+        the caller connects anew) if it was idle too long or has anything to read on it."""
         if conn is None:
             return self._new_conn()
         sock = conn.sock
         if sock is not None:
             if monotonic() - conn.idle_since > self.idle_timeout:
                 conn.close()
-            elif readable(conn, sock):
+            elif (
+                watch[1].poll(0)  # readable()'s common case inline: a plain socket whose poll object is made
+                if (watch := conn.watch) is not None and watch[0] is sock and type(sock) is socket.socket
+                else readable(conn, sock)
+            ):
                 # Anything on an idle connection is its close or bytes no request of ours asked for (a
                 # second response, a body after a HEAD or a 204, a Content-Length too short): read as
                 # the next response, it would answer the next user with another's. Never reused.
@@ -222,6 +241,8 @@ class BackendPool(urllib3.HTTPConnectionPool):
     def _new_conn(self):
         conn = super()._new_conn()
         conn.slot_of = self  # release() gives the slot back here, even if a reload replaced this pool
+        conn.watch = None  # readable()'s poll object, made at the socket's first check
+        conn.reader = None  # the connection's Reader (lb/proxy/tries.py), made at its first try
         return conn
 
     def _put_conn(self, conn):
@@ -232,6 +253,16 @@ class BackendPool(urllib3.HTTPConnectionPool):
     def acquire(self):
         """A connection (connected or not: check .sock), never one with anything to read on it.
         Raises PoolExhausted."""
+        slots = self.pool
+        if slots is not None and not slots.waiting:
+            # LifoSlots.get's lock-free path (nobody waits: the last slot put back), without the layers of
+            # urllib3's _get_conn between; an empty list takes the general path, which queues.
+            try:
+                conn = slots.items.pop()  # list.pop: atomic under the GIL
+            except IndexError:
+                pass
+            else:
+                return self._checked(conn)
         try:
             return self._get_conn(timeout=self.pool_timeout)
         except EmptyPoolError:
@@ -247,9 +278,21 @@ class BackendPool(urllib3.HTTPConnectionPool):
         """Give the slot back; the socket is kept only when the exchange ended cleanly. The slot goes to
         the pool it came from: a reload may have given the backend a new pool since (the old one, closed,
         closes the connection; put in the new one, it would overfill it)."""
-        pool = getattr(conn, "slot_of", self)
+        pool = conn.slot_of
         if not (reusable and pool.reuse):
             conn.close()
+        slots = pool.pool
+        if slots is not None:
+            items = slots.items
+            if len(items) < slots.maxsize:
+                # LifoSlots.put without urllib3's _put_conn layers: appended first, then a look for
+                # waiters (that order is what leaves no slot unseen while someone waits). A full pool
+                # (it cannot be: a slot is taken before its put) goes urllib3's way below.
+                conn.idle_since = monotonic()
+                items.append(conn)
+                if slots.waiting:
+                    slots.hand_over()
+                return
         pool._put_conn(conn)
 
 
