@@ -169,3 +169,48 @@ def test_with_one_slot_a_client_that_stops_reading_gives_its_place_up():
     finally:
         e.stop()
         b.close()
+
+
+def test_a_thread_waiting_in_a_backend_pools_line_gives_its_slot_to_the_thread_holding_the_connection():
+    # One slot, one pooled connection. A holds the connection and waits at the gate (its backend
+    # answered); B holds the slot and waits in the pool's line for A's connection. Holding its slot
+    # there, B would stop A until the watchdog (an hour here) took it: a deadlock at -c512.
+    from lb.http import gate as gates
+    from lb.upstream.backends import LifoSlots
+
+    g = Gate(1, stuck=3600.0)
+    gates.install(g)
+    pool = LifoSlots(1)
+    pool.put("conn")
+    got = {}
+    a_has_conn, b_waits = threading.Event(), threading.Event()
+
+    def a():
+        g.join()
+        g.enter()
+        got["a"] = pool.get(timeout=30)
+        a_has_conn.set()
+        g.leave()                    # waits for its backend ...
+        b_waits.wait(30)
+        wait_until(lambda: pool.waiting == 1, 10, what="B in the pool's line")
+        g.enter()                    # ... which answered: needs a slot to relay the answer
+        pool.put(got["a"])
+        g.part()
+
+    def b():
+        a_has_conn.wait(30)
+        g.join()
+        g.enter()
+        b_waits.set()
+        got["b"] = pool.get(timeout=30)
+        g.part()
+
+    try:
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert got == {"a": "conn", "b": "conn"} and g.stolen == 0
+    finally:
+        gates.install(None)

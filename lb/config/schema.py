@@ -567,6 +567,18 @@ class ServerTable(UpstreamTable):
         "waiting seconds (a thread blocked elsewhere over 50 ms -- a slow client, a tunnel, a dead backend's "
         "connect -- gives its place up); it costs throughput at saturation (docs/performance.md); 0: no bound",
     )
+    thread_stack: int = setting(
+        512 * 1024,
+        Num(True, 0, 2**30),
+        toml="server.thread_stack",
+        flag="--thread-stack",
+        metavar="BYTES",
+        help="stack size of each connection thread (0: the system's, ulimit -s); address space, not memory",
+        doc="stack size of each connection thread, in bytes (0: the system's default, `ulimit -s`, 8 MiB on "
+        "most Linux systems); only the touched pages are memory, so this is address space, and what bounds "
+        "the thread count under a `ulimit -v` or a container's limit; the deepest recursion the edge and "
+        "Python's own modules need at the default recursion limit fits in 256 KiB (docs/performance.md)",
+    )
     header_timeout: float = setting(
         10.0,
         SECONDS,

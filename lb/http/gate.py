@@ -60,6 +60,9 @@ class Gate:
             w = threading.Lock()
             w.acquire()
             (self.urgent if urgent else self.waiters).append((me, w))
+            # A holder may have left between our look and the append (leave looks for waiters unlocked):
+            # its slot is free and nobody would hand it over until the watchdog's next round.
+            self._hand_over(monotonic())
             if self.watchdog is None:
                 self.watchdog = threading.Thread(target=self._watch, name="gate-watchdog", daemon=True)
                 self.watchdog.start()
@@ -119,6 +122,15 @@ class Gate:
 
 
 current: Gate | None = None  # the process's gate (EdgeServer installs it); None: no bound
+
+
+def step_aside() -> Gate | None:
+    """A connection thread about to wait on a lock (a backend connection's line): its slot goes to the
+    next waiter, and it enters again (among the requests under way) with what it returns. Holding its
+    slot there, a few such threads stopped the whole edge: the connections they waited for belonged to
+    threads queued at the gate for a slot, freed only by the watchdog's round (issue 31, -c512)."""
+    g = current
+    return g if g is not None and g.leave() else None
 
 
 def install(gate: Gate | None) -> None:

@@ -26,6 +26,7 @@ import urllib3
 from urllib3.exceptions import ClosedPoolError, EmptyPoolError
 
 from lb.errors import PoolExhausted
+from lb.http.gate import step_aside
 
 if TYPE_CHECKING:
     from lb.upstream.h2pool import H2Upstream
@@ -147,9 +148,12 @@ class LifoSlots:
             box: list = []  # the connection put() hands over
             gate.acquire()
             self.waiters.append((gate, box))
+        aside = step_aside()  # (a connection thread waiting here gives its running slot up: lb/http/gate.py)
         try:
             gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
         finally:
+            if aside is not None:
+                aside.enter()
             if breaker is not None:
                 breaker.unwait()
             with self.lock:
