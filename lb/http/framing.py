@@ -263,8 +263,9 @@ class Reader:
                 m = _BARE_EOL.search(buf, checked)
                 if m is not None and (m.end() < len(buf) or buf[-1] == 10):  # a final CR awaits its LF
                     raise HttpError(400, f"bare CR or LF in the {what} head")
-            checked = max(0, len(buf) - 1)
-            scan = max(0, len(buf) - 3)
+            n = len(buf)
+            checked = n - 1 if n else 0
+            scan = n - 3 if n > 3 else 0
             if not self.fill():
                 if not buf:
                     return None
