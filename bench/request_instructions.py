@@ -35,7 +35,7 @@ def instructions(checkout: Path, n: int, extra: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="callgrind-") as d:
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={d}/out", sys.executable,
                 "-m", "bench.request_path", "--child", str(checkout), "-n", str(n),
-                *sum((["--edge-arg", x] for x in extra), [])]
+                *(f"--edge-arg={x}" for x in extra)]
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
         m = re.search(r"Collected : (\d+)", r.stderr)
         if r.returncode or m is None:
