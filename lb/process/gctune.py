@@ -2,10 +2,10 @@
 
 A serving edge holds ~25-40k objects the collector tracks (imported modules, the configuration, the
 tables, redis-py when a store is on Redis), made at start-up and kept for the process's life. A full
-collection walks every one of them with the GIL held: 9-11 ms for 37k objects on this 2-CPU VM, a pause
-every request in flight waits out. gc.freeze() moves every object tracked now into a permanent
-generation that collections skip (the full collection then took under 0.01 ms), as Instagram did for
-its Django workers. Frozen objects are still freed by reference counting; only a reference cycle among
+collection walks every one of them with the GIL held: 9-16 ms of CPU for 38k objects in a serving edge
+on Redis on this 2-CPU VM, a pause every request in flight waits out. gc.freeze() moves every object
+tracked now into a permanent generation that collections skip (the same collection then took 0.9-3 ms,
+67 objects left to walk), as Instagram did for its Django workers. Frozen objects are still freed by reference counting; only a reference cycle among
 them is kept, so start-up's garbage is collected first.
 
 Under steady load the collector hardly runs here (a request's objects die by reference counting: at
