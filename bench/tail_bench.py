@@ -3,11 +3,17 @@
     python -m bench.tail_bench --variant before=/tmp/edge-before --variant after=. \\
         --rates 1000,2000 --duration 10s --repeats 3 --wrk2 /tmp/wrk2/wrk
 
-A variant is NAME=DIR[,switch=SECONDS][,arg=--flag=value...]: the edge.py of that checkout (unpack
-another revision with `git archive REV | tar -x -C DIR`), optionally with sys.setswitchinterval(SECONDS)
-set before it starts, or extra edge flags. Every variant runs as the protocol runs it: `--limit
-1000000/s`, the client keyed (never limited), nginx behind it, the generator and nginx on one CPU and
-every edge on the other (wrk/placement.py).
+A variant is NAME=DIR[,switch=SECONDS][,redis][,env=NAME=VALUE][,arg=--flag=value...]: the edge.py of that checkout
+(unpack another revision with `git archive REV | tar -x -C DIR`), optionally with
+sys.setswitchinterval(SECONDS) set before it starts, its limit kept on Redis (`redis`: one redis-server
+this bench starts on the generator's CPU, so Redis's own CPU is not the edge's; `--store
+redis://127.0.0.1:PORT/0 --redis-timeout 1`), an environment variable set (e.g.
+`env=EDGE_GC_FREEZE=0`), or extra edge flags. Every variant runs as the protocol
+runs it: `--limit 1000000/s`, the client keyed (never limited), nginx behind it, the generator and nginx
+on one CPU and every edge on the other (wrk/placement.py).
+
+    python -m bench.tail_bench --variant edge=. --variant edge-redis=.,redis --rates 1000,2000 \\
+        --duration 10s --repeats 3 --saturation 0 --wrk2 /tmp/wrk2/wrk
 
 A last variant, "nginx-proxy" (--no-reference to leave it out), is the reference: nginx itself as a
 reverse proxy in the edge's place (one worker, keep-alive upstream, pinned to the edge's CPU). What it
@@ -24,9 +30,11 @@ direct, same repeat and rate) for every repeat, and req/s at saturation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.edge_bench import closed_loop, cpu_seconds  # noqa: E402
-from tests.support import wait_until  # noqa: E402
+from tests.support import free_port, wait_until  # noqa: E402
 from wrk.loadgen import parse_duration  # noqa: E402
 from wrk.nginx_target import nginx_target, run_nginx  # noqa: E402
 from wrk.placement import describe, place  # noqa: E402
@@ -50,10 +58,16 @@ class Variant:
         name, _, rest = spec.partition("=")
         parts = rest.split(",")
         self.name, self.dir, self.switch, self.args = name, Path(parts[0]).resolve(), None, []
+        self.redis, self.env = False, {}
         for p in parts[1:]:
             k, _, v = p.partition("=")
             if k == "switch":
                 self.switch = float(v)
+            elif k == "redis" and not v:
+                self.redis = True
+            elif k == "env" and "=" in v:
+                name_, _, value = v.partition("=")
+                self.env[name_] = value
             elif k == "arg":
                 self.args.append(v)
             else:
@@ -61,9 +75,10 @@ class Variant:
         if not (self.dir / "edge.py").exists():
             raise SystemExit(f"--variant {spec}: no edge.py in {self.dir}")
 
-    def start(self, backend_url: str, pin: list[str]) -> None:
+    def start(self, backend_url: str, pin: list[str], redis_url: str = "") -> None:
+        store = ["--store", redis_url, "--redis-timeout", "1"] if self.redis else []
         argv = ["edge.py", "--listen", "127.0.0.1:0", "--backends", backend_url, "--limit", "1000000/s",
-                *pin, *self.args]
+                *pin, *store, *self.args]
         if self.switch is None:
             cmd = [sys.executable, *argv]
         else:
@@ -72,7 +87,7 @@ class Variant:
                    str(self.switch), *argv]
         self.log = tempfile.NamedTemporaryFile(prefix=f"tail-{self.name}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **self.env})
 
         def port():
             if self.proc.poll() is not None:
@@ -99,7 +114,7 @@ class NginxProxy:
     machine -- the wake-ups across CPUs a proxy adds -- with no Python in it."""
     name = "nginx-proxy"
 
-    def start(self, backend_url: str, pin: list[str]) -> None:
+    def start(self, backend_url: str, pin: list[str], redis_url: str = "") -> None:
         self.ctx = run_nginx(proxy_to=int(backend_url.rsplit(":", 1)[1]), cpu=int(pin[-1]) if pin else None)
         n = self.ctx.__enter__()
         try:
@@ -112,9 +127,28 @@ class NginxProxy:
         self.ctx.__exit__(None, None, None)
 
 
+def start_redis(stack: contextlib.ExitStack) -> str:
+    """One redis-server for the `redis` variants, on this process's CPU (the generator's: place() pinned
+    us, children inherit it), nothing saved; stopped when the stack closes."""
+    port = free_port()
+    rdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tail-redis-"))
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", rdir], stdout=subprocess.DEVNULL)
+    stack.callback(lambda: (proc.terminate(), proc.wait(5)))
+
+    def up():
+        if proc.poll() is not None:
+            raise SystemExit("redis-server exited at start-up")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(up, 10, what="redis-server listening")
+    return f"redis://127.0.0.1:{port}/0"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", required=True, help="NAME=DIR[,switch=S][,arg=FLAG]")
+    ap.add_argument("--variant", action="append", required=True, help="NAME=DIR[,switch=S][,redis][,env=K=V][,arg=FLAG]")
     ap.add_argument("--rates", default="1000,2000")
     ap.add_argument("--duration", type=parse_duration, default=10.0, help="each open-loop row")
     ap.add_argument("--connections", type=int, default=50)
@@ -139,12 +173,13 @@ def main() -> None:
     cpu_at: dict[tuple[str, float], list[float]] = {}      # edge CPU us per request in the open-loop rows
     print(f"# tail_bench: tool {tool}; {describe(load_cpu, pin)}; load {os.getloadavg()[0]:.2f}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
-    with nginx_target() as nport:
+    with nginx_target() as nport, contextlib.ExitStack() as stack:
         base_url = f"http://127.0.0.1:{nport}/"
+        redis_url = start_redis(stack) if any(getattr(v, "redis", False) for v in variants) else ""
         started = []
         try:
             for v in variants:
-                v.start(base_url.rstrip("/"), pin)
+                v.start(base_url.rstrip("/"), pin, redis_url)
                 started.append(v)
             for v in variants if rates else ():   # warm-up, not reported
                 drive(tool, v.url, rates[0], 2, a.connections, KEY, "wrk/keyed.lua", a.wrk2 or "wrk")

@@ -30,7 +30,7 @@ from lb.ops import fanout
 from lb.ops import metrics as metrics_mod
 from lb.ops.admin import AdminServer, start_admin
 from lb.ops.metrics import Metrics
-from lb.process import actions, parts, readiness, reloading, resolving, sdnotify, startlog, status
+from lb.process import actions, gctune, parts, readiness, reloading, resolving, sdnotify, startlog, status
 from lb.proxy.edge import Edge, EdgeServer
 from lb.proxy.tunnel import close_all as close_tunnels
 from lb.upstream.backends import BackendSpec, make_backend
@@ -323,6 +323,7 @@ class App:
     # -- serving and stopping ----------------------------------------------------------------------
 
     def serve_forever(self) -> None:
+        gctune.freeze_startup()  # what start-up built, out of the collector's way (lb/process/gctune.py)
         self.server.serve_forever(poll_interval=0.25)
 
     def stop_accepting(self) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 
 from lb.netaddr import migrate_req
-from lb.process import memory, sdnotify, signals
+from lb.process import gctune, memory, sdnotify, signals
 from lb.process.signals import HANDLED
 
 log = logging.getLogger("edge")
@@ -82,7 +82,7 @@ def serve(
             )
             threading.Thread(target=app.stop_accepting, name="stop", daemon=True).start()
         elif signum == signal.SIGHUP:  # reload, and reopen the logs as nginx does on HUP
-            threading.Thread(target=lambda: (app.reload(), app.reopen_logs()), name="reload", daemon=True).start()
+            threading.Thread(target=gctune.after(app.reload, app.reopen_logs), name="reload", daemon=True).start()
         elif signum == signal.SIGUSR1:
             threading.Thread(target=app.reopen_logs, name="reopen", daemon=True).start()
 
