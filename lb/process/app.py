@@ -30,7 +30,7 @@ from lb.ops import fanout
 from lb.ops import metrics as metrics_mod
 from lb.ops.admin import AdminServer, start_admin
 from lb.ops.metrics import Metrics
-from lb.process import actions, parts, readiness, reloading, resolving, sdnotify, startlog, status
+from lb.process import actions, handover, parts, readiness, reloading, resolving, sdnotify, startlog, status
 from lb.proxy.edge import Edge, EdgeServer
 from lb.proxy.tunnel import close_all as close_tunnels
 from lb.upstream.backends import BackendSpec, make_backend
@@ -51,10 +51,24 @@ class Server(EdgeServer):
     before it binds (netaddr.held)."""
 
     loop_seen = 0.0
+    given: socket.socket | None = None  # a listening socket handed over (lb/process/handover.py): no bind
+
+    def __init__(self, addr, edge, given: socket.socket | None = None):
+        self.given = given
+        super().__init__(addr, edge)
 
     def server_bind(self):
+        if self.given is not None:  # the socket socketserver made is never bound: this one serves instead
+            self.socket.close()
+            self.socket = self.given
+            self.server_address = self.socket.getsockname()
+            return
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
+
+    def server_activate(self):
+        if self.given is None:  # a socket handed over listens already, with its queue
+            super().server_activate()
 
     def service_actions(self):
         self.loop_seen = time.monotonic()
@@ -78,9 +92,9 @@ def refuse_if_held(flag: str, addr, cfg: Config) -> None:
         raise StartError(f"{flag} {hostport(*addr[:2])}: {TAKE_OVER}")
 
 
-def make_server(addr, edge, takeover: bool = False) -> Server:
+def make_server(addr, edge, takeover: bool = False, given: socket.socket | None = None) -> Server:
     try:
-        return Server(addr, edge)
+        return Server(addr, edge, given)
     except OSError as e:
         raise StartError(f"--listen {hostport(*addr)}: {e.strerror or e}{SHARED_ONLY if takeover else ''}") from None
 
@@ -181,11 +195,17 @@ class App:
         return backends
 
     def _bind(self, cfg: Config, worker: int | None) -> None:
-        if worker is None:  # (workers: the supervisor checked, and its reserve socket holds the port)
+        """The listener: a worker's from the supervisor, the old edge's on --takeover (handover.py), else bound."""
+        given, self.handed_over = handover.listener(cfg, worker)  # handed_over: the old edge's own socket
+        self.offer: handover.Offer | None = None
+        if worker is None and given is None:  # (workers: the supervisor checked, and its reserve socket holds the port)
             refuse_if_held("--listen", cfg.listen, cfg)
         if cfg.admin:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
-        self.server = make_server(cfg.listen, self.edge, cfg.takeover)
+        self.server = make_server(cfg.listen, self.edge, cfg.takeover, given)
+        if worker is None:  # a single process offers its listener to the next --takeover (workers: the supervisor)
+            self.offer = handover.Offer(self.server.server_address, [self.server.socket])
+            self.offer.serve_in_thread()
 
     def _join_workers(self, rundir: str, worker: int) -> None:
         """A worker of --workers N: its numbers published (worker 0 sums them), the others' admin actions
@@ -342,6 +362,8 @@ class App:
 
     def drain(self) -> None:
         """After serve_forever returned: close the listener, let in-flight requests finish, clean up."""
+        if self.offer is not None:
+            self.offer.close()
         taken = self._take_queued()
         self.server.socket.close()
         if taken:

@@ -1,0 +1,261 @@
+"""--takeover by handing the listening sockets over (HAProxy's `-x`): the same sockets, so no accept queue closes.
+
+A serving edge offers its listening sockets on a Unix socket, `/tmp/edge-UID/takeover-HOST-PORT.sock` (the
+directory 0700 and owned by the edge's user, or it is not used). A new edge started with --takeover on that
+address connects, asks, receives the descriptors (SCM_RIGHTS), checks that each is a listening TCP socket on
+its --listen address, and serves on them instead of binding. When the old edge is TERMed and closes its
+listener, the socket itself stays open in the new edge: nothing queued on it is reset, whatever
+net.ipv4.tcp_migrate_req says. Only a peer of the same uid (SO_PEERCRED) is answered, and the new edge only
+takes sockets from a peer of its own uid. No offer there (an older edge, another program, a stale file):
+the new edge binds beside the old one with SO_REUSEPORT, as before.
+
+With --workers the supervisor holds one listener per worker and offers those; a worker inherits its own
+(`inherited`, set in the forked child) instead of binding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+
+from lb.netaddr import ip
+
+log = logging.getLogger("edge")
+
+ASK = b"edge listeners?\n"
+ANSWER = b"edge listeners "  # + count + "\n", the descriptors attached
+MAX_FDS = 256  # --workers' upper bound
+TIMEOUT = 5.0
+
+inherited: socket.socket | None = None  # a worker's listener, given by the supervisor before serve()
+handed_over = False  # (workers) the supervisor's listeners are the old edge's, handed over
+
+
+def take_inherited() -> socket.socket | None:
+    global inherited
+    sock, inherited = inherited, None
+    return sock
+
+
+def listener(cfg, worker: int | None) -> tuple[socket.socket | None, bool]:
+    """The socket App serves instead of binding (None: bind), and whether it is the old edge's: a worker's from
+    the supervisor; a single process's from the edge it takes over, when that one offers it."""
+    given = take_inherited()
+    if worker is None and given is None and cfg.takeover:
+        got = fetch(cfg.listen)
+        if got:
+            close_extra(got[1:], 1)
+            return got[0], True
+    return given, handed_over
+
+
+def runtime_dir() -> str:
+    return f"/tmp/edge-{os.geteuid()}"
+
+
+def path_for(addr) -> str:
+    host, port = addr[0], addr[1]
+    return os.path.join(runtime_dir(), f"takeover-{host.replace(':', '_')}-{port}.sock")
+
+
+def _private_dir(create: bool) -> str | None:
+    """The runtime directory when it is ours and only ours (0700, owned by this uid, not a symlink); None else."""
+    d = runtime_dir()
+    if create:
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            log.warning("--takeover: cannot create %s (%s): listening sockets not offered", d, e.strerror or e)
+            return None
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        log.warning("--takeover: %s is not a directory only this user can use: not used", d)
+        return None
+    return d
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+
+
+class Offer:
+    """The old edge's side: answers each same-uid peer that asks with the listening sockets."""
+
+    def __init__(self, addr, listeners: list[socket.socket]):
+        self.listeners = listeners
+        self.path = path_for(addr)
+        self.sock: socket.socket | None = None
+        self._ino = 0
+        if _private_dir(create=True) is None:
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                os.unlink(self.path)  # a stale one, or the edge this one took over from: the newest offers
+            except FileNotFoundError:
+                pass
+            old = os.umask(0o177)
+            try:
+                s.bind(self.path)
+            finally:
+                os.umask(old)
+            s.listen(8)
+            self._ino = os.stat(self.path).st_ino
+        except OSError as e:
+            s.close()
+            log.warning("--takeover: cannot offer the listening sockets on %s: %s", self.path, e.strerror or e)
+            return
+        self.sock = s
+
+    def fds(self) -> list[int]:
+        """To close in a forked worker (which must neither answer nor remove the offer)."""
+        return [self.sock.fileno()] if self.sock is not None else []
+
+    def fileno(self) -> int:
+        assert self.sock is not None
+        return self.sock.fileno()
+
+    def serve_in_thread(self) -> None:
+        if self.sock is not None:
+            threading.Thread(target=self._loop, name="takeover-offer", daemon=True).start()
+
+    def _loop(self) -> None:
+        while self.sock is not None:
+            try:
+                self.answer_one()
+            except OSError:
+                if self.sock is None:
+                    return
+
+    def answer_one(self) -> None:
+        """Accept one peer and answer it (blocking; call when the socket is readable in a select loop)."""
+        s = self.sock
+        if s is None:
+            return
+        conn, _ = s.accept()
+        with conn:
+            conn.settimeout(TIMEOUT)
+            uid = _peer_uid(conn)
+            if uid != os.geteuid():
+                log.warning("--takeover: refused the listening sockets to uid %d (not this edge's user)", uid)
+                return
+            if conn.recv(64) != ASK:
+                return
+            fds = [x.fileno() for x in self.listeners]
+            socket.send_fds(conn, [ANSWER + str(len(fds)).encode() + b"\n"], fds)
+            log.info("--takeover: handed %d listening socket(s) to pid %d", len(fds), _peer_pid(conn))
+
+    def close(self) -> None:
+        """Stop offering; the file is removed unless a newer edge has replaced it with its own."""
+        s, self.sock = self.sock, None
+        if s is None:
+            return
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
+        try:
+            if os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def fetch(addr) -> list[socket.socket] | None:
+    """The new edge's side: the listening sockets the edge serving ADDR offers, each checked to be a listening
+    TCP socket on ADDR; None (and one warning naming why) when there is no such offer."""
+    d = _private_dir(create=False)
+    path = path_for(addr)
+    if d is None or not os.path.exists(path):
+        _none(f"no edge offers its listening sockets on {path}")
+        return None
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(TIMEOUT)
+    try:
+        c.connect(path)
+        if _peer_uid(c) != os.geteuid():
+            _none(f"{path} is served by another user")
+            return None
+        c.sendall(ASK)
+        msg, fds, _flags, _addr = socket.recv_fds(c, 64, MAX_FDS)
+    except OSError as e:
+        _none(f"{path}: {e.strerror or e}")
+        return None
+    finally:
+        c.close()
+    socks = [socket.socket(fileno=fd) for fd in fds]
+    why = "" if msg.startswith(ANSWER) and socks else f"{path} gave no listening socket"
+    for s in socks:
+        why = why or _not_a_listener_on(s, addr)
+    if why:
+        for s in socks:
+            s.close()
+        _none(why)
+        return None
+    return socks
+
+
+def _not_a_listener_on(s: socket.socket, addr) -> str:
+    """Why S cannot serve ADDR ("" when it can)."""
+    try:
+        if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+            return "a socket handed over is not a TCP socket"
+        if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return "a socket handed over is not listening"
+        host, port = s.getsockname()[:2]
+        if port != addr[1] or ip(host) != ip(addr[0]):
+            return f"a socket handed over listens on {host}:{port}, not on the --listen address"
+    except (OSError, ValueError) as e:
+        return f"a socket handed over cannot be checked: {e}"
+    return ""
+
+
+def close_extra(extra: list[socket.socket], kept: int) -> None:
+    """Listeners handed over beyond the ones this edge serves (the old edge ran more workers): closed. Their
+    queues close with the old edge's copies, as before a handover (the SO_REUSEPORT gap, for those only)."""
+    if extra:
+        log.warning(
+            "--takeover: the old edge handed over %d listening sockets, this one serves %d: the other %d close "
+            "with the old edge (a connection queued there then is reset unless net.ipv4.tcp_migrate_req = 1)",
+            kept + len(extra),
+            kept,
+            len(extra),
+        )
+    for s in extra:
+        s.close()
+
+
+def _none(why: str) -> None:  # (the caller returns None: fetch's "no offer")
+    log.warning("--takeover: %s; binding beside the old edge (SO_REUSEPORT) instead", why)
+    return None
+
+
+def readable(offer: Offer | None, timeout: float, fds: list[int]) -> list[int]:
+    """select() over FDS and the offer's socket (the supervisor's loop, which starts no thread); the offer is
+    answered here, the ready FDS returned."""
+    watch = list(fds) + ([offer.fileno()] if offer is not None and offer.sock is not None else [])
+    if not watch:
+        return []
+    ready, _, _ = select.select(watch, [], [], timeout)
+    if offer is not None and offer.sock is not None and offer.fileno() in ready:
+        try:
+            offer.answer_one()
+        except OSError:
+            pass
+    return [fd for fd in ready if fd in fds]
