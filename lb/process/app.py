@@ -204,7 +204,7 @@ class App:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
         self.server = make_server(cfg.listen, self.edge, cfg.takeover, given)
         if worker is None:  # a single process offers its listener to the next --takeover (workers: the supervisor)
-            self.offer = handover.Offer(self.server.server_address, [self.server.socket])
+            self.offer = handover.Offer(self.server.server_address, [self.server.socket], cfg.takeover_socket)
             self.offer.serve_in_thread()
 
     def _join_workers(self, rundir: str, worker: int) -> None:

@@ -1,7 +1,7 @@
 """--takeover by handing the listening sockets over (HAProxy's `-x`): the same sockets, so no accept queue closes.
 
-A serving edge offers its listening sockets on a Unix socket, `/tmp/edge-UID/takeover-HOST-PORT.sock` (the
-directory 0700 and owned by the edge's user, or it is not used). A new edge started with --takeover on that
+A serving edge offers its listening sockets on a Unix socket, `/tmp/edge-UID/takeover-HOST-PORT.sock` or
+[server] takeover_socket (its directory owned by the edge's user and writable by no one else, or it is not used). A new edge started with --takeover on that
 address connects, asks, receives the descriptors (SCM_RIGHTS), checks that each is a listening TCP socket on
 its --listen address, and serves on them instead of binding. When the old edge is TERMed and closes its
 listener, the socket itself stays open in the new edge: nothing queued on it is reset, whatever
@@ -47,7 +47,7 @@ def listener(cfg, worker: int | None) -> tuple[socket.socket | None, bool]:
     the supervisor; a single process's from the edge it takes over, when that one offers it."""
     given = take_inherited()
     if worker is None and given is None and cfg.takeover:
-        got = fetch(cfg.listen)
+        got = fetch(cfg.listen, cfg.takeover_socket)
         if got:
             close_extra(got[1:], 1)
             return got[0], True
@@ -58,14 +58,20 @@ def runtime_dir() -> str:
     return f"/tmp/edge-{os.geteuid()}"
 
 
-def path_for(addr) -> str:
-    host, port = addr[0], addr[1]
-    return os.path.join(runtime_dir(), f"takeover-{host.replace(':', '_')}-{port}.sock")
+def path_for(addr, setting: str = "") -> str | None:
+    """Where the edge serving ADDR offers its listeners: [server] takeover_socket, or one derived from ADDR
+    (the same rule in the old edge and the new); None for "off"."""
+    if setting == "off":
+        return None
+    if setting:
+        return setting
+    return os.path.join(runtime_dir(), f"takeover-{addr[0].replace(':', '_')}-{addr[1]}.sock")
 
 
-def _private_dir(create: bool) -> str | None:
-    """The runtime directory when it is ours and only ours (0700, owned by this uid, not a symlink); None else."""
-    d = runtime_dir()
+def _private_dir(path: str, create: bool) -> str | None:
+    """PATH's directory when only this user can write to it (owned by this uid, no group/other write, not a
+    symlink); None (and a warning) else. create: make it first (0700) if missing."""
+    d = os.path.dirname(os.path.abspath(path))
     if create:
         try:
             os.mkdir(d, 0o700)
@@ -78,8 +84,8 @@ def _private_dir(create: bool) -> str | None:
         st = os.lstat(d)
     except OSError:
         return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        log.warning("--takeover: %s is not a directory only this user can use: not used", d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        log.warning("--takeover: %s is not a directory only this user can write: not used for a handover", d)
         return None
     return d
 
@@ -96,12 +102,12 @@ def _peer_pid(conn: socket.socket) -> int:
 class Offer:
     """The old edge's side: answers each same-uid peer that asks with the listening sockets."""
 
-    def __init__(self, addr, listeners: list[socket.socket]):
+    def __init__(self, addr, listeners: list[socket.socket], setting: str = ""):
         self.listeners = listeners
-        self.path = path_for(addr)
+        self.path = path_for(addr, setting) or ""
         self.sock: socket.socket | None = None
         self._ino = 0
-        if _private_dir(create=True) is None:
+        if not self.path or _private_dir(self.path, create=True) is None:
             return
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -177,12 +183,14 @@ class Offer:
             pass
 
 
-def fetch(addr) -> list[socket.socket] | None:
+def fetch(addr, setting: str = "") -> list[socket.socket] | None:
     """The new edge's side: the listening sockets the edge serving ADDR offers, each checked to be a listening
     TCP socket on ADDR; None (and one warning naming why) when there is no such offer."""
-    d = _private_dir(create=False)
-    path = path_for(addr)
-    if d is None or not os.path.exists(path):
+    path = path_for(addr, setting)
+    if path is None:
+        _none("takeover_socket = off")
+        return None
+    if not os.path.exists(path) or _private_dir(path, create=False) is None:
         _none(f"no edge offers its listening sockets on {path}")
         return None
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

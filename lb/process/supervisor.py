@@ -84,7 +84,7 @@ def run(cfg, argv) -> int:
     if cfg.tls_cert:
         _inherit_tls(cfg)
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
-    offer = handover.Offer((host, port), listeners)  # for the next --takeover: these very sockets
+    offer = handover.Offer((host, port), listeners, cfg.takeover_socket)  # for the next --takeover: these very sockets
     try:
         sup = _Supervisor(cfg, argv, listeners, rundir, shared, offer)
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
@@ -107,7 +107,7 @@ def _listeners(cfg) -> list[socket.socket]:
     them (lb/process/handover.py), else bound here. A StartError when the port is taken."""
     from lb.process.app import refuse_if_held
 
-    got = handover.fetch(cfg.listen) if cfg.takeover else None
+    got = handover.fetch(cfg.listen, cfg.takeover_socket) if cfg.takeover else None
     if got:
         handover.handed_over = True
         handover.close_extra(got[cfg.workers :], cfg.workers)
