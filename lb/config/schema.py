@@ -533,10 +533,10 @@ class ServerTable(UpstreamTable):
         metavar="PATH",
         shown="derived",
         help="Unix socket where this edge hands its listening sockets to a --takeover, and where a --takeover asks "
-        "for them (both edges must agree); empty: /tmp/edge-UID/takeover-HOST-PORT.sock; off: none (SO_REUSEPORT "
+        "for them (both edges must agree); empty: /tmp/edge-UID/takeover-NETNS-HOST-PORT.sock; off: none (SO_REUSEPORT "
         "only); its directory must be the edge user's and writable by no one else",
         doc="Unix socket where this edge hands its listening sockets to a `--takeover`, and where a `--takeover` "
-        "asks for them (both must agree); empty: `/tmp/edge-UID/takeover-HOST-PORT.sock`; `off`: none (binding "
+        "asks for them (both must agree); empty: `/tmp/edge-UID/takeover-NETNS-HOST-PORT.sock`; `off`: none (binding "
         "beside with SO_REUSEPORT only); its directory must be the edge user's, writable by no one else",
     )
     cpu_affinity: str = setting(

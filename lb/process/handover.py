@@ -1,6 +1,6 @@
 """--takeover by handing the listening sockets over (HAProxy's `-x`): the same sockets, so no accept queue closes.
 
-A serving edge offers its listening sockets on a Unix socket, `/tmp/edge-UID/takeover-HOST-PORT.sock` or
+A serving edge offers its listening sockets on a Unix socket, `/tmp/edge-UID/takeover-NETNS-HOST-PORT.sock` or
 [server] takeover_socket (its directory owned by the edge's user and writable by no one else, or it is not used). A new edge started with --takeover on that
 address connects, asks, receives the descriptors (SCM_RIGHTS), checks that each is a listening TCP socket on
 its --listen address, and serves on them instead of binding. When the old edge is TERMed and closes its
@@ -65,7 +65,16 @@ def path_for(addr, setting: str = "") -> str | None:
         return None
     if setting:
         return setting
-    return os.path.join(runtime_dir(), f"takeover-{addr[0].replace(':', '_')}-{addr[1]}.sock")
+    return os.path.join(runtime_dir(), f"takeover-{_netns()}{addr[0].replace(':', '_')}-{addr[1]}.sock")
+
+
+def _netns() -> str:
+    """This network namespace's id and a dash ("" where unreadable): 127.0.0.1:8080 in two namespaces is two
+    addresses, and two offers."""
+    try:
+        return os.readlink("/proc/self/ns/net").partition("[")[2].rstrip("]") + "-"
+    except OSError:
+        return ""
 
 
 def _private_dir(path: str, create: bool) -> str | None:
@@ -93,6 +102,14 @@ def _private_dir(path: str, create: bool) -> str | None:
 def _peer_uid(conn: socket.socket) -> int:
     pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return uid
+
+
+def _same_netns(pid: int) -> bool:
+    """False when PID is in another network namespace; True when it is ours or that cannot be read."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+    except OSError:
+        return True
 
 
 def _peer_pid(conn: socket.socket) -> int:
@@ -199,6 +216,9 @@ def fetch(addr, setting: str = "") -> list[socket.socket] | None:
         c.connect(path)
         if _peer_uid(c) != os.geteuid():
             _none(f"{path} is served by another user")
+            return None
+        if not _same_netns(_peer_pid(c)):  # its 127.0.0.1:PORT is not ours (a path is per host, not per namespace)
+            _none(f"{path} is served by an edge in another network namespace")
             return None
         c.sendall(ASK)
         msg, fds, _flags, _addr = socket.recv_fds(c, 64, MAX_FDS)
