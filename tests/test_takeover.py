@@ -86,7 +86,11 @@ def listening_inodes(port: int) -> set[int]:
 def socket_inodes(pid: int) -> set[int]:
     """The inodes of the sockets PID holds open (/proc/PID/fd links read socket:[INODE])."""
     held = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return held                           # gone meanwhile
+    for fd in fds:
         try:
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -94,6 +98,11 @@ def socket_inodes(pid: int) -> set[int]:
         if link.startswith("socket:["):
             held.add(int(link[8:-1]))
     return held
+
+
+def workers_of(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
 
 
 def started(*args: str, name: str) -> Edge:
@@ -216,3 +225,24 @@ def test_a_takeover_says_when_the_kernel_can_reset_a_connection_in_the_handover(
         assert warned == (migrate_req() == "0"), e.log()[-2000:]
     finally:
         e.stop()
+
+
+def test_a_restarted_worker_serves_on_the_listener_its_predecessor_had(backends):
+    """The supervisor holds one listening socket per worker: a worker that dies leaves its queue open (a
+    connection the kernel put there waits for the new worker instead of being reset), and the new one
+    serves on it; no socket is bound anew."""
+    a = started("--backends", backends[0].url, "--workers", "2", name="edge-a")
+    try:
+        old = listening_inodes(a.port)
+        assert len(old) == 2 and old <= socket_inodes(a.popen.pid), a.log()[-2000:]
+        victim = workers_of(a.popen.pid)[-1]
+        mine = socket_inodes(victim) & old
+        assert len(mine) == 1, (mine, old)
+        os.kill(victim, signal.SIGKILL)
+        a.wait_log(r"worker \d \(pid %d\) exited \(killed by SIGKILL\); restarting it" % victim, timeout=20)
+        wait_until(lambda: any(mine <= socket_inodes(w) for w in workers_of(a.popen.pid) if w != victim),
+                   timeout=20, what="the new worker holding its predecessor's listener")
+        assert all(request(a.port).status == 200 for _ in range(20))
+        assert listening_inodes(a.port) == old
+    finally:
+        a.stop()
