@@ -198,7 +198,7 @@ class App:
         """The listener: a worker's from the supervisor, the old edge's on --takeover (handover.py), else bound."""
         given, self.handed_over = handover.listener(cfg, worker)  # handed_over: the old edge's own socket
         self.offer: handover.Offer | None = None
-        if worker is None and given is None:  # (workers: the supervisor checked, and its reserve socket holds the port)
+        if worker is None and given is None:  # (workers: the supervisor checked, and its listeners hold the port)
             refuse_if_held("--listen", cfg.listen, cfg)
         if cfg.admin:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
