@@ -61,6 +61,10 @@ class Server(EdgeServer):
         if self.given is not None:  # the socket socketserver made is never bound: this one serves instead
             self.socket.close()
             self.socket = self.given
+            # Shared with another process (the old edge, or the supervisor and a worker's predecessor): both may
+            # wake for one connection, and the one that loses the accept must not block in it (the flag is the
+            # open file's, so this sets it for the old edge too; socketserver takes EAGAIN as "none").
+            self.socket.setblocking(False)
             self.server_address = self.socket.getsockname()
             return
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
