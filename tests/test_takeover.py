@@ -57,16 +57,17 @@ def test_an_admin_port_another_edge_serves_refuses_the_start_too(backends):
         e.stop()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_takeover_under_load_loses_no_request(backends, workers):
+@pytest.mark.parametrize("workers,new_workers", [(1, 1), (2, 2), (2, 1)])
+def test_a_takeover_under_load_loses_no_request(backends, workers, new_workers):
     """Keep-alive clients (told Connection: close from the old edge's SIGTERM on) and new-connection
     clients the whole time. The round runs in a network namespace of its own with
     net.ipv4.tcp_migrate_req = 0 (as root; the machine's setting is left alone), where a SO_REUSEPORT
     listener that closes resets what is queued on it: the old edge hands its listening sockets over, so its
     close closes no socket and none may be lost (before, 1 in ~90,000 was reset in that instant)."""
     args = ["--grace", "1"] + (["--workers", str(workers)] if workers > 1 else [])
-    rounds = in_private_netns(["--rounds", "1", *args], migrate_req=0)
-    r = rounds[0] if rounds else take_over(backends[0].url, args)
+    new_args = ["--grace", "1"] + (["--workers", str(new_workers)] if new_workers > 1 else [])
+    rounds = in_private_netns(["--rounds", "1", *args, "--new-workers", str(new_workers)], migrate_req=0)
+    r = rounds[0] if rounds else take_over(backends[0].url, args, new_args=new_args)
     assert r["requests"] > 100, r            # the traffic ran (no throughput asserted)
     assert r["handed_over"], r
     assert r["lost"] == 0, r
@@ -111,17 +112,19 @@ def started(*args: str, name: str) -> Edge:
     return e
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_the_new_edge_serves_on_the_old_edges_own_listening_sockets(backends, workers):
+@pytest.mark.parametrize("workers,new_workers", [(1, 1), (2, 2), (3, 1)])
+def test_the_new_edge_serves_on_the_old_edges_own_listening_sockets(backends, workers, new_workers):
     """Not a second socket beside the old one: the very sockets (same inodes), held by the new edge (its
-    supervisor with --workers), and no other listener on the port. The old one's exit leaves them open."""
+    supervisor with --workers), and no other listener on the port; with fewer workers than the old edge, the
+    extra ones are served too. The old one's exit leaves them open."""
     w = ["--workers", str(workers)] if workers > 1 else []
     a = started("--backends", backends[0].url, *w, name="edge-a")
     b = None
     try:
         old = listening_inodes(a.port)
         assert len(old) == workers and old <= socket_inodes(a.popen.pid), (old, a.log()[-2000:])
-        b = started("--backends", backends[0].url, "--listen", f"127.0.0.1:{a.port}", "--takeover", *w, name="edge-b")
+        nw = ["--workers", str(new_workers)] if new_workers > 1 else []
+        b = started("--backends", backends[0].url, "--listen", f"127.0.0.1:{a.port}", "--takeover", *nw, name="edge-b")
         assert old <= socket_inodes(b.popen.pid), b.log()[-2000:]
         assert listening_inodes(a.port) == old           # nothing bound beside them
         assert f"handed {workers} listening socket(s) to pid {b.popen.pid}" in a.log(), a.log()[-2000:]
@@ -129,7 +132,7 @@ def test_the_new_edge_serves_on_the_old_edges_own_listening_sockets(backends, wo
         a.signal(signal.SIGTERM)
         wait_until(lambda: not a.alive(), timeout=30, what="the old edge's exit")
         assert listening_inodes(a.port) == old
-        assert request(a.port).status == 200
+        assert all(request(a.port).status == 200 for _ in range(30))   # new connections: every queue is served
     finally:
         a.stop()
         if b is not None:

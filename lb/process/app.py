@@ -200,15 +200,18 @@ class App:
 
     def _bind(self, cfg: Config, worker: int | None) -> None:
         """The listener: a worker's from the supervisor, the old edge's on --takeover (handover.py), else bound."""
-        given, self.handed_over = handover.listener(cfg, worker)  # handed_over: the old edge's own socket
+        given, self.handed_over = handover.listener(cfg, worker)  # handed_over: the old edge's own sockets
         self.offer: handover.Offer | None = None
-        if worker is None and given is None:  # (workers: the supervisor checked, and its listeners hold the port)
+        if worker is None and not given:  # (workers: the supervisor checked, and its listeners hold the port)
             refuse_if_held("--listen", cfg.listen, cfg)
         if cfg.admin:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
-        self.server = make_server(cfg.listen, self.edge, cfg.takeover, given)
-        if worker is None:  # a single process offers its listener to the next --takeover (workers: the supervisor)
-            self.offer = handover.Offer(self.server.server_address, [self.server.socket], cfg.takeover_socket)
+        self.server = make_server(cfg.listen, self.edge, cfg.takeover, given[0] if given else None)
+        self.extra = handover.Extra(self.server, given[1:])  # an old edge's beyond the first, when it had more
+        if worker is None:  # a single process offers its listeners to the next --takeover (workers: the supervisor)
+            self.offer = handover.Offer(
+                self.server.server_address, [self.server.socket, *given[1:]], cfg.takeover_socket
+            )
             self.offer.serve_in_thread()
 
     def _join_workers(self, rundir: str, worker: int) -> None:
@@ -368,7 +371,7 @@ class App:
         """After serve_forever returned: close the listener, let in-flight requests finish, clean up."""
         if self.offer is not None:
             self.offer.close()
-        taken = self._take_queued()
+        taken = self._take_queued() + self.extra.stop()
         self.server.socket.close()
         if taken:
             log.info("took %d queued connections before closing the listener", taken)

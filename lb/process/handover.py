@@ -10,7 +10,8 @@ takes sockets from a peer of its own uid. No offer there (an older edge, another
 the new edge binds beside the old one with SO_REUSEPORT, as before.
 
 With --workers the supervisor holds one listener per worker and offers those; a worker inherits its own
-(`inherited`, set in the forked child) instead of binding.
+(`inherited`, set in the forked child) instead of binding. A new edge with fewer workers than the old one
+serves the extra listeners too (Extra), one with more binds the rest beside them.
 """
 
 from __future__ import annotations
@@ -32,26 +33,81 @@ ANSWER = b"edge listeners "  # + count + "\n", the descriptors attached
 MAX_FDS = 256  # --workers' upper bound
 TIMEOUT = 5.0
 
-inherited: socket.socket | None = None  # a worker's listener, given by the supervisor before serve()
+inherited: list[socket.socket] = []  # a worker's listeners, given by the supervisor before serve() (the first its own)
 handed_over = False  # (workers) the supervisor's listeners are the old edge's, handed over
 
 
-def take_inherited() -> socket.socket | None:
+def take_inherited() -> list[socket.socket]:
     global inherited
-    sock, inherited = inherited, None
-    return sock
+    socks, inherited = inherited, []
+    return socks
 
 
-def listener(cfg, worker: int | None) -> tuple[socket.socket | None, bool]:
-    """The socket App serves instead of binding (None: bind), and whether it is the old edge's: a worker's from
-    the supervisor; a single process's from the edge it takes over, when that one offers it."""
+def listener(cfg, worker: int | None) -> tuple[list[socket.socket], bool]:
+    """The sockets App serves instead of binding ([]: bind), and whether they are the old edge's: a worker's
+    from the supervisor; a single process's from the edge it takes over, when that one offers them. Beyond
+    the first, they are listeners of an old edge that ran more workers (Extra serves them)."""
     given = take_inherited()
-    if worker is None and given is None and cfg.takeover:
+    if worker is None and not given and cfg.takeover:
         got = fetch(cfg.listen, cfg.takeover_socket)
         if got:
-            close_extra(got[1:], 1)
-            return got[0], True
+            return got, True
     return given, handed_over
+
+
+def share(listeners: list, workers: int) -> list[list]:
+    """Worker i's listeners: its own (the i-th), and every workers-th one past the last worker's (handed over
+    by an old edge that ran more workers), so every queue has a process that accepts from it."""
+    return [[listeners[i]] + listeners[workers + i :: workers] for i in range(workers)]
+
+
+class Extra:
+    """Listeners served beside the server's own (handed over by an old edge with more workers): each accepted on
+    a thread of its own and served by the server like its own connections, so none of their queues closes
+    while the old edge drains. stop(): after serve_forever, the queued ones taken, then closed."""
+
+    def __init__(self, server, socks: list[socket.socket]):
+        self.server, self.socks = server, socks
+        self.stopping = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._serve, args=(x,), name="extra-listener", daemon=True) for x in socks
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setblocking(False)  # shared: another process may win the accept
+        while not self.stopping.is_set():
+            try:
+                if select.select([sock], [], [], 0.25)[0]:
+                    self._take(sock)
+            except (OSError, ValueError):  # closed under us at exit
+                return
+
+    def _take(self, sock: socket.socket) -> int:
+        n = 0
+        while True:
+            try:
+                conn, addr = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return n
+            conn.setblocking(True)
+            self.server.process_request(conn, addr)
+            n += 1
+
+    def stop(self) -> int:
+        """The connections queued on them, taken; the listeners closed. How many were taken."""
+        self.stopping.set()
+        for t in self.threads:
+            t.join(1.0)
+        n = 0
+        for x in self.socks:
+            try:
+                n += self._take(x)
+            except OSError:
+                pass
+            x.close()
+        return n
 
 
 def runtime_dir() -> str:
@@ -252,21 +308,6 @@ def _not_a_listener_on(s: socket.socket, addr) -> str:
     except (OSError, ValueError) as e:
         return f"a socket handed over cannot be checked: {e}"
     return ""
-
-
-def close_extra(extra: list[socket.socket], kept: int) -> None:
-    """Listeners handed over beyond the ones this edge serves (the old edge ran more workers): closed. Their
-    queues close with the old edge's copies, as before a handover (the SO_REUSEPORT gap, for those only)."""
-    if extra:
-        log.warning(
-            "--takeover: the old edge handed over %d listening sockets, this one serves %d: the other %d close "
-            "with the old edge (a connection queued there then is reset unless net.ipv4.tcp_migrate_req = 1)",
-            kept + len(extra),
-            kept,
-            len(extra),
-        )
-    for s in extra:
-        s.close()
 
 
 def _none(why: str) -> None:  # (the caller returns None: fetch's "no offer")

@@ -104,14 +104,13 @@ def run(cfg, argv) -> int:
 def _listeners(cfg) -> list[socket.socket]:
     """One listening socket per worker (SO_REUSEPORT: the kernel spreads connections over them), held here so
     a restarted worker finds its queue and a --takeover can be handed them: the old edge's own, when it offers
-    them (lb/process/handover.py), else bound here. A StartError when the port is taken."""
+    them (lb/process/handover.py; more than workers when it ran more), else bound here. A StartError when the
+    port is taken."""
     from lb.process.app import refuse_if_held
 
     got = handover.fetch(cfg.listen, cfg.takeover_socket) if cfg.takeover else None
     if got:
-        handover.handed_over = True
-        handover.close_extra(got[cfg.workers :], cfg.workers)
-        got = got[: cfg.workers]
+        handover.handed_over = True  # more than workers: shared out among them (handover.share)
     else:
         refuse_if_held("--listen", cfg.listen, cfg)  # a second edge must not join this port unasked
         got = []
@@ -402,10 +401,11 @@ def _child(index: int, wfd: int, close_fds, listeners, cfg, argv, rundir, shared
                 os.close(fd)
             except OSError:
                 pass
-        for i, x in enumerate(listeners):
-            if i != index:
+        mine = handover.share(listeners, cfg.workers)[index]  # App serves these, binds nothing
+        for x in listeners:
+            if x not in mine:
                 x.close()
-        handover.inherited = listeners[index]  # this worker's listener: App serves it, binds nothing
+        handover.inherited = mine
         for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             os.environ.pop(k, None)  # the supervisor speaks to systemd for everyone
         logs.setup(worker=index)
