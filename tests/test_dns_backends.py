@@ -13,11 +13,13 @@ from tests.support import Backend, Edge, request, wait_until
 
 
 class TinyDNS:
-    """Answers A queries from `records` (name -> [IPv4]); AAAA with no records; `fail` -> SERVFAIL."""
+    """Answers A queries from `records` (name -> [IPv4]); AAAA with no records; `fail` -> SERVFAIL;
+    `truncate` -> every answer with a record loses its last two bytes (a record shorter than it says)."""
 
     def __init__(self):
         self.records: dict[str, list[str]] = {}
         self.fail = False
+        self.truncate = False
         self.queries = 0
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
@@ -49,6 +51,8 @@ class TinyDNS:
                 continue
             answers = b"".join(b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(a)
                                for a in addrs)
+            if self.truncate and answers:
+                answers = answers[:-2]
             self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, len(addrs), 0, 0) + question + answers, peer)
 
     def close(self):
@@ -298,4 +302,103 @@ pool = "api"
         assert p.returncode != 0 and "Traceback" not in p.stderr
         assert "pools (api).backends: http://nowhere.test:80: nowhere.test does not resolve" in p.stderr, p.stderr
     finally:
+        dns.close()
+
+
+def test_the_resolution_thread_outlives_an_answer_it_cannot_read():
+    """Whatever goes wrong with one name's re-resolution (here an answer whose record is shorter than it
+    says), the thread that re-resolves every name goes on: the last addresses stay, the trouble is one
+    log line, and the next good answer is followed."""
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    dns.records["api.test"] = ["127.0.0.1"]
+    e = Edge("--backends", f"http://api.test:{a.port}", "--resolver", f"127.0.0.1:{dns.port}",
+             "--resolve-interval", "0.3", "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert addresses(e) == ["127.0.0.1"]
+        dns.truncate = True
+        before = dns.queries
+        wait_until(lambda: dns.queries >= before + 8, what="several unreadable answers")
+        assert served_by(e, 4) == {"one"}                       # the last good set serves on
+        assert e.log().count("resolving api.test failed") == 1   # one line, not one per round
+        dns.truncate = False
+        dns.records["api.test"] = ["127.0.0.2"]
+        wait_until(lambda: addresses(e) == ["127.0.0.2"], what="the next good answer followed")
+        assert served_by(e, 4) == {"two"}
+    finally:
+        e.stop()
+        for x in (a, b):
+            x.stop()
+        dns.close()
+
+
+def test_an_unreadable_answer_or_name_at_start_is_refused_in_one_line():
+    """A name the resolver answers with a record shorter than it says, or a name DNS cannot carry (a label
+    of 64 characters): a name that does not resolve, refused in one line like any other, not a traceback."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+    dns = TinyDNS()
+    dns.records["api.test"] = ["127.0.0.1"]
+    dns.truncate = True
+    long_name = "a" * 64 + ".test"
+    try:
+        for url, why in (("http://api.test:80", "malformed answer"), (f"http://{long_name}:80", "bad name")):
+            p = subprocess.run([sys.executable, "edge.py", "--listen", "127.0.0.1:0", "--backends", url,
+                                "--resolver", f"127.0.0.1:{dns.port}"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=20)
+            assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+            assert f"backends: {url}: " in p.stderr and "does not resolve" in p.stderr and why in p.stderr, p.stderr
+    finally:
+        dns.close()
+
+
+def test_a_rejected_reload_to_another_resolver_leaves_the_running_answers_alone(tmp_path):
+    """A reload that names another resolver, rejected because that one does not answer, changes nothing:
+    the running names keep the answers they run on, so a pool with two names still follows the one that
+    moves while the other fails (before, the rejected reload had emptied the answers: re-resolving the
+    moving name asked again for the failing one, and that error ended re-resolution)."""
+    import signal
+
+    from tests.support import free_port
+    dns = TinyDNS()
+    a = Backend("one", 0, host="127.0.0.1")
+    b = Backend("two", a.port, host="127.0.0.2")
+    c = Backend("three", a.port, host="127.0.0.3")
+    d = Backend("default")
+    dns.records["a.test"] = ["127.0.0.1"]
+    dns.records["b.test"] = ["127.0.0.2"]
+    cfg = tmp_path / "edge.toml"
+    conf = f"""[upstream]
+resolver = "127.0.0.1:{dns.port}"
+resolve_interval = 0.3
+[[backends]]
+url = "{d.url}"
+[[pools]]
+name = "api"
+backends = [{{ url = "http://a.test:{a.port}" }}, {{ url = "http://b.test:{a.port}" }}]
+[[routes]]
+name = "api"
+match = {{ path_prefix = "/api/" }}
+pool = "api"
+"""
+    cfg.write_text(conf)
+    e = Edge("--config", str(cfg), "--admin", "127.0.0.1:0", "--health-interval", "60")
+    try:
+        assert pool_addresses(e, "api") == ["127.0.0.1", "127.0.0.2"]
+        del dns.records["b.test"]                                   # b.test fails from now on: its address stays
+        e.wait_log(r"resolving b\.test failed")
+        cfg.write_text(conf.replace(f"127.0.0.1:{dns.port}", f"127.0.0.1:{free_port()}"))   # nobody answers there
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"reload rejected.*a\.test does not resolve with resolver")
+        assert status(e)["resolved"][f"http://a.test:{a.port}"]["addresses"] == ["127.0.0.1"]
+        dns.records["a.test"] = ["127.0.0.3"]                       # the other name moves: followed
+        wait_until(lambda: pool_addresses(e, "api") == ["127.0.0.2", "127.0.0.3"], what="a.test's move followed")
+        assert {request(e.port, "GET", "/api/x").header("X-Backend") for _ in range(12)} == {"two", "three"}
+    finally:
+        e.stop()
+        for x in (a, b, c, d):
+            x.stop()
         dns.close()

@@ -205,6 +205,51 @@ def test_a_sigkilled_supervisor_takes_its_workers_with_it(backends):
                 os.kill(p, signal.SIGKILL)
 
 
+# sitecustomize for the edge: each child sleeps right after fork for the seconds the file says then
+FORK_DELAY = """import os, time
+if "EDGE_TEST_FORK_DELAY" in os.environ:
+    def _pause(path=os.environ["EDGE_TEST_FORK_DELAY"]):
+        with open(path) as f:
+            time.sleep(float(f.read()))
+    os.register_at_fork(after_in_child=_pause)
+"""
+
+
+def test_a_sigterm_to_a_worker_still_starting_stops_it(backends, tmp_path):
+    """A SIGTERM that reaches a worker in its first instants (the supervisor stopping, or systemd's
+    KillMode=control-group signalling every process, while a crashed worker is being restarted) stops
+    it: before, the child still had the supervisor's handler then, which took the signal into the
+    child's copy of the supervisor's queue, and the worker served on -- the supervisor waited for it
+    for ever. The instants are stretched here (a sleep right after fork, sitecustomize) to be hit."""
+    (tmp_path / "sitecustomize.py").write_text(FORK_DELAY)
+    delay = tmp_path / "delay"
+    delay.write_text("0")
+    env = {"PYTHONPATH": str(tmp_path), "EDGE_TEST_FORK_DELAY": str(delay)}
+    e = Edge("--backends", backends[0].url, "--workers", "2", env=env)
+    pids: list[int] = []
+    try:
+        e.wait_log(r"all 2 workers ready", timeout=20)
+
+        def children() -> list[int]:
+            out = subprocess.run(["pgrep", "-P", str(e.popen.pid)], capture_output=True, text=True).stdout
+            return [int(p) for p in out.split()]
+
+        first = children()
+        assert len(first) == 2
+        delay.write_text("2")
+        os.kill(first[0], signal.SIGKILL)
+        new = wait_until(lambda: [p for p in children() if p not in first], timeout=10, what="the restarted worker")
+        pids = first[1:] + new
+        e.signal(signal.SIGTERM)                     # while the new worker is in its first instants
+        wait_until(lambda: not e.alive(), timeout=20, what="the supervisor to exit (every worker stopped)")
+        assert all(exited(p) for p in pids)
+    finally:
+        e.stop()
+        for p in pids:
+            if not exited(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def summed_counters(port) -> dict:
     """/metrics' counter and histogram samples {(name, labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -378,3 +378,37 @@ def test_routes_over_http2_the_same(tmp_path, backends):
     finally:
         c.close()
         e.stop()
+
+
+def test_an_h2c_backend_leaving_a_named_pool_has_its_connection_closed(tmp_path, backends):
+    """A named pool's h2c:// backend removed (a reload here; a DNS answer takes the same path) drains and
+    then closes its HTTP/2 connection, as one leaving the default pool does: none stays open to a backend
+    the edge no longer uses."""
+    from tests.h2server import H2Server
+    old, new = H2Server(), H2Server()
+    conf = tmp_path / "edge.toml"
+    body = f"""[[backends]]
+url = "{backends['d1'].url}"
+[[pools]]
+name = "grpc"
+backends = [{{ url = "{old.url}" }}]
+[[routes]]
+name = "grpc"
+match = {{ path_prefix = "/g/" }}
+pool = "grpc"
+"""
+    conf.write_text(body)
+    e = Edge("--config", str(conf), "--health-interval", "60")
+    try:
+        assert request(e.port, "GET", "/g/x").status == 200
+        wait_until(lambda: old.connections >= 1, what="a connection to the h2c backend")
+        closed = old.closed_by_peer
+        conf.write_text(body.replace(old.url, new.url))
+        e.signal(signal.SIGHUP)
+        e.wait_log(r"backend %s removed \(drained\)" % old.url)
+        assert request(e.port, "GET", "/g/x").status == 200
+        wait_until(lambda: old.closed_by_peer > closed, timeout=10, what="the old backend's connection closed")
+    finally:
+        e.stop()
+        old.close()
+        new.close()

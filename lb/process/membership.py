@@ -3,11 +3,9 @@ counted and probed, those that leave drain before their pool closes."""
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 
-log = logging.getLogger("edge")
+from lb.upstream.pools import drain
 
 
 def joined_and_left(app, added, removed) -> None:
@@ -19,15 +17,4 @@ def joined_and_left(app, added, removed) -> None:
     for b in removed:
         app.health.unwatch(b)
         app.ejector.forget(b)
-        threading.Thread(target=drain_backend, args=(b,), daemon=True, name=f"drain {b.url}").start()
-
-
-def drain_backend(b, deadline: float = 300.0) -> None:
-    """A backend taken out by reload: its in-flight requests finish, then its pool is closed."""
-    end = time.monotonic() + deadline
-    while b.inflight > 0 and time.monotonic() < end:
-        time.sleep(0.05)
-    b.pool.close()
-    if b.h2 is not None:
-        b.h2.close()  # an h2c:// backend's HTTP/2 connections
-    log.info("backend %s removed (drained)", b.url)
+        threading.Thread(target=drain, args=(b,), daemon=True, name=f"drain {b.url}").start()

@@ -55,12 +55,14 @@ def reload(app) -> bool:
     fresh = build_fresh(app, new)
     if fresh is None:
         return False
+    running = app.resolved  # what the running names run on: a rejected reload leaves it as it was
     if new.resolver != app.cfg.resolver:
         app.resolved = {}  # another resolver: every name asked again
     try:
         specs = resolving.concrete(app, new.backends, new)
         resolving.concrete_pools(app, new)  # before anything is swapped in (set_routes takes the answers)
     except ConfigError as e:
+        app.resolved = running  # (re-resolution needs an answer for every running name: lb/process/resolving.py)
         log.error(REJECTED, e)
         sdnotify.notify("READY=1")
         return False

@@ -73,10 +73,30 @@ def resolve_loop(app) -> None:
         if cfg.resolver is not None:
             for spec in every_spec(cfg):
                 if not is_address(spec.host):
-                    ttl = resolve(app, spec, cfg)
+                    ttl = _resolve_guarded(app, spec, cfg)
                     if ttl is not None:
                         wait = min(wait, max(1.0, ttl))
         time.sleep(wait if cfg.resolver is not None else 1.0)
+
+
+def _resolve_guarded(app, spec: BackendSpec, cfg) -> float | None:
+    """resolve(), and an error it did not expect is a failed resolution: one line while it lasts, the last
+    addresses stay, and the thread goes on -- it is the only one that asks, for every name."""
+    try:
+        return resolve(app, spec, cfg)
+    except Exception as e:
+        app.resolutions["failed"] += 1
+        if spec.url not in app.resolve_failing:
+            log.error(
+                "backend %s: resolving %s failed (%s: %s); its last addresses stay: %s",
+                spec.url,
+                spec.host,
+                type(e).__name__,
+                e,
+                ", ".join(app.resolved.get(spec.url, ())) or "none",
+            )
+        app.resolve_failing[spec.url] = f"{type(e).__name__}: {e}"
+        return None
 
 
 def resolve(app, spec: BackendSpec, cfg) -> float | None:

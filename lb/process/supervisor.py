@@ -56,6 +56,7 @@ log = logging.getLogger("edge")
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 START_FAILURES = 3  # consecutive failures of a worker that never became ready
 DEATHS, DEATH_WINDOW = 5, 30.0
+PASSED_ON = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}  # the signals run() handles
 
 
 class Worker:
@@ -87,7 +88,7 @@ def run(cfg, argv) -> int:
     offer = handover.Offer((host, port), listeners, cfg.takeover_socket)  # for the next --takeover: these very sockets
     try:
         sup = _Supervisor(cfg, argv, listeners, rundir, shared, offer)
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        for s in PASSED_ON:
             signal.signal(s, sup.on_signal)
         sup.start_all()
         log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers, os.getpid())
@@ -176,7 +177,7 @@ def _inherit_tls(cfg) -> None:
 
 
 class _Supervisor:
-    """The workers' lives after the port is reserved: start them, pass signals on, tell systemd, restart
+    """The workers' lives after the listeners are open: start them, pass signals on, tell systemd, restart
     the dead ones (or give up on a crash loop), and wait for all of them once stopping."""
 
     def __init__(self, cfg, argv, listeners, rundir: str, shared, offer):
@@ -213,9 +214,14 @@ class _Supervisor:
         w.started = time.monotonic()
         r, wfd = os.pipe()
         parent = os.getpid()
+        # Until the child has its own dispositions, a signal for it must wait (blocked, not lost): with this
+        # process's handlers it would only land in the child's copy of self.got, and the worker serve on.
+        signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
         pid = os.fork()
         if pid == 0:
+            _own_signals()
             _die_with(parent)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)  # one that came meanwhile acts now
             _child(
                 w.index,
                 wfd,
@@ -226,6 +232,7 @@ class _Supervisor:
                 self.rundir,
                 self.shared,
             )
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
         os.close(wfd)
         w.pid, w.fd, w.buf, w.ready, w.beat = pid, r, b"", False, 0.0
         self.by_pid[pid] = w
@@ -374,8 +381,17 @@ def _read_pipes(workers, timeout: float, offer=None) -> None:
             pass
 
 
+def _own_signals() -> None:
+    """In the forked worker, before anything: a worker's dispositions instead of the supervisor's handlers
+    (TERM/INT stop it at once until serve() installs its own; HUP/USR1 wait for serve())."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL)
+    for s in (signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)
+
+
 def _die_with(parent: int) -> None:
-    """In the forked worker, first: SIGTERM when the supervisor dies, so a SIGKILLed supervisor (kill -9,
+    """In the forked worker, right after its signals: SIGTERM when the supervisor dies, so a SIGKILLed supervisor (kill -9,
     the OOM killer) leaves no orphans holding the port with nothing to restart or stop them; the worker
     drains as on any SIGTERM. The kernel only sends it for a death after the prctl: a supervisor already
     gone (the worker has been reparented) means stop now, before serving anything."""
@@ -392,10 +408,6 @@ def _child(index: int, wfd: int, close_fds, listeners, cfg, argv, rundir, shared
     """In the forked worker: never returns."""
     code = 1
     try:
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_DFL)
-        for s in (signal.SIGHUP, signal.SIGUSR1):
-            signal.signal(s, signal.SIG_IGN)  # until serve() installs its handlers
         for fd in close_fds:
             try:
                 os.close(fd)

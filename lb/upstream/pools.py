@@ -147,12 +147,16 @@ def retire(pool: Pool, b) -> None:
     if pool.health is not None:
         pool.health.unwatch(b)
     pool.ejector.forget(b)
-    threading.Thread(target=_drain, args=(b,), daemon=True, name=f"drain {b.url}").start()
+    threading.Thread(target=drain, args=(b,), daemon=True, name=f"drain {b.url}").start()
 
 
-def _drain(b, deadline: float = 300.0) -> None:
+def drain(b, deadline: float = 300.0) -> None:
+    """A backend taken out of its pool (a reload, a DNS answer): its in-flight requests finish, then its
+    connections close -- HTTP/1.1 and an h2c:// backend's HTTP/2 ones (any pool's: lb/process/membership.py)."""
     end = time.monotonic() + deadline
     while b.inflight > 0 and time.monotonic() < end:
         time.sleep(0.05)
     b.pool.close()
+    if b.h2 is not None:
+        b.h2.close()
     log.info("backend %s removed (drained)", b.url)

@@ -72,7 +72,10 @@ def query(server: tuple[str, int], name: str, qtype: int, timeout: float) -> lis
 def encode_name(name: str) -> bytes:
     out = b""
     for label in name.rstrip(".").split("."):
-        raw = label.encode("idna")
+        try:
+            raw = label.encode("idna")
+        except UnicodeError:  # e.g. a label over 63 characters: no question can carry it
+            raise ResolveError(f"bad name {name!r}") from None
         if not 0 < len(raw) < 64:
             raise ResolveError(f"bad name {name!r}")
         out += bytes([len(raw)]) + raw
@@ -108,6 +111,8 @@ def parse_answer(data: bytes, qtype: int) -> list[tuple[str, int]]:
             rtype, _, ttl, rdlen = struct.unpack("!HHIH", data[i : i + 10])
             i += 10
             rdata = data[i : i + rdlen]
+            if len(rdata) != rdlen:  # a record cut short: no address to read from it
+                raise ResolveError("malformed answer")
             i += rdlen
             if rtype == qtype == A and rdlen == 4:
                 out.append((socket.inet_ntop(socket.AF_INET, rdata), ttl))
