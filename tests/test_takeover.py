@@ -139,6 +139,28 @@ def test_the_new_edge_serves_on_the_old_edges_own_listening_sockets(backends, wo
             b.stop()
 
 
+def test_a_takeover_that_fails_to_start_leaves_the_old_edges_offer_in_place(backends):
+    """The new edge offers its sockets only once ready: one that was handed them and then could not start
+    (here its admin port is taken) has not replaced the offer, and the next attempt is handed them again."""
+    a = started("--backends", backends[0].url, name="edge-a")
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))              # no SO_REUSEPORT: the new edge's admin bind fails
+    blocker.listen(1)
+    c = None
+    try:
+        code, lines = second("--backends", backends[0].url, "--listen", f"127.0.0.1:{a.port}", "--takeover",
+                             "--admin", f"127.0.0.1:{blocker.getsockname()[1]}")
+        assert code == 1 and any("--admin" in x and "Address already in use" in x for x in lines), lines
+        c = started("--backends", backends[0].url, "--listen", f"127.0.0.1:{a.port}", "--takeover", name="edge-c")
+        assert f"handed 1 listening socket(s) to pid {c.popen.pid}" in a.log(), a.log()[-2000:]
+        assert "binding beside" not in c.log(), c.log()[-2000:]
+    finally:
+        blocker.close()
+        a.stop()
+        if c is not None:
+            c.stop()
+
+
 def test_a_takeover_from_an_edge_that_offers_nothing_binds_beside_it(backends):
     """An older edge (here: one with takeover_socket = off) offers no socket: the new one joins the port with
     SO_REUSEPORT as before, and says so."""

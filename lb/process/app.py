@@ -201,18 +201,15 @@ class App:
     def _bind(self, cfg: Config, worker: int | None) -> None:
         """The listener: a worker's from the supervisor, the old edge's on --takeover (handover.py), else bound."""
         given, self.handed_over = handover.listener(cfg, worker)  # handed_over: the old edge's own sockets
-        self.offer: handover.Offer | None = None
         if worker is None and not given:  # (workers: the supervisor checked, and its listeners hold the port)
             refuse_if_held("--listen", cfg.listen, cfg)
         if cfg.admin:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
         self.server = make_server(cfg.listen, self.edge, cfg.takeover, given[0] if given else None)
         self.extra = handover.Extra(self.server, given[1:])  # an old edge's beyond the first, when it had more
-        if worker is None:  # a single process offers its listeners to the next --takeover (workers: the supervisor)
-            self.offer = handover.Offer(
-                self.server.server_address, [self.server.socket, *given[1:]], cfg.takeover_socket
-            )
-            self.offer.serve_in_thread()
+        # A single process offers its listeners once ready (serve.py); a worker none (the supervisor does).
+        offered = (self.server.socket, *given[1:]) if worker is None else ()
+        self.offer = handover.Offer(self.server.server_address, list(offered), cfg.takeover_socket)
 
     def _join_workers(self, rundir: str, worker: int) -> None:
         """A worker of --workers N: its numbers published (worker 0 sums them), the others' admin actions
@@ -369,8 +366,7 @@ class App:
 
     def drain(self) -> None:
         """After serve_forever returned: close the listener, let in-flight requests finish, clean up."""
-        if self.offer is not None:
-            self.offer.close()
+        self.offer.close()
         taken = self._take_queued() + self.extra.stop()
         self.server.socket.close()
         if taken:

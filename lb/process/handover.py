@@ -173,14 +173,21 @@ def _peer_pid(conn: socket.socket) -> int:
 
 
 class Offer:
-    """The old edge's side: answers each same-uid peer that asks with the listening sockets."""
+    """The old edge's side: answers each same-uid peer that asks with the listening sockets. Published once
+    this edge is ready, not before: one that fails to start must not have replaced the offer of the edge
+    still serving."""
 
     def __init__(self, addr, listeners: list[socket.socket], setting: str = ""):
         self.listeners = listeners
         self.path = path_for(addr, setting) or ""
         self.sock: socket.socket | None = None
         self._ino = 0
-        if not self.path or _private_dir(self.path, create=True) is None:
+        self.closed = False
+
+    def publish(self) -> None:
+        if self.closed or self.sock is not None or not self.listeners or not self.path:
+            return
+        if _private_dir(self.path, create=True) is None:
             return
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -210,6 +217,7 @@ class Offer:
         return self.sock.fileno()
 
     def serve_in_thread(self) -> None:
+        self.publish()
         if self.sock is not None:
             threading.Thread(target=self._loop, name="takeover-offer", daemon=True).start()
 
@@ -241,6 +249,7 @@ class Offer:
 
     def close(self) -> None:
         """Stop offering; the file is removed unless a newer edge has replaced it with its own."""
+        self.closed = True
         s, self.sock = self.sock, None
         if s is None:
             return

@@ -115,6 +115,7 @@ def serve(
         if app.stopping:
             return
         tell("ready")
+        app.offer.serve_in_thread()  # the next --takeover is handed the listener (workers: none; the supervisor's)
         if channel is None:  # (workers: the supervisor says "all N workers ready")
             log.info("ready")  # e.g. for --takeover: the old edge may be stopped from here on
         sdnotify.notify("READY=1", f"STATUS=serving {len(app.balancer.backends)} backends")

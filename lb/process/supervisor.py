@@ -285,6 +285,8 @@ class _Supervisor:
         """READY=1 once every worker is ready (then a SIGHUP held during start-up); WATCHDOG=1 while all beat."""
         if not self.announced and all(w.ready for w in self.workers):
             self.announced = True
+            self.offer.publish()  # from now on the next --takeover is handed these listeners (not before:
+            # a supervisor that fails to start must not replace the offer of the edge still serving)
             log.info("all %d workers ready", len(self.workers))
             sdnotify.notify("READY=1", f"STATUS={self.cfg.workers} workers")
             if self.pending_hup:
