@@ -1,13 +1,14 @@
 """--takeover by handing the listening sockets over (HAProxy's `-x`): the same sockets, so no accept queue closes.
 
-A serving edge offers its listening sockets on a Unix socket, `/tmp/edge-UID/takeover-NETNS-HOST-PORT.sock` or
-[server] takeover_socket (its directory owned by the edge's user and writable by no one else, or it is not used). A new edge started with --takeover on that
-address connects, asks, receives the descriptors (SCM_RIGHTS), checks that each is a listening TCP socket on
-its --listen address, and serves on them instead of binding. When the old edge is TERMed and closes its
-listener, the socket itself stays open in the new edge: nothing queued on it is reset, whatever
-net.ipv4.tcp_migrate_req says. Only a peer of the same uid (SO_PEERCRED) is answered, and the new edge only
-takes sockets from a peer of its own uid. No offer there (an older edge, another program, a stale file):
-the new edge binds beside the old one with SO_REUSEPORT, as before.
+A serving edge offers its listening sockets on a Unix socket, `/tmp/edge-UID/takeover-NETNS-HOST-PORT.sock`
+or [server] takeover_socket (its directory owned by the edge's user and writable by no one else, or it is
+not used), once it is ready. A new edge started with --takeover on that address connects, asks, receives
+the descriptors (SCM_RIGHTS), checks that each is a listening TCP socket on its --listen address, and
+serves on them instead of binding. When the old edge is TERMed and closes its listener, the socket itself
+stays open in the new edge: nothing queued on it is reset, whatever net.ipv4.tcp_migrate_req says. Only a
+peer of the same uid (SO_PEERCRED) is answered, and the new edge only takes sockets from a peer of its own
+uid in its own network namespace. No offer there (an older edge, another program, a stale file): the new
+edge binds beside the old one with SO_REUSEPORT, as before.
 
 With --workers the supervisor holds one listener per worker and offers those; a worker inherits its own
 (`inherited`, set in the forked child) instead of binding. A new edge with fewer workers than the old one
@@ -23,6 +24,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 
 from lb.netaddr import ip
 
@@ -81,8 +83,12 @@ class Extra:
             try:
                 if select.select([sock], [], [], 0.25)[0]:
                     self._take(sock)
-            except (OSError, ValueError):  # closed under us at exit
+            except ValueError:  # closed under us at exit
                 return
+            except OSError:
+                if sock.fileno() < 0:
+                    return
+                time.sleep(0.1)  # out of descriptors, say: they wait in the queue, as on the server's own
 
     def _take(self, sock: socket.socket) -> int:
         n = 0
