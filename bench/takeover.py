@@ -90,20 +90,20 @@ def admin_ports(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def take_over(backend_url: str, args: list[str], settle: float = 1.0) -> dict:
-    """One round: A serves, B takes over under traffic, A drains and exits. The counts."""
+def take_over(backend_url: str, args: list[str], settle: float = 1.0, new_args: list[str] | None = None) -> dict:
+    """One round: A serves, B (with NEW_ARGS, else ARGS) takes over under traffic, A drains and exits. The counts."""
+    new_args = args if new_args is None else new_args
     admin = admin_ports(4)
     a = Edge("--backends", backend_url, "--admin", f"127.0.0.1:{admin}", *args, name="edge-a")
     port = a.port
-    ready = r"all \d+ workers ready" if "--workers" in args else r"INFO edge: ready"
     b = None
     try:
-        a.wait_log(ready, timeout=20)
+        a.wait_log(r"all \d+ workers ready" if "--workers" in args else r"INFO edge: ready", timeout=20)
         t = Traffic(port)
         time.sleep(settle)
         b = Edge("--backends", backend_url, "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
-                 "--takeover", *args, name="edge-b")
-        b.wait_log(ready, timeout=20)
+                 "--takeover", *new_args, name="edge-b")
+        b.wait_log(r"all \d+ workers ready" if "--workers" in new_args else r"INFO edge: ready", timeout=20)
         t0 = time.monotonic()
         a.signal(signal.SIGTERM)
         wait_until(lambda: not a.alive(), timeout=60, what="the old edge's exit")
@@ -113,20 +113,21 @@ def take_over(backend_url: str, args: list[str], settle: float = 1.0) -> dict:
         still = socket.create_connection(("127.0.0.1", port), timeout=5)   # B serves on
         still.close()
         return {"requests": t.ok + len(t.lost), "lost": len(t.lost), "why": sorted({w for _, w in t.lost})[:3],
-                "old_exit_s": round(a_done, 2), "queued_taken": a.log().count("queued connections")}
+                "old_exit_s": round(a_done, 2), "queued_taken": a.log().count("queued connections"),
+                "handed_over": "--takeover: handed" in a.log()}
     finally:
         a.stop()
         if b is not None:
             b.stop()
 
 
-def in_private_netns(argv: list[str], timeout: float = 300) -> list[dict] | None:
+def in_private_netns(argv: list[str], timeout: float = 300, migrate_req: int = 1) -> list[dict] | None:
     """Run `python3 -m bench.takeover --json ARGV` in a network namespace of its own with
-    net.ipv4.tcp_migrate_req = 1 (root and unshare(1) needed; the machine's own setting is left alone):
-    the rounds' dicts, or None where such a namespace cannot be made here."""
+    net.ipv4.tcp_migrate_req = MIGRATE_REQ (root and unshare(1) needed; the machine's own setting is left
+    alone): the rounds' dicts, or None where such a namespace cannot be made here."""
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
         return None
-    script = ("ip link set lo up && sysctl -q -w net.ipv4.tcp_migrate_req=1 && "
+    script = (f"ip link set lo up && sysctl -q -w net.ipv4.tcp_migrate_req={int(migrate_req)} && "
               f'exec "$0" -m bench.takeover --json "$@"')
     p = subprocess.run(["unshare", "-n", "sh", "-c", script, sys.executable, *argv], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
@@ -142,18 +143,36 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--new-workers", type=int, default=None, help="the new edge's --workers (default: --workers)")
     p.add_argument("--grace", default="1")
     p.add_argument("--json", action="store_true", help="one JSON object per round on stdout, nothing else")
+    p.add_argument("--netns-migrate-req", type=int, choices=(0, 1), default=None,
+                   help="run the rounds in a network namespace of their own with this net.ipv4.tcp_migrate_req "
+                        "(root; the machine's setting is left alone)")
     o = p.parse_args(argv)
     args = ["--grace", o.grace] + (["--workers", str(o.workers)] if o.workers > 1 else [])
+    nw = o.workers if o.new_workers is None else o.new_workers
+    new_args = ["--grace", o.grace] + (["--workers", str(nw)] if nw > 1 else [])
+    if o.netns_migrate_req is not None:
+        rounds = in_private_netns(["--rounds", str(o.rounds), "--workers", str(o.workers), "--new-workers", str(nw),
+                                   "--grace", o.grace],
+                                  timeout=60 * o.rounds + 60, migrate_req=o.netns_migrate_req)
+        if rounds is None:
+            raise SystemExit("no private network namespace can be made here (root and unshare(1) needed)")
+        for i, r in enumerate(rounds):
+            print(json.dumps(r) if o.json else f"round {i + 1}: {r}", flush=True)
+        print(f"total: {sum(r['lost'] for r in rounds)} of {sum(r['requests'] for r in rounds)} requests lost "
+              f"(private namespace, tcp_migrate_req = {o.netns_migrate_req})")
+        return
     say = (lambda *a, **k: None) if o.json else print
     say(f"kernel {Path('/proc/sys/kernel/osrelease').read_text().strip()}, "
-        f"net.ipv4.tcp_migrate_req = {migrate_req()}, edge args {' '.join(args)}")
+        f"net.ipv4.tcp_migrate_req = {migrate_req()}, edge args {' '.join(args)}"
+        + (f", new edge {' '.join(new_args)}" if new_args != args else ""))
     backend = Backend("t")
     total = lost = 0
     try:
         for i in range(o.rounds):
-            r = take_over(backend.url, args)
+            r = take_over(backend.url, args, new_args=new_args)
             r["migrate_req"] = migrate_req()
             total += r["requests"]
             lost += r["lost"]

@@ -525,6 +525,20 @@ class ServerTable(UpstreamTable):
         help="start beside a running edge on the same --listen and --admin ports (a zero-downtime upgrade: then "
         "TERM the old one); without it, a port another edge serves refuses the start",
     )
+    takeover_socket: str = setting(
+        "",
+        STR,
+        toml="server.takeover_socket",
+        flag="--takeover-socket",
+        metavar="PATH",
+        shown="derived",
+        help="Unix socket where this edge hands its listening sockets to a --takeover, and where a --takeover asks "
+        "for them (both edges must agree); empty: /tmp/edge-UID/takeover-NETNS-HOST-PORT.sock; off: none (SO_REUSEPORT "
+        "only); its directory must be the edge user's and writable by no one else",
+        doc="Unix socket where this edge hands its listening sockets to a `--takeover`, and where a `--takeover` "
+        "asks for them (both must agree); empty: `/tmp/edge-UID/takeover-NETNS-HOST-PORT.sock`; `off`: none (binding "
+        "beside with SO_REUSEPORT only); its directory must be the edge user's, writable by no one else",
+    )
     cpu_affinity: str = setting(
         "auto",
         STR,

@@ -30,7 +30,7 @@ from lb.ops import fanout
 from lb.ops import metrics as metrics_mod
 from lb.ops.admin import AdminServer, start_admin
 from lb.ops.metrics import Metrics
-from lb.process import actions, gctune, parts, readiness, reloading, resolving, sdnotify, startlog, status
+from lb.process import actions, gctune, handover, parts, readiness, reloading, resolving, sdnotify, startlog, status
 from lb.proxy.edge import Edge, EdgeServer
 from lb.proxy.tunnel import close_all as close_tunnels
 from lb.upstream.backends import BackendSpec, make_backend
@@ -51,10 +51,28 @@ class Server(EdgeServer):
     before it binds (netaddr.held)."""
 
     loop_seen = 0.0
+    given: socket.socket | None = None  # a listening socket handed over (lb/process/handover.py): no bind
+
+    def __init__(self, addr, edge, given: socket.socket | None = None):
+        self.given = given
+        super().__init__(addr, edge)
 
     def server_bind(self):
+        if self.given is not None:  # the socket socketserver made is never bound: this one serves instead
+            self.socket.close()
+            self.socket = self.given
+            # Shared with another process (the old edge, or the supervisor and a worker's predecessor): both may
+            # wake for one connection, and the one that loses the accept must not block in it (the flag is the
+            # open file's, so this sets it for the old edge too; socketserver takes EAGAIN as "none").
+            self.socket.setblocking(False)
+            self.server_address = self.socket.getsockname()
+            return
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
+
+    def server_activate(self):
+        if self.given is None:  # a socket handed over listens already, with its queue
+            super().server_activate()
 
     def service_actions(self):
         self.loop_seen = time.monotonic()
@@ -78,9 +96,9 @@ def refuse_if_held(flag: str, addr, cfg: Config) -> None:
         raise StartError(f"{flag} {hostport(*addr[:2])}: {TAKE_OVER}")
 
 
-def make_server(addr, edge, takeover: bool = False) -> Server:
+def make_server(addr, edge, takeover: bool = False, given: socket.socket | None = None) -> Server:
     try:
-        return Server(addr, edge)
+        return Server(addr, edge, given)
     except OSError as e:
         raise StartError(f"--listen {hostport(*addr)}: {e.strerror or e}{SHARED_ONLY if takeover else ''}") from None
 
@@ -181,11 +199,17 @@ class App:
         return backends
 
     def _bind(self, cfg: Config, worker: int | None) -> None:
-        if worker is None:  # (workers: the supervisor checked, and its reserve socket holds the port)
+        """The listener: a worker's from the supervisor, the old edge's on --takeover (handover.py), else bound."""
+        given, self.handed_over = handover.listener(cfg, worker)  # handed_over: the old edge's own sockets
+        if worker is None and not given:  # (workers: the supervisor checked, and its listeners hold the port)
             refuse_if_held("--listen", cfg.listen, cfg)
         if cfg.admin:
             refuse_if_held("--admin", self._admin_addr(cfg, worker), cfg)
-        self.server = make_server(cfg.listen, self.edge, cfg.takeover)
+        self.server = make_server(cfg.listen, self.edge, cfg.takeover, given[0] if given else None)
+        self.extra = handover.Extra(self.server, given[1:])  # an old edge's beyond the first, when it had more
+        # A single process offers its listeners once ready (serve.py); a worker none (the supervisor does).
+        offered = (self.server.socket, *given[1:]) if worker is None else ()
+        self.offer = handover.Offer(self.server.server_address, list(offered), cfg.takeover_socket)
 
     def _join_workers(self, rundir: str, worker: int) -> None:
         """A worker of --workers N: its numbers published (worker 0 sums them), the others' admin actions
@@ -343,7 +367,8 @@ class App:
 
     def drain(self) -> None:
         """After serve_forever returned: close the listener, let in-flight requests finish, clean up."""
-        taken = self._take_queued()
+        self.offer.close()
+        taken = self._take_queued() + self.extra.stop()
         self.server.socket.close()
         if taken:
             log.info("took %d queued connections before closing the listener", taken)

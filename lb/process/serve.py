@@ -95,8 +95,8 @@ def serve(
         pending = early[:]
     if cpu is not None:
         log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
-    if cfg.takeover and not worker and migrate_req() == "0":
-        log.warning(
+    if cfg.takeover and not worker and not built.handed_over and migrate_req() == "0":
+        log.warning(  # (a listener handed over by the old edge has no such instant)
             "--takeover: net.ipv4.tcp_migrate_req = 0: a connection that reaches the old edge in the "
             "instant its listener closes is reset by the kernel; set it to 1 (Linux 5.14+) for none"
         )
@@ -115,6 +115,7 @@ def serve(
         if app.stopping:
             return
         tell("ready")
+        app.offer.serve_in_thread()  # the next --takeover is handed the listener (workers: none; the supervisor's)
         if channel is None:  # (workers: the supervisor says "all N workers ready")
             log.info("ready")  # e.g. for --takeover: the old edge may be stopped from here on
         sdnotify.notify("READY=1", f"STATUS=serving {len(app.balancer.backends)} backends")

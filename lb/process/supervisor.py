@@ -1,7 +1,8 @@
 """--workers N: N edge processes on one port (SO_REUSEPORT), supervised by this parent.
 
-The parent reserves the port (bound, never listening, so the kernel sends it no connections; with
---listen HOST:0 this is how every worker gets the same port), forks the workers and speaks to systemd
+The parent holds one listening socket per worker (with --listen HOST:0 the first picks the port, the others
+join it), each inherited by its worker, so a restarted worker finds its queue and a --takeover is handed the
+same sockets (lb/process/handover.py); it forks the workers and speaks to systemd
 for all of them. Each worker has a pipe back: "ready" once it listens (and its store check passed),
 "beat" while its accept loop goes round, "fail <why>" when it could not start.
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
@@ -34,7 +34,7 @@ from dataclasses import replace
 from lb import logs
 from lb.errors import StartError
 from lb.netaddr import bind_options, family, hostport
-from lb.process import sdnotify
+from lb.process import handover, sdnotify
 from lb.process.serve import watchdog_interval
 
 
@@ -77,47 +77,73 @@ def run(cfg, argv) -> int:
     from lb.limiting.keys import draw_label_secret
 
     draw_label_secret()  # before any fork: one key-label secret for every worker
-    reserve = _reserve_port(cfg)
-    host, port = reserve.getsockname()[:2]
+    listeners = _listeners(cfg)
+    host, port = listeners[0].getsockname()[:2]
     cfg = replace(cfg, listen=(host, port))
     argv = list(argv or []) + ["--listen", hostport(host, port)]  # a worker's reload keeps this port
     shared = _shared_tables(cfg)  # before any fork: the workers must inherit the same mappings
     if cfg.tls_cert:
         _inherit_tls(cfg)
     rundir = tempfile.mkdtemp(prefix="edge-workers-")
+    offer = handover.Offer((host, port), listeners, cfg.takeover_socket)  # for the next --takeover: these very sockets
     try:
-        sup = _Supervisor(cfg, argv, reserve, rundir, shared)
+        sup = _Supervisor(cfg, argv, listeners, rundir, shared, offer)
         for s in PASSED_ON:
             signal.signal(s, sup.on_signal)
         sup.start_all()
         log.info("listening on %s with %d workers (supervisor pid %d)", hostport(host, port), cfg.workers, os.getpid())
         code = sup.supervise()
     finally:
-        reserve.close()
+        offer.close()
+        for x in listeners:
+            x.close()
         shutil.rmtree(rundir, ignore_errors=True)
     log.info("all workers stopped")
     return code
 
 
-def _reserve_port(cfg) -> socket.socket:
-    """The port every worker will share, bound here (never listening); a StartError when it is taken."""
-    from lb.process.app import SHARED_ONLY, refuse_if_held
+def _listeners(cfg) -> list[socket.socket]:
+    """One listening socket per worker (SO_REUSEPORT: the kernel spreads connections over them), held here so
+    a restarted worker finds its queue and a --takeover can be handed them: the old edge's own, when it offers
+    them (lb/process/handover.py; more than workers when it ran more), else bound here. A StartError when the
+    port is taken."""
+    from lb.process.app import refuse_if_held
 
-    refuse_if_held("--listen", cfg.listen, cfg)  # a second edge must not join this port unasked
+    got = handover.fetch(cfg.listen, cfg.takeover_socket) if cfg.takeover else None
+    if got:
+        handover.handed_over = True  # more than workers: shared out among them (handover.share)
+    else:
+        refuse_if_held("--listen", cfg.listen, cfg)  # a second edge must not join this port unasked
+        got = []
     if cfg.admin and cfg.admin[1]:
         for i in range(cfg.workers):  # here, one line, rather than a worker's crash loop
             refuse_if_held("--admin", (cfg.admin[0], cfg.admin[1] + i), cfg)
-    reserve = socket.socket(family(cfg.listen[0]))
-    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    bind_options(reserve, cfg.listen[0])  # the same V6ONLY as the workers' sockets, or no sharing
     try:
-        reserve.bind(cfg.listen)
+        while len(got) < cfg.workers:  # port 0: the first picks it, the others join it
+            got.append(_listen(cfg, got[0].getsockname()[1] if got else cfg.listen[1]))
+    except StartError:
+        for x in got:
+            x.close()
+        raise
+    return got
+
+
+def _listen(cfg, port: int) -> socket.socket:
+    from lb.process.app import SHARED_ONLY, Server
+
+    sock = socket.socket(family(cfg.listen[0]))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    bind_options(sock, cfg.listen[0])  # the same V6ONLY for all of them, or no sharing
+    try:
+        sock.bind((cfg.listen[0], port))
+        sock.listen(Server.request_queue_size)
     except OSError as e:
-        reserve.close()
+        sock.close()
         raise StartError(
-            f"--listen {hostport(*cfg.listen)}: {e.strerror or e}{SHARED_ONLY if cfg.takeover else ''}"
+            f"--listen {hostport(cfg.listen[0], port)}: {e.strerror or e}{SHARED_ONLY if cfg.takeover else ''}"
         ) from None
-    return reserve
+    return sock
 
 
 def _shared_tables(cfg):
@@ -151,11 +177,12 @@ def _inherit_tls(cfg) -> None:
 
 
 class _Supervisor:
-    """The workers' lives after the port is reserved: start them, pass signals on, tell systemd, restart
+    """The workers' lives after the listeners are open: start them, pass signals on, tell systemd, restart
     the dead ones (or give up on a crash loop), and wait for all of them once stopping."""
 
-    def __init__(self, cfg, argv, reserve, rundir: str, shared):
-        self.cfg, self.argv, self.reserve, self.rundir, self.shared = cfg, argv, reserve, rundir, shared
+    def __init__(self, cfg, argv, listeners, rundir: str, shared, offer):
+        self.cfg, self.argv, self.listeners, self.rundir, self.shared = cfg, argv, listeners, rundir, shared
+        self.offer = offer
         self.workers = [Worker(i) for i in range(cfg.workers)]
         self.by_pid: dict[int, Worker] = {}
         self.got: list[int] = []
@@ -198,8 +225,8 @@ class _Supervisor:
             _child(
                 w.index,
                 wfd,
-                [x.fd for x in self.workers if x.fd >= 0] + [r],
-                self.reserve,
+                [x.fd for x in self.workers if x.fd >= 0] + [r] + self.offer.fds(),
+                self.listeners,
                 self.cfg,
                 self.argv,
                 self.rundir,
@@ -223,12 +250,17 @@ class _Supervisor:
             log.info("%s: stopping %d workers", reason, len(self.by_pid))
             sdnotify.notify("STOPPING=1")
             self.send_all(signal.SIGTERM)
+            # The workers' copies serve out the grace; these would keep a queue open nobody accepts from.
+            # (After a --takeover the new edge holds them: nothing queued is lost.)
+            self.offer.close()
+            for x in self.listeners:
+                x.close()
 
     def supervise(self) -> int:
         """Until the last worker is gone; the exit code (1 after a crash loop)."""
         while self.by_pid:
             self._pass_signals()
-            _read_pipes(self.workers, 0.05)
+            _read_pipes(self.workers, 0.05, self.offer)
             self._tell_systemd()
             self._reap()
         return self.code
@@ -253,6 +285,8 @@ class _Supervisor:
         """READY=1 once every worker is ready (then a SIGHUP held during start-up); WATCHDOG=1 while all beat."""
         if not self.announced and all(w.ready for w in self.workers):
             self.announced = True
+            self.offer.publish()  # from now on the next --takeover is handed these listeners (not before:
+            # a supervisor that fails to start must not replace the offer of the edge still serving)
             log.info("all %d workers ready", len(self.workers))
             sdnotify.notify("READY=1", f"STATUS={self.cfg.workers} workers")
             if self.pending_hup:
@@ -316,13 +350,14 @@ class _Supervisor:
         return True
 
 
-def _read_pipes(workers, timeout: float) -> None:
+def _read_pipes(workers, timeout: float, offer=None) -> None:
+    """Each worker's lines (and a --takeover asking for the listeners, answered here: no thread in this process)."""
     fds = {w.fd: w for w in workers if w.fd >= 0}
-    if not fds:
+    if not fds and (offer is None or offer.sock is None):
         time.sleep(timeout)
         return
     try:
-        ready, _, _ = select.select(list(fds), [], [], timeout)
+        ready = handover.readable(offer, timeout, list(fds))
     except InterruptedError:
         return
     for fd in ready:
@@ -371,7 +406,7 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
-def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir, shared) -> None:
+def _child(index: int, wfd: int, close_fds, listeners, cfg, argv, rundir, shared) -> None:
     """In the forked worker: never returns."""
     code = 1
     try:
@@ -380,7 +415,11 @@ def _child(index: int, wfd: int, close_fds, reserve, cfg, argv, rundir, shared) 
                 os.close(fd)
             except OSError:
                 pass
-        reserve.close()
+        mine = handover.share(listeners, cfg.workers)[index]  # App serves these, binds nothing
+        for x in listeners:
+            if x not in mine:
+                x.close()
+        handover.inherited = mine
         for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             os.environ.pop(k, None)  # the supervisor speaks to systemd for everyone
         logs.setup(worker=index)
