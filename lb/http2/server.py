@@ -104,6 +104,7 @@ class Stream:
         self.sent_end = False  # END_STREAM is on its way
         self.progress = monotonic()  # when the client last took some of this stream's bytes
         self.grpc = False
+        self.on_reset = None  # called at the client's RST_STREAM (lb/proxy/edge.py: Exchange.abandon)
         # Its worker's waits (window, body, the end): on the connection's lock, but woken alone -- one
         # condition for all streams woke every worker at each pump (half the GIL's time under h2load).
         self.cv = threading.Condition(conn.lock)
@@ -352,6 +353,7 @@ class Connection:
             for st in list(self.streams.values()):
                 st.reset = True
                 st.cv.notify_all()
+                _abandon(st)  # the client is gone: its backends freed as at a reset
             self.goaway = True
             self._closed = True  # the last worker to end closes the wake-up fd
             close_now = self.running == 0
@@ -415,6 +417,7 @@ class Connection:
                         st.reset = True
                         self.ready.pop(st.sid, None)
                         st.cv.notify_all()
+                        _abandon(st)
                 self.edge.metrics.inc("lb_http2_streams_total", outcome="reset by client")
                 if not self.resets.take(now):
                     calm = "too many stream resets"
@@ -581,6 +584,13 @@ def _refuse_stream(conn: Connection, st: Stream, e: HttpError) -> None:
     finally:
         sock.close()
         conn._ended(st)
+
+
+def _abandon(st: Stream) -> None:
+    """The client reset the stream (or left): its backend exchange freed now (lb/proxy/exchange.py's
+    abandon: a flag and a socket shutdown, neither of which blocks, so it may run under the lock)."""
+    if st.on_reset is not None:
+        st.on_reset()
 
 
 def _serve_stream(conn: Connection, st: Stream, req) -> None:

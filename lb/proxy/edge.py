@@ -362,7 +362,16 @@ class Edge:
         """An HTTP/2 stream's request (lb/http2/server.py, which sits below this room), answered through its
         codec as a Downstream (lb/proxy/h2stream.py)."""
         conn = ClientConn(None, peer_ip, over_tls, reader, cert, accepted)
-        return self.handle(req, conn, StreamDownstream(conn, self, codec))
+        down = StreamDownstream(conn, self, codec)
+        x = Exchange(req, monotonic(), conn.scheme)  # (handle()'s lines, with the stream's reset hook)
+        x.reader = reader
+        st = codec.stream
+        st.on_reset = x.abandon  # the client's RST_STREAM frees the backend (lb/http2/server.py)
+        if st.reset:  # a reset before the hook was set (the flag is set before the hook is read)
+            x.abandoned = True
+        if conn.identifier is not self.identifier:
+            conn.trust(self.identifier)
+        return self.pipeline.run(x, conn, down, None)
 
     def handle(self, req: Request, conn: ClientConn, down, body=None) -> bool:
         """Serve one request (lb/proxy/pipeline.py); True when the client connection may carry another.

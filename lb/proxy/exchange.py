@@ -4,6 +4,8 @@ lb.http.framing.Request, whichever codec made it."""
 
 from __future__ import annotations
 
+import socket
+
 from lb.http.framing import Request
 
 
@@ -43,6 +45,8 @@ class Exchange:
         "hedge",
         "route",
         "pool",
+        "upstream_sock",
+        "abandoned",
     )
 
     def __init__(self, req: Request, start: float, proto: bytes = b"http"):
@@ -74,7 +78,22 @@ class Exchange:
         self.hedge = None  # (won|lost|failed, the other backend's URL) when hedged (lb/proxy/hedge.py)
         self.route = None  # the lb/proxy/routes.py Route it matched, None: no route (the default pool)
         self.pool = None  # the lb/upstream/pools.py Pool chosen for it
+        self.upstream_sock = None  # the backend socket a try waits on (lb/proxy/tries.py), for abandon()
+        self.abandoned = False  # the client reset its HTTP/2 stream: the backend's answer is for nobody
 
     def extra_headers(self) -> bytes:
         """What every answer of the edge's own carries: its id (--request-id-response), the rate-limit headers."""
         return self.rid_header + self.rl
+
+    def abandon(self) -> None:
+        """(the HTTP/2 connection's thread, at the client's RST_STREAM) Free the backend now, as nginx does
+        on a client abort: the try blocked on its socket sees it shut and answers ClientGone, not a backend
+        failure. Flag first, socket second: a try records its socket, then reads the flag (no lock needed)."""
+        self.abandoned = True
+        sock = self.upstream_sock
+        if sock is not None:
+            try:
+                # socket.socket's, not SSLSocket's (which drops its TLS state under the reading thread)
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already: the try ended

@@ -78,10 +78,11 @@ class _Try:
     """What attempt() reads and writes of an Exchange, for the hedge's try: the request, and its own
     upstream_status (the request's is the winner's, set once the race is decided)."""
 
-    __slots__ = ("req", "upstream_status")
+    __slots__ = ("req", "upstream_status", "upstream_sock", "abandoned")
 
     def __init__(self, req):
         self.req, self.upstream_status = req, None
+        self.upstream_sock, self.abandoned = None, False  # a reset frees the first try's backend only
 
 
 class _Failed:

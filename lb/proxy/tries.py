@@ -196,20 +196,12 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     while True:
         reused = conn.sock is not None
         send_err = None  # why sending failed, if it did
+        up, ur = _connected(pool, conn, reused, read_timeout)
         try:
-            if not reused:
-                conn.connect()
-            up = conn.sock
-            # One Reader per backend connection, kept with it: its timeout is set once, not per request.
-            ur = conn.reader
-            if ur is None or ur.sock is not up:
-                ur = conn.reader = Reader(up)
-            if ur.applied != read_timeout:
-                ur.apply(read_timeout)
-        except (OSError, Urllib3Error) as e:
-            pool.release(conn, False)
-            raise UpstreamFailed(*classify(e, reused)) from None  # nothing was sent: retryable
-        try:
+            # Where an HTTP/2 client's reset finds it (Exchange.abandon); once closed, the socket ignores it.
+            x.upstream_sock = up
+            if x.abandoned:  # reset before this: nothing sent (the flag is set before the socket is read)
+                raise ClientGone()
             if type(body) is bytes:  # (_send_request's first case, without the call)
                 up.sendall(head + body if body else head)
             else:
@@ -236,11 +228,18 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
             x.upstream_status = rh.status  # the access log's upstream_status
             if per_try:
                 ur.timeout = read_timeout  # the body's reads: the per-try bound is the head's
+            x.upstream_sock = None  # off the exchange before the relay may pool it
+            if x.abandoned:  # a reset came meanwhile: it may have shut the socket
+                raise UpstreamError("reset", "the client reset its stream")
         except HttpError as e:
             pool.release(conn, False)
+            if x.abandoned:
+                raise ClientGone() from None
             raise _head_refused(e) from None
         except (OSError, UpstreamError) as e:
             pool.release(conn, False)
+            if x.abandoned:  # the client's reset shut the socket: not the backend's failure
+                raise ClientGone() from None
             f = _failed_before_head(send_err or e, send_err is not None, reused, per_try, read_timeout)
             if f.kind is Failure.RESET and reused and not retried and replayable and req.method in IDEMPOTENT:
                 # A kept-alive connection the backend had already closed: nothing was processed.
@@ -254,6 +253,24 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
             rh.early = True
             rh.close = True  # the request was not sent whole: this connection is done
         return conn, rh, ur
+
+
+def _connected(pool, conn, reused: bool, read_timeout: float):
+    """(socket, Reader) of a connection, connected if it was not; a failure is retryable (nothing was sent)."""
+    try:
+        if not reused:
+            conn.connect()
+        up = conn.sock
+        # One Reader per backend connection, kept with it: its timeout is set once, not per request.
+        ur = conn.reader
+        if ur is None or ur.sock is not up:
+            ur = conn.reader = Reader(up)
+        if ur.applied != read_timeout:
+            ur.apply(read_timeout)
+    except (OSError, Urllib3Error) as e:
+        pool.release(conn, False)
+        raise UpstreamFailed(*classify(e, reused)) from None
+    return up, ur
 
 
 def _send_request(up, head: bytes | bytearray, body, replayable: bool, chunked: bool) -> None:
