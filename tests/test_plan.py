@@ -7,7 +7,7 @@ with the bytes the table states."""
 import pytest
 
 from lb.http.framing import HttpError, NOT_RELAYED, UpstreamError, not_relayed, parse_request, parse_response
-from lb.http.plan import request_fields, response_fields, response_plan
+from lb.http.plan import request_fields, request_head, response_fields, response_plan
 from lb.proxy.tries import _REPLACED, _REPLACED_TRUSTED
 
 
@@ -90,6 +90,17 @@ def test_the_response_plan_names_the_body_mode_and_the_connection(head, method, 
         assert (m, k) == (mode, kept)
 
 
+@pytest.mark.parametrize("head,skip,limiting,want,fast", RESPONSES)
+def test_the_plans_head_is_the_status_line_and_the_relayed_fields_whichever_path_wrote_it(head, skip, limiting, want,
+                                                                                          fast):
+    """response_plan copies a canonical HTTP/1.1 head whole, status line and all, but for the lines it drops:
+    the same bytes as the line, then response_fields."""
+    status_line = head.split(b"\r\n", 1)[0]
+    for rh in (parse_response(head), slow(parse_response(head))):
+        out, _, _ = response_plan(rh, b"GET", False, True, skip, limiting, b"")
+        assert bytes(out).startswith(b"HTTP/1.1" + status_line[8:] + b"\r\n" + want)
+
+
 REQ = b"GET /a?b=1 HTTP/1.1\r\nHost: api.example.com\r\nUser-Agent: t/1\r\nX-Api-Key: k1\r\nAccept: */*"
 
 # (request head, replaced, underscores, length, the fields the backend gets, the length still to write,
@@ -126,6 +137,16 @@ def test_the_request_fields_from_slices_equal_the_rebuilt_ones(head, replaced, u
     for r in (req, slow(parse_request(head))):
         out, still = request_fields(r, replaced, underscores, length)
         assert (bytes(out), still) == (want, left)
+
+
+@pytest.mark.parametrize("head,replaced,underscores,length,want,left,fast", REQUESTS)
+def test_the_request_head_is_the_request_line_and_the_forwarded_fields_whichever_path_wrote_it(
+        head, replaced, underscores, length, want, left, fast):
+    """request_head copies a canonical HTTP/1.1 head with nothing to drop whole, request line and all: the same
+    bytes as the line as HTTP/1.1, then request_fields."""
+    for r in (parse_request(head), slow(parse_request(head))):
+        out, still = request_head(r, replaced, underscores, length)
+        assert (bytes(out), still) == (r.method + b" " + r.target + b" HTTP/1.1\r\n" + want, left)
 
 
 def test_a_canonical_head_parses_to_the_same_request_as_line_by_line():

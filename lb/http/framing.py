@@ -99,7 +99,8 @@ _CANON_FIELDS = (
 _FAST_REQUEST = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Z]++) (/[\x21-\x7e\x80-\xff]*+) (HTTP/1\.[01])" + _CANON_FIELDS)
 _FAST_RESPONSE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*+)?" + _CANON_FIELDS)
 # The fields a parser or a relay acts on, found where they are, in the lowercased head (bytes.lower: ASCII
-# only, the same offsets; a case-blind pattern is half as fast again). Names match whole (': ' follows).
+# only, the same offsets; a case-blind pattern is half as fast again). Names match whole (': ' follows);
+# the value runs to the line's end (a canonical head's values hold no CR), read by the same pass.
 _HOP = (
     rb"connection|keep-alive|proxy-connection|transfer-encoding|te|trailer|upgrade|proxy-authenticate|"
     rb"proxy-authorization|content-length|close"
@@ -109,9 +110,9 @@ _REQUEST_ONLY = (
     rb"x-forwarded-client-cert|cookie"
 )
 _RESPONSE_ONLY = rb"ratelimit|ratelimit-policy|x-request-id"
-_REQUEST_SPECIAL = re.compile(rb"\r\n(" + _HOP + rb"|" + _REQUEST_ONLY + rb"): ")
+_REQUEST_SPECIAL = re.compile(rb"\r\n(" + _HOP + rb"|" + _REQUEST_ONLY + rb"): [^\r]*+")
 _RESPONSE_SPECIAL = re.compile(
-    rb"\r\n(" + _HOP + rb"|" + _RESPONSE_ONLY + rb"|x-ratelimit-[" + _TCHARS.lower() + rb"]*): "
+    rb"\r\n(" + _HOP + rb"|" + _RESPONSE_ONLY + rb"|x-ratelimit-[" + _TCHARS.lower() + rb"]*): [^\r]*+"
 )
 # The names each pattern finds (but X-RateLimit-*): a Connection token outside them is a field the fast
 # path did not locate, so a head naming one is written line by line (lb/http/plan.py).
@@ -126,11 +127,9 @@ def _spans(pattern: re.Pattern, head: bytes, start: int) -> list[tuple[int, int,
     value): the span is the line with the CRLF before it."""
     out = []
     for m in pattern.finditer(head.lower(), start):
-        v = m.end()
-        e = head.find(CRLF, v)
-        if e < 0:
-            e = len(head)
-        out.append((m.start(), e, m.group(1), head[v:e]))
+        s, e = m.span()
+        lname = m[1]
+        out.append((s, e, lname, head[s + len(lname) + 4 : e]))  # the value: after CRLF, name, ': '
     return out
 
 
@@ -247,23 +246,26 @@ class Reader:
         while True:
             i = buf.find(b"\r\n\r\n", scan)
             if i >= 0:
-                # The limits hold however the bytes were split across reads.
-                if buf.find(CRLF, 0, max_first_line + 2) < 0:
+                # The limits hold however the bytes were split across reads (a head ending within the first
+                # line's limit has its first CRLF there: no search).
+                if i > max_first_line and buf.find(CRLF, 0, max_first_line + 2) < 0:
                     raise HttpError(414, "request line too long")
                 if i > max_head:
                     raise HttpError(431, "request header block too large")
                 head = bytes(buf[:i])
                 del buf[: i + 4]
                 return head
-            if buf.find(CRLF, 0, max_first_line + 2) < 0 and len(buf) > max_first_line:
+            if len(buf) > max_first_line and buf.find(CRLF, 0, max_first_line + 2) < 0:
                 raise HttpError(414, "request line too long")
             if len(buf) > max_head:
                 raise HttpError(431, "request header block too large")
-            m = _BARE_EOL.search(buf, checked)
-            if m is not None and (m.end() < len(buf) or buf[-1] == 10):  # a final CR awaits its LF
-                raise HttpError(400, f"bare CR or LF in the {what} head")
-            checked = max(0, len(buf) - 1)
-            scan = max(0, len(buf) - 3)
+            if buf:  # (an idle keep-alive connection's first pass has nothing to check)
+                m = _BARE_EOL.search(buf, checked)
+                if m is not None and (m.end() < len(buf) or buf[-1] == 10):  # a final CR awaits its LF
+                    raise HttpError(400, f"bare CR or LF in the {what} head")
+            n = len(buf)
+            checked = n - 1 if n else 0
+            scan = n - 3 if n > 3 else 0
             if not self.fill():
                 if not buf:
                     return None
@@ -449,21 +451,22 @@ def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:
 def parse_request(head: bytes) -> Request:
     """Parse and check a request head. Raises HttpError for anything a backend could read differently."""
     m = _FAST_REQUEST.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
-    if m is not None and m.group(1) != b"TRACE":
-        method, target, version = m.group(1, 2, 3)
-        spans = _spans(_REQUEST_SPECIAL, head, m.end(3))
-    else:
-        spans = None
+    spans = None
+    if m is not None:
+        method, target, version = m.groups()
+        if method != b"TRACE":
+            spans = _spans(_REQUEST_SPECIAL, head, m.end(3))
+    if spans is None:
         method, target, version = _request_line(head)
     r = Request()
     r.method, r.target, r.version = method, target, version
     if spans is None:
         r.headers = headers = _split_headers(head.split(CRLF), 1)
-        fields = [(lname, value) for _, lname, value in headers]
+        fields = [(0, 0, lname, value) for _, lname, value in headers]
     else:
         r._headers = None
         r.raw, r.spans = head, spans
-        fields = [(lname, value) for _, _, lname, value in spans]
+        fields = spans
     keep_alive = _read_fields(r, fields, version == b"HTTP/1.1")
     if r.chunked and r.content_length is not None:
         raise HttpError(400, "both Content-Length and Transfer-Encoding")
@@ -473,7 +476,7 @@ def parse_request(head: bytes) -> Request:
         if version == b"HTTP/1.1":
             raise HttpError(400, "missing Host header")
         r.host = b""
-    if target[:1] != b"/":
+    if spans is None and target[:1] != b"/":  # (the fast path's targets are origin-form)
         if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
             # absolute-form: served only for the Host it names; the edge is not an open forward proxy.
             rest = target.split(b"://", 1)[1]
@@ -490,14 +493,15 @@ def parse_request(head: bytes) -> Request:
 
 def _read_fields(r: Request, fields, keep_alive: bool) -> bool:
     """The fields the edge acts on, checked and kept on r (in one loop per request, not a call per field);
-    returns keep_alive as the Connection header leaves it (given the version's default)."""
+    returns keep_alive as the Connection header leaves it (given the version's default). fields: spans'
+    shape, (start, end, lowercase name, value); only the last two are read."""
     r.content_length = None
     r.chunked = False
     r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = r.client_cert = None
     r.expect_continue = False
     tokens: set[bytes] = set()
     te_seen = False
-    for lname, value in fields:
+    for _, _, lname, value in fields:
         if lname not in _REQUEST_FIELDS:
             continue  # (most of a browser's headers: one set lookup, not eleven compares)
         if lname == b"host":
@@ -507,6 +511,9 @@ def _read_fields(r: Request, fields, keep_alive: bool) -> bool:
                 raise HttpError(400, "invalid Host header")
             r.host = value
         elif lname == b"content-length":
+            if value.isdigit() and len(value) <= 15 and r.content_length is None:
+                r.content_length = int(value)  # the usual one plain length: what the loop below finds
+                continue
             # Several equal values (or "5, 5") are one length (RFC 9110 8.6); differing ones are smuggling.
             for v in value.split(b","):
                 v = v.strip()
@@ -801,15 +808,15 @@ def parse_response(head: bytes) -> ResponseHead:
             eol = len(head)
         status_line, code = head[:eol], m.group(1)
         r._headers = None
-        r.raw, r.spans = head, _spans(_RESPONSE_SPECIAL, head, eol)
-        fields = [(lname, value) for _, _, lname, value in r.spans]
+        r.raw = head
+        r.spans = fields = _spans(_RESPONSE_SPECIAL, head, eol)
     else:
         status_line, code = _status_line(head)
         try:
             r.headers = headers = _split_headers(head.split(CRLF), 1)
         except HttpError as e:
             raise UpstreamError("protocol", e.reason) from None
-        fields = [(lname, value) for _, lname, value in headers]
+        fields = [(0, 0, lname, value) for _, lname, value in headers]
     r.status = int(code)
     r.status_line = status_line
     r.content_length = None
@@ -819,8 +826,11 @@ def parse_response(head: bytes) -> ResponseHead:
     close = status_line[5:8] == b"1.0"
     te = None
     tokens = _NO_TOKENS
-    for lname, value in fields:
+    for _, _, lname, value in fields:
         if lname == b"content-length":
+            if value.isdigit() and len(value) <= 18 and r.content_length is None:
+                r.content_length = int(value)  # the usual one plain length: what the loop below finds
+                continue
             for v in value.split(b","):
                 v = v.strip()
                 if not v.isdigit() or len(v) > 18:

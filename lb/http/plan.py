@@ -83,8 +83,7 @@ def response_plan(
     as it came, to the close). extra: the edge's own lines (X-Request-Id, rate-limit fields, Set-Cookie).
     A 101 outside a tunnel closes both sides: the caller also marks rh.close."""
     status = rh.status
-    out = bytearray(b"HTTP/1.1" + rh.status_line[8:] + b"\r\n")
-    out += response_fields(rh, skip, limiting, slow)
+    out = _relayed_head(rh, skip, limiting, slow)
     out += extra
     if status == 101:
         client_keep = False  # this connection speaks something else now
@@ -110,8 +109,68 @@ def response_plan(
         out += b"Connection: close\r\n"
     elif http10:
         out += b"Connection: keep-alive\r\n"
-    out += b"\r\n"
+    out += CRLF
     return out, mode, client_keep
+
+
+def _relayed_head(rh, skip: frozenset, limiting: bool, slow: bool) -> bytearray:
+    """The status line (as HTTP/1.1) and response_fields(), each ending in CRLF. A canonical HTTP/1.1 head
+    (the common one) is copied from its received bytes in one pass, the status line with it, without the
+    lines response_fields() would drop; any other, line and fields apart."""
+    tokens = rh.conn_tokens
+    spans = rh.spans
+    raw = rh.raw
+    if spans is None or slow or (tokens and not tokens <= RESPONSE_NAMES) or raw[:8] != b"HTTP/1.1":
+        head = bytearray(b"HTTP/1.1" + rh.status_line[8:] + CRLF)
+        head += response_fields(rh, skip, limiting, slow)
+        return head
+    status = rh.status
+    cl = rh.content_length if status >= 200 and status != 204 else None
+    out: bytearray | None = None
+    pos = 0
+    for s, e, lname, _ in spans:  # (response_fields' choice of lines, written as it goes)
+        if lname in skip or lname in tokens or (limiting and lname[:12] == b"x-ratelimit-"):
+            if out is None:
+                out = bytearray(raw[:s])
+            else:
+                out += raw[pos:s]
+            if cl is not None and lname == b"content-length":
+                out += b"\r\nContent-Length: %d" % cl  # in its place, once, as the edge parsed it
+                cl = None
+            pos = e
+    if out is None:
+        out = bytearray(raw)
+    else:
+        out += raw[pos:]
+    out += CRLF
+    return out
+
+
+def request_head(
+    req, replaced: frozenset, underscores: bool, length: int | None, slow: bool = False
+) -> tuple[bytearray, int | None]:
+    """The request line (as HTTP/1.1) and request_fields() after it. A canonical HTTP/1.1 head with no line
+    to drop (the common one) is one copy of its received bytes: its first line is the request line the
+    edge would write (parse_request's fast path reads method, target and version from it as they are)."""
+    spans = getattr(req, "spans", None)
+    if (
+        spans is not None
+        and not slow
+        and req.version == b"HTTP/1.1"
+        and not req.conn_tokens
+        and (underscores or b"_" not in req.raw or UNDERSCORE_NAME.search(req.raw) is None)
+    ):
+        for _, _, lname, _ in spans:
+            if lname in replaced:
+                break
+        else:
+            out = bytearray(req.raw)
+            out += CRLF
+            return out, length
+    out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
+    fields, length = request_fields(req, replaced, underscores, length, slow)
+    out += fields
+    return out, length
 
 
 def request_fields(

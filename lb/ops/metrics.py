@@ -311,22 +311,39 @@ class Metrics:
             self.gauges[k] = self.gauges.get(k, 0) + delta
 
     def backend_done(self, backend: str, status: int, seconds: float, upstream: float | None = None) -> None:
-        # Once per proxied request: the four records' keys are made once per (backend, status class).
-        keys: tuple[tuple[str, tuple], ...] | None = self._done_keys.get((backend, status // 100))
-        if keys is None:
-            b = (("backend", backend),)
-            keys = self._done_keys[(backend, status // 100)] = (
+        # Once per proxied request: what it records into, made once per (backend, status class) -- the two
+        # counters' keys and the two histograms themselves (a histogram's list, once made, is never
+        # replaced) -- and the records written here, not through _inc and _observe.
+        rec = self._done_keys.get((backend, status // 100))
+        if rec is None:
+            rec = self._done_record(backend, status)
+        requests, responses, dur, up = rec
+        if upstream is None:
+            upstream = seconds
+        c = self.counters
+        with self.lock:
+            c[requests] = c.get(requests, 0) + 1
+            c[responses] = c.get(responses, 0) + 1
+            dur[0][bisect_left(BUCKETS, seconds)] += 1
+            dur[1] += seconds
+            dur[2] += 1
+            up[0][bisect_left(BUCKETS, upstream)] += 1
+            up[1] += upstream
+            up[2] += 1
+
+    def _done_record(self, backend: str, status: int) -> tuple:
+        """backend_done's (requests key, responses key, duration histogram, upstream histogram)."""
+        b = (("backend", backend),)
+        with self.lock:
+            hists = self.hists
+            rec = (
                 ("lb_requests_total", b),
                 ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
-                ("lb_upstream_duration_seconds", b),
-                _duration(status),
+                hists.setdefault(_duration(status), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
+                hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
             )
-        requests, responses, up, duration = keys
-        with self.lock:
-            self._inc(*requests)
-            self._inc(*responses)
-            self._observe(*duration, seconds)
-            self._observe(*up, seconds if upstream is None else upstream)
+        self._done_keys[(backend, status // 100)] = rec
+        return rec
 
     def upstream_error(self, backend: str, kind: str, status: int, seconds: float) -> None:
         with self.lock:

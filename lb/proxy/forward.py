@@ -59,7 +59,8 @@ class Forwarder:
             length = None if req.chunked else req.content_length
         else:
             length = len(body) if (req.chunked or req.content_length is not None) else None
-        policy = self.policy()
+        cfg = edge.cfg
+        policy = self._policy if self._policy_of is cfg else self.policy()
         budget = edge.retry_budget
         budget.start()
         t = None  # the tries so far (_Tries), made at the first failure

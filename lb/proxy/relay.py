@@ -46,11 +46,17 @@ class Relay:
             return self.relay_fields(x, rh, ur, uc, down, in_sync)
         req, backend = x.req, x.backend
         out, mode, client_keep = self.response_head(x, rh, in_sync)
-        if mode == "length" and rh.content_length <= SMALL_BODY:
+        n = rh.content_length
+        if mode == "length" and n <= SMALL_BODY:
             # Read a small body before anything goes to the client: if the backend fails now, the
             # client still gets a clean 502 rather than a truncated response.
             try:
-                out += ur.read_exact(rh.content_length)
+                buf = ur.buf
+                if len(buf) == n:  # (the common case: it came with the head; read_exact's copies spared)
+                    out += buf
+                    buf.clear()
+                else:
+                    out += ur.read_exact(n)
             except (socket.timeout, OSError, EOFError) as e:
                 backend.pool.release(uc, False)
                 kind = Failure.TIMEOUT if isinstance(e, socket.timeout) else Failure.RESET
@@ -61,8 +67,11 @@ class Relay:
         x.bytes_sent = len(out)
         c = None
         try:
-            if mode in ("none", "sent-with-head"):
-                send(sock, out)
+            if mode == "sent-with-head" or mode == "none":
+                try:
+                    sock.sendall(out)  # (framing.send, without the call: the client's failure is ClientGone)
+                except OSError:
+                    raise ClientGone() from None
                 upstream_ok = True
             else:
                 c, ur = self.client_side(sock, rh, ur, backend.url)
@@ -217,9 +226,14 @@ class Relay:
             )
             reusable = False
         elif reusable:
-            ack_now(uc.sock)
+            try:  # ack_now(uc.sock), without the call
+                uc.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            except OSError:
+                pass
         backend.pool.release(uc, reusable)
-        self.fw.observe(backend, rh.status < 500, rh.status_line)
+        ok = rh.status < 500
+        if not ok or backend.fail_run:  # (observe()'s own first test: a success after successes is nothing)
+            self.fw.observe(backend, ok, rh.status_line)
         now = monotonic()
         x.upstream_seconds = now - x.upstream_start
         if c is not None:

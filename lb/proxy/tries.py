@@ -20,7 +20,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from lb.errors import ClientGone, HttpError, PoolExhausted, UpstreamError
 from lb.http.framing import HOP_BY_HOP, REQUEST_NAMES, Reader, Request, parse_response
-from lb.http.plan import request_fields
+from lb.http.plan import request_head
 from lb.netaddr import hostport
 from lb.proxy.spool import SpooledBody
 from lb.upstream.backends import Backend
@@ -81,7 +81,6 @@ def upstream_head(
     so a client could slip its own beside the edge's. The edge itself never reads such a name as its
     dashed twin (parse_request matches exact names).
     """
-    out = bytearray(req.method + b" " + req.target + b" HTTP/1.1\r\n")
     replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
     if request_id is not None:
         replaced = replaced | _REQUEST_ID_HEADER
@@ -90,15 +89,24 @@ def upstream_head(
     if edit is not None:
         replaced = replaced | edit.drop
         slow = not edit.drop <= REQUEST_NAMES  # a removed name the parser does not locate
-    fields, length = request_fields(req, replaced, underscores, length, slow)  # (lb/http/plan.py; Connection's
-    out += fields  # tokens never name Host or the framing)
-    if not req.host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
+    # The request line and the client's fields (lb/http/plan.py; Connection's tokens never name Host or
+    # the framing), then the edge's own lines.
+    out, length = request_head(req, replaced, underscores, length, slow)
+    host = req.host
+    if not host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
         out += b"Host: " + hostport(backend.spec.host, backend.spec.port).encode() + b"\r\n"
-    out += b"X-Forwarded-For: " + (req.xff + b", " + peer if req.xff else peer) + b"\r\n"
+    out += b"X-Forwarded-For: "
+    if req.xff:
+        out += req.xff
+        out += b", "
+    out += peer
     if not (trusted and req.proto):
-        out += b"X-Forwarded-Proto: " + proto + b"\r\n"  # https when it came over our TLS
-    if req.host and not (trusted and req.fwd_host):
-        out += b"X-Forwarded-Host: " + req.host + b"\r\n"
+        out += b"\r\nX-Forwarded-Proto: "  # https when it came over our TLS
+        out += proto
+    if host and not (trusted and req.fwd_host):
+        out += b"\r\nX-Forwarded-Host: "
+        out += host
+    out += b"\r\n"
     if request_id is not None:
         out += b"X-Request-Id: " + request_id + b"\r\n"
     if req.client_cert is not None:
@@ -181,6 +189,8 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     req = x.req
     pool = backend.pool
     replayable = isinstance(body, (bytes, SpooledBody))
+    read_timeout = cfg.read_timeout
+    per_try = cfg.per_try_timeout
     conn = _acquire(pool)
     retried = False
     while True:
@@ -191,23 +201,26 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
                 conn.connect()
             up = conn.sock
             # One Reader per backend connection, kept with it: its timeout is set once, not per request.
-            ur = getattr(conn, "reader", None)
+            ur = conn.reader
             if ur is None or ur.sock is not up:
                 ur = conn.reader = Reader(up)
-            ur.apply(cfg.read_timeout)
+            if ur.applied != read_timeout:
+                ur.apply(read_timeout)
         except (OSError, Urllib3Error) as e:
             pool.release(conn, False)
             raise UpstreamFailed(*classify(e, reused)) from None  # nothing was sent: retryable
         try:
-            _send_request(up, head, body, replayable, req.chunked)
+            if type(body) is bytes:  # (_send_request's first case, without the call)
+                up.sendall(head + body if body else head)
+            else:
+                _send_request(up, head, body, replayable, req.chunked)
         except (HttpError, ClientGone):
             pool.release(conn, False)
             raise
         except OSError as e:
             send_err = e  # the backend stopped reading: it may have answered early (its 413)
         # After a failed send only an answer already there counts: read it without waiting long.
-        per_try = cfg.per_try_timeout
-        ur.timeout = (per_try if 0 < per_try < cfg.read_timeout else cfg.read_timeout) if send_err is None else 0.5
+        ur.timeout = (per_try if 0 < per_try < read_timeout else read_timeout) if send_err is None else 0.5
         # The whole response within response_timeout of the backend having the request (Envoy's route
         # timeout starts at the request's end): a slow upload or a delay-mode hold is not the backend's.
         ur.deadline = monotonic() + cfg.response_timeout
@@ -222,13 +235,13 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
             rh = parse_response(rhead)
             x.upstream_status = rh.status  # the access log's upstream_status
             if per_try:
-                ur.timeout = cfg.read_timeout  # the body's reads: the per-try bound is the head's
+                ur.timeout = read_timeout  # the body's reads: the per-try bound is the head's
         except HttpError as e:
             pool.release(conn, False)
             raise _head_refused(e) from None
         except (OSError, UpstreamError) as e:
             pool.release(conn, False)
-            f = _failed_before_head(send_err or e, send_err is not None, reused, per_try, cfg.read_timeout)
+            f = _failed_before_head(send_err or e, send_err is not None, reused, per_try, read_timeout)
             if f.kind is Failure.RESET and reused and not retried and replayable and req.method in IDEMPOTENT:
                 # A kept-alive connection the backend had already closed: nothing was processed.
                 # If the fresh connection cannot connect either, that is a connect failure like any

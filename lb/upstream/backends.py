@@ -51,9 +51,9 @@ def readable(conn, sock) -> bool:
     object kept with the connection: a third of a MSG_PEEK recv's CPU, which raises BlockingIOError
     in the common case. TLS: a record OpenSSL already decrypted is invisible to poll(), so pending()
     first; the raw socket shows the rest (a record not read yet, a close_notify, the FIN)."""
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+    if type(sock) is not socket.socket and isinstance(sock, ssl.SSLSocket) and sock.pending():
         return True
-    watch = conn.__dict__.get("watch")
+    watch = conn.watch
     if watch is None or watch[0] is not sock:
         poller = select.poll()
         poller.register(sock, select.POLLIN)
@@ -188,7 +188,7 @@ class BackendPool(urllib3.HTTPConnectionPool):
         self.url = f"{self.scheme}://{host}:{port}"  # make_backend sets the backend's own spelling
 
     def _get_conn(self, timeout=None):
-        # urllib3's _get_conn, with our own check of a pooled connection (below) and the idle expiry.
+        # urllib3's _get_conn, with our own check of a pooled connection (_checked) and the idle expiry.
         if self.pool is None:
             raise ClosedPoolError(self, "Pool is closed.")
         try:
@@ -201,6 +201,11 @@ class BackendPool(urllib3.HTTPConnectionPool):
             raise EmptyPoolError(
                 self, "Pool is empty and a new connection can't be opened due to blocking mode."
             ) from None
+        return self._checked(conn)
+
+    def _checked(self, conn):
+        """A slot taken from the pool, as a connection safe to use: new if the slot was empty, closed (so
+        the caller connects anew) if it was idle too long or has anything to read on it."""
         if conn is None:
             return self._new_conn()
         sock = conn.sock
@@ -222,6 +227,8 @@ class BackendPool(urllib3.HTTPConnectionPool):
     def _new_conn(self):
         conn = super()._new_conn()
         conn.slot_of = self  # release() gives the slot back here, even if a reload replaced this pool
+        conn.watch = None  # readable()'s poll object, made at the socket's first check
+        conn.reader = None  # the connection's Reader (lb/proxy/tries.py), made at its first try
         return conn
 
     def _put_conn(self, conn):
@@ -232,6 +239,14 @@ class BackendPool(urllib3.HTTPConnectionPool):
     def acquire(self):
         """A connection (connected or not: check .sock), never one with anything to read on it.
         Raises PoolExhausted."""
+        slots = self.pool
+        if slots is not None and not slots.waiting:
+            # LifoSlots.get's lock-free path (nobody waits: the last slot put back), without the layers of
+            # urllib3's _get_conn between; an empty list takes the general path, which queues.
+            try:
+                return self._checked(slots.items.pop())  # list.pop: atomic under the GIL
+            except IndexError:
+                pass
         try:
             return self._get_conn(timeout=self.pool_timeout)
         except EmptyPoolError:
@@ -247,9 +262,20 @@ class BackendPool(urllib3.HTTPConnectionPool):
         """Give the slot back; the socket is kept only when the exchange ended cleanly. The slot goes to
         the pool it came from: a reload may have given the backend a new pool since (the old one, closed,
         closes the connection; put in the new one, it would overfill it)."""
-        pool = getattr(conn, "slot_of", self)
+        pool = conn.slot_of
         if not (reusable and pool.reuse):
             conn.close()
+        slots = pool.pool
+        if slots is not None and len(slots.items) < slots.maxsize:
+            # urllib3's _put_conn without its layers: the slot straight back (to a waiter, if one waits).
+            # A put that finds it full after all (it cannot: a slot is taken before its put) goes the
+            # general way below, which closes it and says so.
+            conn.idle_since = monotonic()
+            try:
+                slots.put(conn)
+                return
+            except queue.Full:
+                pass
         pool._put_conn(conn)
 
 

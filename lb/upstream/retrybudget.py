@@ -27,7 +27,11 @@ class RetryBudget:
     def __init__(self, percent: float = 20.0, minimum: int = 10):
         self.percent = percent
         self.minimum = minimum
-        self.active = 0  # requests being forwarded
+        # Requests being forwarded, one item each (active: its length). Every request adds one and takes
+        # one away, so the count is kept without the lock: list.append and list.pop are each atomic under
+        # the GIL (and per-object locked without it), where `active += 1` is a read, an add and a write
+        # another thread can come between. The lock guards what is decided from the counts (try_retry).
+        self._active: list = []
         self.retrying = 0  # of which: holding a retry slot
         self.peak = 0  # the most retries ever in flight at once
         self.granted = 0
@@ -37,19 +41,23 @@ class RetryBudget:
     def configure(self, percent: float, minimum: int) -> None:
         self.percent, self.minimum = percent, minimum
 
+    @property
+    def active(self) -> int:
+        """Requests being forwarded."""
+        return len(self._active)
+
     def allowed(self) -> int:
         """Retries that may be in flight now."""
-        return max(self.minimum, int(self.active * self.percent / 100))
+        return max(self.minimum, int(len(self._active) * self.percent / 100))
 
     def start(self) -> None:
-        with self._lock:
-            self.active += 1
+        self._active.append(None)
 
     def end(self, held: bool) -> None:
         """The request is over; `held`: it had been granted a retry."""
-        with self._lock:
-            self.active -= 1
-            if held:
+        self._active.pop()
+        if held:
+            with self._lock:
                 self.retrying -= 1
 
     def give_back(self) -> None:
