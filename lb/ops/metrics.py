@@ -211,6 +211,21 @@ def _duration(status: int) -> tuple[str, tuple]:
     return _DURATION.get(status // 100) or ("lb_request_duration_seconds", (("code", f"{status // 100}xx"),))
 
 
+def _done_record(m: "Metrics", backend: str, status: int) -> tuple:
+    """Metrics.backend_done's (requests key, responses key, duration histogram, upstream histogram)."""
+    b = (("backend", backend),)
+    with m.lock:
+        hists = m.hists
+        rec = (
+            ("lb_requests_total", b),
+            ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
+            hists.setdefault(_duration(status), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
+            hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
+        )
+    m._done_keys[(backend, status // 100)] = rec
+    return rec
+
+
 class TopKeys:
     """The most rejected clients, by their log label (never a raw API key), for /status and the dashboard.
 
@@ -316,12 +331,14 @@ class Metrics:
         # replaced) -- and the records written here, not through _inc and _observe.
         rec = self._done_keys.get((backend, status // 100))
         if rec is None:
-            rec = self._done_record(backend, status)
+            rec = _done_record(self, backend, status)
         requests, responses, dur, up = rec
         if upstream is None:
             upstream = seconds
         c = self.counters
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # (acquire/release, not `with`: once per request, and `with` costs twice as much)
+        try:
             c[requests] = c.get(requests, 0) + 1
             c[responses] = c.get(responses, 0) + 1
             dur[0][bisect_left(BUCKETS, seconds)] += 1
@@ -330,20 +347,8 @@ class Metrics:
             up[0][bisect_left(BUCKETS, upstream)] += 1
             up[1] += upstream
             up[2] += 1
-
-    def _done_record(self, backend: str, status: int) -> tuple:
-        """backend_done's (requests key, responses key, duration histogram, upstream histogram)."""
-        b = (("backend", backend),)
-        with self.lock:
-            hists = self.hists
-            rec = (
-                ("lb_requests_total", b),
-                ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
-                hists.setdefault(_duration(status), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
-                hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
-            )
-        self._done_keys[(backend, status // 100)] = rec
-        return rec
+        finally:
+            lock.release()
 
     def upstream_error(self, backend: str, kind: str, status: int, seconds: float) -> None:
         with self.lock:

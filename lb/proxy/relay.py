@@ -324,8 +324,9 @@ def uncount(x) -> None:
     """The request no longer loads its backend: its in-flight count goes back, once."""
     b, x.counted = x.counted, None
     if b is not None:
-        with b.lock:
-            b.inflight -= 1
+        b.lock.acquire()  # (not `with`: half its cost; an int's decrement cannot raise)
+        b.inflight -= 1
+        b.lock.release()
 
 
 def ack_now(sock) -> None:

@@ -55,10 +55,16 @@ def readable(conn, sock) -> bool:
         return True
     watch = conn.watch
     if watch is None or watch[0] is not sock:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        watch = conn.watch = (sock, poller)
+        watch = _watch(conn, sock)
     return bool(watch[1].poll(0))
+
+
+def _watch(conn, sock) -> tuple:
+    """(sock, a poll object watching it for input), kept with the connection."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    watch = conn.watch = (sock, poller)
+    return watch
 
 
 def _sent_bytes(sock) -> bool:
@@ -102,15 +108,19 @@ class LifoSlots:
             raise queue.Full
         self.items.append(item)
         if self.waiting:
-            with self.lock:
-                if self.waiters:
-                    try:
-                        item = self.items.pop()
-                    except IndexError:  # a getter on the lock-free path took it between our looks
-                        return
-                    gate, box = self.waiters.popleft()
-                    box.append(item)
-                    gate.release()
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        """After a put's append, with callers waiting: the slot to the longest waiter."""
+        with self.lock:
+            if self.waiters:
+                try:
+                    item = self.items.pop()
+                except IndexError:  # a getter on the lock-free path took it between our looks
+                    return
+                gate, box = self.waiters.popleft()
+                box.append(item)
+                gate.release()
 
     def get(self, block: bool = True, timeout=None):
         if not self.waiting or not block:
@@ -212,7 +222,11 @@ class BackendPool(urllib3.HTTPConnectionPool):
         if sock is not None:
             if monotonic() - conn.idle_since > self.idle_timeout:
                 conn.close()
-            elif readable(conn, sock):
+            elif (
+                watch[1].poll(0)  # readable()'s common case inline: a plain socket whose poll object is made
+                if (watch := conn.watch) is not None and watch[0] is sock and type(sock) is socket.socket
+                else readable(conn, sock)
+            ):
                 # Anything on an idle connection is its close or bytes no request of ours asked for (a
                 # second response, a body after a HEAD or a 204, a Content-Length too short): read as
                 # the next response, it would answer the next user with another's. Never reused.
@@ -266,16 +280,17 @@ class BackendPool(urllib3.HTTPConnectionPool):
         if not (reusable and pool.reuse):
             conn.close()
         slots = pool.pool
-        if slots is not None and len(slots.items) < slots.maxsize:
-            # urllib3's _put_conn without its layers: the slot straight back (to a waiter, if one waits).
-            # A put that finds it full after all (it cannot: a slot is taken before its put) goes the
-            # general way below, which closes it and says so.
-            conn.idle_since = monotonic()
-            try:
-                slots.put(conn)
+        if slots is not None:
+            items = slots.items
+            if len(items) < slots.maxsize:
+                # LifoSlots.put without urllib3's _put_conn layers: appended first, then a look for
+                # waiters (that order is what leaves no slot unseen while someone waits). A full pool
+                # (it cannot be: a slot is taken before its put) goes urllib3's way below.
+                conn.idle_since = monotonic()
+                items.append(conn)
+                if slots.waiting:
+                    slots.hand_over()
                 return
-            except queue.Full:
-                pass
         pool._put_conn(conn)
 
 

@@ -104,7 +104,9 @@ class Balancer:
         """The next backend in configured order after the last one picked (weights ignored)."""
         if self.slow_start > 0:
             return self._smooth_weighted(exclude, unit=True)  # a ramp needs weights: all 1 here
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (as _smooth_weighted's)
+        try:
             bs = self.backends
             n = len(bs)
             for step in range(n):
@@ -113,6 +115,8 @@ class Balancer:
                     if turn:
                         self._cursor = (self._cursor + step + 1) % n
                     return b
+        finally:
+            lock.release()
         return None
 
     def _smooth_weighted(self, exclude, turn: bool = True, unit: bool = False) -> Backend | None:
@@ -121,7 +125,9 @@ class Balancer:
         """
         ramp = self.slow_start > 0
         now = self.clock() if ramp else 0.0
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (acquire/release, not `with`: once per request, and `with` costs twice as much)
+        try:
             best = None
             total: float = 0
             for b in self.backends:
@@ -137,6 +143,8 @@ class Balancer:
             if best is not None:
                 best.current -= total
             return best
+        finally:
+            lock.release()
 
     def _least_request(self, exclude, turn: bool = True) -> Backend | None:
         """Envoy's least-request. Equal weights: power of two random choices -- draw two, send to the one
