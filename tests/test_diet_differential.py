@@ -159,10 +159,27 @@ REQUESTS: list[tuple[str, bytes]] = [
 GROUPS: dict[str, list[str]] = {
     "plain": ["--retries", "0", "--access-log", "{log}", "--admin", "127.0.0.1:0"],
     "limit": ["--limit", "30/h", "--retries", "0", "--access-log", "{log}", "--admin", "127.0.0.1:0"],
+    "limit-keys": ["--limit", "4/h", "--retries", "0", "--access-log", "{log}", "--admin", "127.0.0.1:0"],
     "retries-rid": ["--retries", "2", "--request-id-response", "--access-log", "{log}"],
 }
 # The limit group sends each case three times as often as the limit allows in all: 429s and their fields.
 LIMIT_CASES = ["resp-cl", "resp-ratelimit", "req-fast-keepalive-eof", "req-pipelined", "req-post-chunked"] * 8
+# Keys and addresses (127.0.0.2 is another client): an unknown X-Api-Key is its own limit, whatever the
+# address; no key, the address's; a key too long, a 400. Each: (name, source address, client bytes).
+KEY_CASES = [
+    *[(f"key-k1-{i}", "127.0.0.1", _get("/a", H, "X-Api-Key: k1")) for i in range(3)],
+    *[(f"key-k1-other-ip-{i}", "127.0.0.2", _get("/a", H, "X-Api-Key: k1")) for i in range(3)],
+    *[
+        (f"key-k2-{i}", "127.0.0.2", _get("/a", H, "X-Api-Key: k2", close=False) + _get("/b", H, "X-Api-Key: k2"))
+        for i in range(2)
+    ],
+    *[(f"key-none-{i}", "127.0.0.2", _get("/a", H)) for i in range(5)],
+    *[(f"key-none-ip1-{i}", "127.0.0.1", _get("/a", H)) for i in range(5)],
+    ("key-too-long", "127.0.0.1", _get("/a", H, "X-Api-Key: " + "k" * 300)),
+    ("key-empty", "127.0.0.1", _get("/a", H, "X-Api-Key:")),
+    ("key-two", "127.0.0.1", _get("/a", H, "X-Api-Key: k3", "X-Api-Key: k4")),
+    *[(f"key-k1-again-{i}", "127.0.0.1", _get("/a", H, "X-Api-Key: k1")) for i in range(2)],
+]
 
 
 class ScriptedBackend(RawServer):
@@ -230,9 +247,9 @@ def mask(b: bytes) -> str:
     return b.decode("latin-1")
 
 
-def _exchange(port: int, data: bytes) -> bytes:
+def _exchange(port: int, data: bytes, source: str = "127.0.0.1") -> bytes:
     """Send, half-close (a keep-alive case ends at its EOF), read to the edge's close."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as s:
         s.sendall(data)
         try:
             s.shutdown(socket.SHUT_WR)
@@ -247,13 +264,16 @@ def _exchange(port: int, data: bytes) -> bytes:
         return out
 
 
-_LOG_TIME = re.compile(r"key=#[0-9a-f]+|\[[^\]]*\]|\d+\.\d+|\b\d{4}-\d\d-\d\dT[^ ]*|[0-9a-f]{16,}")
+_LOG_TIME = re.compile(r"\[[^\]]*\]|\d+\.\d+|\b\d{4}-\d\d-\d\dT[^ ]*|[0-9a-f]{16,}")
 
 
 def _log_lines(path: Path) -> list[str]:
     if not path.exists():
         return []
     text = re.sub(r"127\.0\.0\.1:\d+", "B", path.read_text(errors="replace"))
+    # A key's label is a keyed hash whose secret each process draws: numbered in order of appearance.
+    labels: dict[str, str] = {}
+    text = re.sub(r"#[0-9a-f]{12}\b", lambda m: labels.setdefault(m[0], f"#label{len(labels)}"), text)
     return [_LOG_TIME.sub("*", line) for line in text.splitlines()]
 
 
@@ -284,10 +304,15 @@ def run_group(cwd, group: str, tmp: Path) -> dict:
     edge = Edge("--backends", backends, *args, name=f"diet-{group}", cwd=cwd)
     out: dict = {"cases": []}
     try:
-        names = LIMIT_CASES if group == "limit" else [n for n, _ in REQUESTS]
-        table = dict(REQUESTS)
-        for name in names:
-            got = _exchange(edge.port, table[name])
+        table = {n: ("127.0.0.1", b) for n, b in REQUESTS}
+        if group == "limit":
+            cases = [(n, *table[n]) for n in LIMIT_CASES]
+        elif group == "limit-keys":
+            cases = KEY_CASES
+        else:
+            cases = [(n, *table[n]) for n, _ in REQUESTS]
+        for name, source, data in cases:
+            got = _exchange(edge.port, data, source)
             seen = [mask(b) for b in backend.take() if not b.startswith(b"GET /health ")]  # (probes: timing)
             out["cases"].append([name, mask(got), seen])
         metrics = _counters(edge.admin_port)
