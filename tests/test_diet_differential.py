@@ -160,6 +160,15 @@ GROUPS: dict[str, list[str]] = {
     "plain": ["--retries", "0", "--access-log", "{log}", "--admin", "127.0.0.1:0"],
     "limit": ["--limit", "30/h", "--retries", "0", "--access-log", "{log}", "--admin", "127.0.0.1:0"],
     "limit-keys": ["--limit", "4/h", "--retries", "0", "--access-log", "{log}", "--admin", "127.0.0.1:0"],
+    **{
+        f"limit-keys-{a}": ["--limit", "4/h", "--algorithm", a, "--access-log", "{log}", "--admin", "127.0.0.1:0"]
+        for a in ("fixed-window", "sliding-log", "sliding-counter")
+    },
+    # Not the one-limit configuration: overrides, an in-flight cap, another status (the limiter's long way).
+    "limit-keys-overrides": [
+        *("--limit", "4/h", "--key-limit", "key:k2=1/h", "--key-limit", "127.0.0.2=2/h", "--max-in-flight", "5"),
+        *("--limit-status", "503", "--access-log", "{log}", "--admin", "127.0.0.1:0"),
+    ],
     "retries-rid": ["--retries", "2", "--request-id-response", "--access-log", "{log}"],
 }
 # The limit group sends each case three times as often as the limit allows in all: 429s and their fields.
@@ -307,7 +316,7 @@ def run_group(cwd, group: str, tmp: Path) -> dict:
         table = {n: ("127.0.0.1", b) for n, b in REQUESTS}
         if group == "limit":
             cases = [(n, *table[n]) for n in LIMIT_CASES]
-        elif group == "limit-keys":
+        elif group.startswith("limit-keys"):
             cases = KEY_CASES
         else:
             cases = [(n, *table[n]) for n, _ in REQUESTS]
