@@ -98,7 +98,7 @@ def main() -> None:
         r.method, r.target, r.version = method, url, b"HTTP/" + version.encode()
         r.raw, r.spans = None, None
         r._headers = [(n, n.lower(), v) for n, v in fields]  # no spans: a relay rebuilds from these
-        r.keep_alive = framing._read_fields(r, [(ln, v) for _, ln, v in r._headers], version == "1.1")
+        r.keep_alive = framing._read_fields(r, [(0, 0, ln, v) for _, ln, v in r._headers], version == "1.1")
         return r
 
     def ht_request_strict():

@@ -5,6 +5,7 @@ runs), where bench/request_path.py's CPU time moves ±10% from minute to minute.
     python3 bench/request_instructions.py                                   # this checkout
     python3 bench/request_instructions.py --variant main=/tmp/edge-main --variant mine=.
     python3 bench/request_instructions.py --edge-arg=--limit=1000/s         # any edge flag, as request_path
+    python3 bench/request_instructions.py --no-limit                        # no rate-limit stage at all
 
 It runs bench/request_path.py's child (one thread, real sockets, the real path: Reader, parse, limit stage,
 balancer, pool, upstream head, parse_response, relay, metrics) under `valgrind --tool=callgrind` twice, with
@@ -30,12 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCHES = 6  # request_path's measure() runs six batches of n
 
 
-def instructions(checkout: Path, n: int, extra: list[str]) -> int:
+def instructions(checkout: Path, n: int, extra: list[str], limit: bool = True) -> int:
     """Instructions callgrind counted for one child run with batches of n requests."""
     with tempfile.TemporaryDirectory(prefix="callgrind-") as d:
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={d}/out", sys.executable,
                 "-m", "bench.request_path", "--child", str(checkout), "-n", str(n),
-                *(f"--edge-arg={x}" for x in extra)]
+                *(f"--edge-arg={x}" for x in extra), *([] if limit else ["--no-limit"])]
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
         m = re.search(r"Collected : (\d+)", r.stderr)
         if r.returncode or m is None:
@@ -43,8 +44,8 @@ def instructions(checkout: Path, n: int, extra: list[str]) -> int:
         return int(m.group(1))
 
 
-def per_request(checkout: Path, n: int, extra: list[str]) -> float:
-    return (instructions(checkout, 2 * n, extra) - instructions(checkout, n, extra)) / (BATCHES * n)
+def per_request(checkout: Path, n: int, extra: list[str], limit: bool = True) -> float:
+    return (instructions(checkout, 2 * n, extra, limit) - instructions(checkout, n, extra, limit)) / (BATCHES * n)
 
 
 def main() -> None:
@@ -52,13 +53,14 @@ def main() -> None:
     ap.add_argument("--variant", action="append", help="NAME=DIR (default: this checkout)")
     ap.add_argument("-n", type=int, default=300, help="requests per batch in the smaller run (default 300)")
     ap.add_argument("--edge-arg", action="append", default=[], help="an extra edge flag (repeatable)")
+    ap.add_argument("--no-limit", action="store_true", help="no rate limiting (default: request_path's --limit 1000000/s)")
     a = ap.parse_args()
     if not shutil.which("valgrind"):
         sys.exit("valgrind not found (apt-get install valgrind)")
     variants = [v.partition("=")[::2] for v in (a.variant or [f"this={ROOT}"])]
     got = {}
     for name, d in variants:
-        got[name] = per_request(Path(d).resolve(), a.n, a.edge_arg)
+        got[name] = per_request(Path(d).resolve(), a.n, a.edge_arg, not a.no_limit)
         print(f"{name}: {got[name]:,.0f} instructions/request", flush=True)
     first = got[variants[0][0]]
     print("\n| variant | instructions/request | vs first |\n|---|---:|---:|")

@@ -53,8 +53,9 @@ def _routes_config(port: int, n: int, hit: bool) -> str:
     return path
 
 
-def measure(n: int, extra: list[str], routes: int = 0, hit: bool = False) -> dict:
-    """In this process (the checkout on sys.path): µs per request, best of 5 batches of n."""
+def measure(n: int, extra: list[str], routes: int = 0, hit: bool = False, limit: bool = True) -> dict:
+    """In this process (the checkout on sys.path): µs per request, best of 5 batches of n.
+    limit: the rate-limit stage on (--limit 1000000/s, memory store), else no limiting at all."""
     try:
         from lb.config import load as config
         from lb.http.framing import Reader, parse_request
@@ -67,7 +68,8 @@ def measure(n: int, extra: list[str], routes: int = 0, hit: bool = False) -> dic
     backend = socket.create_server(("127.0.0.1", 0))
     port = backend.getsockname()[1]
     where = ["--config", _routes_config(port, routes, hit)] if routes else ["--backends", f"http://127.0.0.1:{port}"]
-    cfg = config.load(["--listen", "127.0.0.1:0", *where, "--limit", "1000000/s", "--health-interval", "3600", *extra])
+    limiting = ["--limit", "1000000/s"] if limit else []
+    cfg = config.load(["--listen", "127.0.0.1:0", *where, *limiting, "--health-interval", "3600", *extra])
     app = App(cfg)
     edge = app.edge
     cs, cp = socket.socketpair()           # the client connection: the edge's end, ours
@@ -122,13 +124,14 @@ def main() -> None:
     ap.add_argument("--edge-arg", action="append", default=[], help="an extra edge flag (repeatable)")
     ap.add_argument("--routes", type=int, default=0, help="[[routes]] the request is matched against (none matches)")
     ap.add_argument("--routes-hit", action="store_true", help="with --routes: the last route matches")
+    ap.add_argument("--no-limit", action="store_true", help="no rate limiting (default: --limit 1000000/s, memory)")
     a = ap.parse_args()
     if a.child:
         sys.path.insert(0, a.child)
         os.chdir(a.child)
         import logging
         logging.disable(logging.CRITICAL)
-        print(json.dumps(measure(a.n, a.edge_arg, a.routes, a.routes_hit)))
+        print(json.dumps(measure(a.n, a.edge_arg, a.routes, a.routes_hit, not a.no_limit)))
         return
     variants = [v.partition("=")[::2] for v in (a.variant or [f"this={Path.cwd()}"])]
     got: dict[str, list[float]] = {name: [] for name, _ in variants}
@@ -137,7 +140,8 @@ def main() -> None:
             d, _, routes = d.partition("@")
             out = subprocess.run([sys.executable, "-m", "bench.request_path", "--child", str(Path(d).resolve()),
                                   "-n", str(a.n), *sum((["--edge-arg", x] for x in a.edge_arg), []),
-                                  "--routes", routes or str(a.routes), *(["--routes-hit"] if a.routes_hit else [])],
+                                  "--routes", routes or str(a.routes), *(["--routes-hit"] if a.routes_hit else []),
+                                  *(["--no-limit"] if a.no_limit else [])],
                                  cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{name}: {out.stderr[-2000:]}")

@@ -241,6 +241,8 @@ class Reader:
         while a head is incomplete, on the bytes not yet checked: a head that arrives whole costs
         nothing more (the parsers check those)."""
         buf = self.buf
+        if not buf and not self.fill():  # (the usual start, a head not yet read: no pass over nothing)
+            return None
         scan = 0
         checked = 0
         while True:

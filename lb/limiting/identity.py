@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 
 from lb import netaddr
+from lb.limiting.keys import key_label
 
 MAX_KEY = 256
 
@@ -59,8 +60,6 @@ class Identifier:
             return "ip:" + ip
         if len(api_key) > MAX_KEY:
             raise ValueError(f"X-Api-Key longer than {MAX_KEY} bytes")
-        from lb.limiting.keys import key_label
-
         return key_label(api_key)
 
 

@@ -52,8 +52,19 @@ def draw_label_secret() -> bytes:
 
 
 def key_label(api_key: bytes) -> str:
-    """How an API key that is not a known key's appears in logs and metrics: never the key itself."""
-    return "key:#" + hashlib.blake2b(api_key, key=_label_secret or draw_label_secret(), digest_size=6).hexdigest()
+    """How an API key that is not a known key's appears in logs and metrics: never the key itself.
+    A keyed hash, computed once per key rather than per request (the cache is bounded: emptied when full)."""
+    label = _labels.get(api_key)
+    if label is None:
+        if len(_labels) >= _LABELS_MAX:
+            _labels.clear()  # a key-rotating client costs a hash per key, as without the cache
+        secret = _label_secret or draw_label_secret()
+        label = _labels[api_key] = "key:#" + hashlib.blake2b(api_key, key=secret, digest_size=6).hexdigest()
+    return label
+
+
+_labels: dict[bytes, str] = {}
+_LABELS_MAX = 4096
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from lb.limiting.identity import MAX_KEY, ip_key, kind_name
 from lb.limiting.keys import KeyRegistry, KeySpec, key_label
 from lb.limiting.limiters import Limiters
 from lb.limiting.rules import BUILTIN, Matcher, normalize_path
+from limiter.algorithms import Decision
 from limiter.compose import allow_all
 from limiter.shaping import Delayed
 
@@ -71,6 +72,28 @@ class Verdict:
         self.delay = 0.0  # admitted, to be held this long first (delay mode)
         self.slots: list | None = None  # in-flight slots taken: [(table, slot)], given back by release()
         self.admitted = ()  # names of the rules that applied to an admitted request
+
+
+class Admitted:
+    """The common verdict, built for the common configuration (LimitStage.only): admitted by the one
+    limit, nothing held, no failure policy. It answers as a Verdict would; the pipeline knows it by its
+    type and reads only label and headers."""
+
+    __slots__ = ("label", "headers")
+    status = 0
+    reason = ""
+    key_name = None
+    limited_by = ""
+    rejected: tuple[str, ...] = ()
+    dry: tuple[str, ...] = ()
+    degraded = False
+    exempt = False
+    delay = 0.0
+    slots = None
+    admitted = (BUILTIN,)
+
+    def __init__(self, label: str, headers: bytes):
+        self.label, self.headers = label, headers
 
 
 def release(slots) -> None:
@@ -197,6 +220,10 @@ class LimitStage:
         self.status_code = status
         self.ietf = ietf_headers
         self.limiters = made.cache
+        # The common configuration, one limit for every client and nothing else to decide (no override,
+        # known key, exempt entry, rule, in-flight cap or IETF header): check() takes its short way.
+        plain = not (self.overrides or keys or exempt or self.rules or self.inflight or ietf_headers)
+        self.only = self.default if plain else None
 
     @property
     def declared(self) -> list[tuple[str, bool]]:
@@ -242,8 +269,29 @@ class LimitStage:
         ident = ip_key(ip, self.ipv6_prefix)  # an unknown key is no key at all: limited by its IP
         return ident, ident, None
 
-    def check(self, req, ip: str, now: float | None = None, route: str | None = None) -> Verdict:
-        """route: the name of the [[routes]] table the request matched (a rule's match.route), or None."""
+    def check(self, req, ip: str, now: float | None = None, route: str | None = None) -> Verdict | Admitted:
+        """route: the name of the [[routes]] table the request matched (a rule's match.route), or None.
+        An Admitted when the one limit of the common configuration admits it (the same answer a Verdict
+        would give, without building one)."""
+        lim = self.only
+        if lim is None:
+            return self._check(req, ip, now, route)
+        api_key = req.api_key
+        if api_key is None:
+            ident = label = ip_key(ip, self.ipv6_prefix)
+        else:
+            seen = _unregistered.get(api_key)
+            if seen is None:  # a key's first request (or one too long): its identity made the long way
+                return self._check(req, ip, now, route)
+            ident, label, _ = seen
+        d = lim.allow(ident) if now is None else lim.allow(ident, now)
+        if type(d) is Decision and d[0]:  # admitted, not held, no failure policy: nothing else to say
+            return Admitted(label, headers(d))
+        v = Verdict(label)
+        _decide_one(v, d, [BUILTIN], self.status_code)
+        return v
+
+    def _check(self, req, ip: str, now: float | None, route: str | None) -> Verdict:
         try:
             ident, label, known = self.identify(req.api_key, ip)
         except ValueError as e:
@@ -323,21 +371,7 @@ class LimitStage:
         if len(checks) == 1 and checks[0][2] and not self.ietf:
             # The common case, one enforcing limit: what _verdict decides for it, without its lists.
             lim, key, _ = checks[0]
-            d = lim.allow(key) if now is None else lim.allow(key, now)
-            v.headers = headers(d)
-            if getattr(d, "degraded", False):  # a store's failure policy decided (fail-open admits)
-                v.degraded = True
-            if d.allowed:
-                v.admitted = rules
-                if type(d) is Delayed:
-                    v.delay = d.delay
-                return
-            v.rejected, v.limited_by = (rules[0],), rules[0]
-            v.status, v.reason = (
-                (503, "rate limiter unavailable")
-                if getattr(d, "unavailable", False)
-                else (self.status_code, "rate limit exceeded")
-            )
+            _decide_one(v, lim.allow(key) if now is None else lim.allow(key, now), rules, self.status_code)
             return
         admitted, decisions = allow_all(checks, now)  # now=None: the store reads its clock (under its lock)
         self._verdict(v, admitted, checks, rules, decisions)
@@ -425,6 +459,22 @@ class LimitStage:
         )
         state = ", ".join(f'"{name}";r={d.remaining};t={max(0, math.ceil(d.reset))}' for _, name, _, d in items)
         return b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (policy.encode(), state.encode())
+
+
+def _decide_one(v: Verdict, d, rules, status_code: int) -> None:
+    """v from the decision d of the one enforcing limit that applied (rules: its name)."""
+    v.headers = headers(d)
+    if getattr(d, "degraded", False):  # a store's failure policy decided (fail-open admits)
+        v.degraded = True
+    if d.allowed:
+        v.admitted = rules
+        if type(d) is Delayed:
+            v.delay = d.delay
+        return
+    v.rejected, v.limited_by = (rules[0],), rules[0]
+    v.status, v.reason = (
+        (503, "rate limiter unavailable") if getattr(d, "unavailable", False) else (status_code, "rate limit exceeded")
+    )
 
 
 # An unregistered X-Api-Key's identity and log label, by key: the label is a keyed hash, computed once

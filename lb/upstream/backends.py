@@ -258,9 +258,11 @@ class BackendPool(urllib3.HTTPConnectionPool):
             # LifoSlots.get's lock-free path (nobody waits: the last slot put back), without the layers of
             # urllib3's _get_conn between; an empty list takes the general path, which queues.
             try:
-                return self._checked(slots.items.pop())  # list.pop: atomic under the GIL
+                conn = slots.items.pop()  # list.pop: atomic under the GIL
             except IndexError:
                 pass
+            else:
+                return self._checked(conn)
         try:
             return self._get_conn(timeout=self.pool_timeout)
         except EmptyPoolError:
