@@ -2,7 +2,8 @@
 checkout and one from this tree, each a real process, and what the client and the backend receive
 compared byte for byte (with the access log's lines and /metrics' counters after the same sequence).
 
-The reference is /tmp/edge-main or $EDGE_REFERENCE_DIR (a checkout of main before the diet). Without one
+The reference is $EDGE_REFERENCE_DIR or /tmp/edge-main: a checkout of main before the diet, best the
+commit the tree was made from (`git worktree add --detach /tmp/base <it>`). Without one
 (CI, or EDGE_REFERENCE_DIR=-) the tree is compared against the bytes recorded from main in tests/data/diet_differential.json;
 EDGE_DIET_RECORD=1 with a reference rewrites that file. Masked: only what must differ between two runs
 (Date, request ids, times, the rate limiter's seconds-until-reset).
@@ -152,6 +153,9 @@ REQUESTS: list[tuple[str, bytes]] = [
     ("req-leading-crlf", b"\r\n" + _get("/a", H)),
     ("req-cookie-api-key", _get("/a", H, "Cookie: a=1", "Cookie: b=2", "X-Api-Key: k1")),
     ("req-upgrade", _get("/a", H, "Upgrade: websocket", "Connection: Upgrade", close=False)),
+    ("req-route-edit", _get("/r/cl", H, "Cookie: a=1", "X-Remove-Me: 1", "X-Dup: c", "X-Keep: 1")),
+    ("req-route-edit-slow", _get("/r/cl-slow", H, "cookie:a=1", "x-remove-me:  1", "X-Keep: 1")),
+    ("req-route-edit-lower", _get("/r/cl-lower", H, "x-dup: c", "x-remove-me: 1")),
     ("req-head-then-get", _get("/r/head", H, method="HEAD", close=False) + _get("/p2", H)),
 ]
 
@@ -169,8 +173,23 @@ GROUPS: dict[str, list[str]] = {
         *("--limit", "4/h", "--key-limit", "key:k2=1/h", "--key-limit", "127.0.0.2=2/h", "--max-in-flight", "5"),
         *("--limit-status", "503", "--access-log", "{log}", "--admin", "127.0.0.1:0"),
     ],
+    # A route's header edits (request: set and remove; response: set and remove): the plan's slow way.
+    "routes": ["--config", "{conf}", "--retries", "0", "--access-log", "{log}", "--admin", "127.0.0.1:0"],
     "retries-rid": ["--retries", "2", "--request-id-response", "--access-log", "{log}"],
 }
+ROUTES = """
+[[routes]]
+name = "edit"
+match = { path_prefix = "/r/" }
+pool = "default"
+request_headers = { set = { "X-Seen-Host" = "$host", "X-Dup" = "s" }, remove = ["Cookie", "X-Remove-Me"] }
+response_headers = { set = { "X-Added" = "1" }, remove = ["X-Thing", "Set-Cookie", "X-A"] }
+
+[[routes]]
+name = "rest"
+match = { path_prefix = "/" }
+pool = "default"
+"""
 # The limit group sends each case three times as often as the limit allows in all: 429s and their fields.
 LIMIT_CASES = ["resp-cl", "resp-ratelimit", "req-fast-keepalive-eof", "req-pipelined", "req-post-chunked"] * 8
 # Keys and addresses (127.0.0.2 is another client): an unknown X-Api-Key is its own limit, whatever the
@@ -283,6 +302,8 @@ def _log_lines(path: Path) -> list[str]:
     # A key's label is a keyed hash whose secret each process draws: numbered in order of appearance.
     labels: dict[str, str] = {}
     text = re.sub(r"#[0-9a-f]{12}\b", lambda m: labels.setdefault(m[0], f"#label{len(labels)}"), text)
+    # route=NAME: newer than /tmp/edge-main's copy of main (the route edits show in the backend's bytes).
+    text = re.sub(r" route=\S+", "", text)
     return [_LOG_TIME.sub("*", line) for line in text.splitlines()]
 
 
@@ -308,7 +329,9 @@ def run_group(cwd, group: str, tmp: Path) -> dict:
     backend = ScriptedBackend()
     dead = f"http://127.0.0.1:{free_port()}"
     log = tmp / f"{group}-{abs(hash(str(cwd)))}.log"
-    args = [a.replace("{log}", str(log)) for a in GROUPS[group]]
+    conf = tmp / f"{group}-{abs(hash(str(cwd)))}.toml"
+    conf.write_text(ROUTES)
+    args = [a.replace("{log}", str(log)).replace("{conf}", str(conf)) for a in GROUPS[group]]
     backends = backend.url + ("," + dead if group == "retries-rid" else "")
     edge = Edge("--backends", backends, *args, name=f"diet-{group}", cwd=cwd)
     out: dict = {"cases": []}
