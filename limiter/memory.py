@@ -103,7 +103,8 @@ class MemoryStore:
 
     def allow(self, key, now: float | None = None):
         lock = self._locks[hash(key) & self._mask]
-        with lock:
+        lock.acquire()  # (acquire/release rather than `with`: half the cost, on every request)
+        try:
             if now is None:
                 now = self._clock()  # under the key's lock: decisions for a key in the order of their instants
             states = self._states
@@ -114,6 +115,8 @@ class MemoryStore:
                     states[key] = new
                 return decision
             return self._insert(key, now, lock)
+        finally:
+            lock.release()
 
     def peek(self, key, now: float | None = None):
         """(held, Decision): what allow(key, now) would answer, without changing the key's state (the

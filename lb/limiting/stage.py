@@ -500,12 +500,14 @@ class _Lazy:
 
 def headers(d) -> bytes:
     """X-RateLimit-* for any response; Retry-After too when the request was rejected."""
-    reset = max(0, math.ceil(d.reset))
+    # (conditionals, not max(): on every response, and the builtin's call costs more than the rest)
+    reset = math.ceil(d.reset)
     out = b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n" % (
         d.limit,
         d.remaining,
-        reset,
+        reset if reset > 0 else 0,
     )
     if not d.allowed:
-        out += b"Retry-After: %d\r\n" % max(1, math.ceil(d.retry_after))
+        retry = math.ceil(d.retry_after)
+        out += b"Retry-After: %d\r\n" % (retry if retry > 1 else 1)
     return out

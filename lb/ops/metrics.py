@@ -376,8 +376,12 @@ class Metrics:
     def answered(self, version: bytes) -> None:
         """A request's outcome is known (Edge.record): counted by the protocol the client spoke."""
         k = _PROTOCOL.get(version) or _PROTOCOL[b"HTTP/1.1"]
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # (acquire/release rather than `with`: half the cost, once per request)
+        try:
             self.counters[k] += 1
+        finally:
+            lock.release()
 
     def tunnel_opened(self) -> None:
         with self.lock:
@@ -481,13 +485,17 @@ class Metrics:
     def admitted(self, rules) -> None:
         """The common case of limit_outcome: an admitted request, the rules that applied to it."""
         keys = self._admitted_keys
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # (as in answered)
+        try:
             c = self.counters
             for n in rules:
                 k = keys.get(n)
                 if k is None:
                     k = keys[n] = ("lb_rate_limit_admitted_total", (("rule", n),))
                 c[k] = c.get(k, 0) + 1
+        finally:
+            lock.release()
 
     def limit_outcome(self, rejected, dry, exempt: bool, admitted=(), label: str | None = None) -> None:
         """Rules that rejected a request, dry-run rules that would have, or an exempt client; admitted:
