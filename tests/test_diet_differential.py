@@ -2,9 +2,8 @@
 checkout and one from this tree, each a real process, and what the client and the backend receive
 compared byte for byte (with the access log's lines and /metrics' counters after the same sequence).
 
-The reference is $EDGE_REFERENCE_DIR or /tmp/edge-main: a checkout of main before the diet, best the
-commit the tree was made from (`git worktree add --detach /tmp/base <it>`). Without one
-(CI, or EDGE_REFERENCE_DIR=-) the tree is compared against the bytes recorded from main in tests/data/diet_differential.json;
+The reference is $EDGE_REFERENCE_DIR: a checkout of main before the diet, best the commit the tree was
+made from (`git worktree add --detach /tmp/base <it>`). Without one (CI, or EDGE_REFERENCE_DIR=-) the tree is compared against the bytes recorded from main in tests/data/diet_differential.json;
 EDGE_DIET_RECORD=1 with a reference rewrites that file. Masked: only what must differ between two runs
 (Date, request ids, times, the rate limiter's seconds-until-reset).
 """
@@ -25,10 +24,8 @@ from tests.support import Edge, free_port, raw
 pytestmark = pytest.mark.integration
 
 DATA = Path(__file__).parent / "data" / "diet_differential.json"
-# EDGE_REFERENCE_DIR=- : compare with the recorded bytes even where /tmp/edge-main exists (CI's form).
-REFERENCE = os.environ.get("EDGE_REFERENCE_DIR") or (
-    "/tmp/edge-main" if Path("/tmp/edge-main/edge.py").exists() else ""
-)
+# Only a reference named on purpose: a stray checkout left in /tmp is no reference (its age is unknown).
+REFERENCE = os.environ.get("EDGE_REFERENCE_DIR", "")
 REFERENCE = "" if REFERENCE == "-" else REFERENCE
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
