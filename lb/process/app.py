@@ -330,19 +330,11 @@ class App:
         listener on the port), and after a --takeover the other edge serves on. Each is served like any
         other (one request, Connection: close)."""
         sock = self.server.socket
-        n = 0
         try:
             sock.setblocking(False)
-            while True:
-                try:
-                    conn, addr = sock.accept()
-                except (BlockingIOError, InterruptedError):
-                    return n
-                conn.setblocking(True)
-                self.server.process_request(conn, addr)
-                n += 1
+            return handover.take_queued(self.server, sock)
         except OSError:
-            return n
+            return 0  # (the count only feeds a log line)
 
     # -- serving and stopping ----------------------------------------------------------------------
 

@@ -91,15 +91,7 @@ class Extra:
                 time.sleep(0.1)  # out of descriptors, say: they wait in the queue, as on the server's own
 
     def _take(self, sock: socket.socket) -> int:
-        n = 0
-        while True:
-            try:
-                conn, addr = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return n
-            conn.setblocking(True)
-            self.server.process_request(conn, addr)
-            n += 1
+        return take_queued(self.server, sock)
 
     def stop(self) -> int:
         """The connections queued on them, taken; the listeners closed. How many were taken."""
@@ -114,6 +106,20 @@ class Extra:
                 pass
             x.close()
         return n
+
+
+def take_queued(server, sock: socket.socket) -> int:
+    """Accept every connection waiting in a non-blocking listener's queue, each served by the server like its
+    own; how many. An error other than an empty queue (out of descriptors, say) is the caller's."""
+    n = 0
+    while True:
+        try:
+            conn, addr = sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return n
+        conn.setblocking(True)
+        server.process_request(conn, addr)
+        n += 1
 
 
 def runtime_dir() -> str:
