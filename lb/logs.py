@@ -180,9 +180,13 @@ class ClientFaults:
 
 
 def _timer(delay: float, fn) -> None:
-    t = threading.Timer(delay, fn)
-    t.daemon = True
-    t.start()
+    # Not threading.Timer: a thread made without daemon= asks threading for its maker's Thread, and a
+    # connection thread (started by _thread: lb/proxy/edge.py) would then be registered there for good.
+    def later() -> None:
+        time.sleep(delay)
+        fn()
+
+    threading.Thread(target=later, name="client-faults", daemon=True).start()
 
 
 # The edge's client-caused lines (lb/proxy/edge.py, lb/proxy/forward.py): one window for all of them.

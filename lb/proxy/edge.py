@@ -11,6 +11,7 @@ the bytes on them are ours (lb/http/framing.py), so nothing is added or reordere
 
 from __future__ import annotations
 
+import _thread
 import errno
 import logging
 import socket
@@ -61,7 +62,8 @@ def _set_thread_stack(size: int) -> None:
 
 
 class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing.
+    """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing,
+    the threads started by _thread so that the accept loop never waits for one to run (process_request).
 
     Concurrent connections are capped. At the cap a new connection closes the longest-idle keep-alive
     one (between requests: nginx's "reusing connections") and takes its place; only when none is idle
@@ -85,6 +87,9 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.evicted: set = set()
         self.address_family = netaddr.family(addr[0])
         self._fd_warned = 0.0
+        # threading knows no thread that _thread started (process_request) and would register one for good
+        # the first time it is asked for it by name: logging asks for every record, unless told not to.
+        logging.logThreads = False
         n = getattr(edge.cfg, "running_threads", 0)
         gate.install(gate.Gate(n) if n > 0 else None)
         _set_thread_stack(getattr(edge.cfg, "thread_stack", 0))
@@ -133,9 +138,12 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 pass
             request.close()
             return
-        # A thread that cannot start raises here, and socketserver then calls shutdown_request(), which
-        # takes the connection off the count: once, there.
-        super().process_request(request, client_address)
+        # The connection's thread is started without waiting for it to run: threading.Thread.start()
+        # waits for the new thread's bootstrap, which queues for the GIL behind every busy connection, and
+        # at -c512 the accept loop took 1-2 s to start 512 threads (their first answers waited as long).
+        # A thread that cannot start raises here ("can't start new thread"), and socketserver then calls
+        # shutdown_request(), which takes the connection off the count: once, there.
+        _thread.start_new_thread(self.process_request_thread, (request, client_address))
 
     def finish_request(self, request, client_address):
         g = gate.current  # at most --running-threads connection threads at work at once (lb/http/gate.py)
