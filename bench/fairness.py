@@ -6,6 +6,7 @@ request. Repeats interleave the variants.
 
     python3 bench/fairness.py --variant main=/work/main --variant new=. --repeats 2
     python3 bench/fairness.py --variant new=. --connections 32,512,1024 --duration 8s
+    python3 bench/fairness.py --variant main=/work/main --variant new=. --connections 8,32 --close
 
 The goals (issue 31): at -c512 and -c1024 no request over 1 s, p99 at most 3x its -c32 value, and
 req/s at -c512 at least 0.8x that at -c32.
@@ -37,10 +38,11 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
-def wrk(url: str, connections: int, seconds: float, timeout: float = 5.0) -> dict:
-    """One closed-loop wrk run (keyed, never limited: wrk/keyed.lua)."""
+def wrk(url: str, connections: int, seconds: float, timeout: float = 5.0, close: bool = False) -> dict:
+    """One closed-loop wrk run (keyed, never limited: wrk/keyed.lua); `close`: a new connection per request."""
     out = subprocess.run(["wrk", "-t2" if connections > 64 else "-t1", f"-c{connections}", f"-d{seconds:g}s",
-                          "--latency", f"--timeout={timeout:g}s", "-s", "wrk/keyed.lua", url],
+                          "--latency", f"--timeout={timeout:g}s", "-s", "wrk/keyed.lua",
+                          *(["-H", "Connection: close"] if close else []), url],
                          capture_output=True, text=True, timeout=seconds + 60,
                          env={**os.environ, "WRK_API_KEY": "bench-unlimited"},
                          cwd=Path(__file__).resolve().parent.parent).stdout
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--connections", default="32,512,1024")
     ap.add_argument("--duration", type=parse_duration, default=8.0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--close", action="store_true",
+                    help="every request on a new connection (Connection: close): what a connection costs")
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=False,
                     help="also nginx as a reverse proxy in the edge's place")
     a = ap.parse_args()
@@ -85,7 +89,7 @@ def main() -> None:
                     for v in variants:
                         time.sleep(3)       # the last row's connections end (else they count against -c1024's)
                         c0 = cpu_seconds(v.pid)
-                        r = wrk(v.url, c, a.duration)
+                        r = wrk(v.url, c, a.duration, close=a.close)
                         r["cpu_us"] = 1e6 * (cpu_seconds(v.pid) - c0) / max(1, r["total"])
                         rows.setdefault((v.name, c), []).append(r)
                         print(f"r{rep} -c{c} {v.name}: {r['rps']:,.0f} req/s, p50 {r['p50']:.1f} p99 {r['p99']:.1f} "
