@@ -1,5 +1,6 @@
-"""The connection threads EdgeServer starts with _thread (not threading.Thread, whose start() waits for
-the new thread to run): what threading would otherwise keep of each, and the count of connections. The
+"""The connection threads EdgeServer keeps parked or starts with _thread (not threading.Thread, whose
+start() waits for the new thread to run): what threading would otherwise keep of each, the cache's bound
+and the count of connections. The
 edge runs in this process (as bench/request_path.py runs it) so that threading's own table can be read;
 its sockets and backend are real."""
 
@@ -77,3 +78,6 @@ def test_many_connections_at_once_are_each_served_and_counted_off(app):
         for s in socks:
             s.close()
     wait_until(lambda: app.server.active == 0, timeout=5, what="the count back to 0")
+    # 64 threads were running: as many as the cache keeps (--thread-cache, 32 by default) park, the rest end
+    wait_until(lambda: len(app.server.threads.parked) == app.edge.cfg.thread_cache == 32, timeout=5,
+               what="32 threads parked")

@@ -167,6 +167,7 @@ def retune(app, new: Config) -> None:
     app.ejector.configure(new.eject_after, new.eject_for, new.max_ejected_percent)
     app.retry_budget.configure(new.retry_budget_percent, new.retry_budget_min)
     app.breaker.configure(new.max_requests, new.max_pending)
+    app.server.threads.resize(new.thread_cache)
 
 
 def swap_in(app, new: Config, fresh: Fresh, matched: Matched):

@@ -11,7 +11,6 @@ the bytes on them are ours (lb/http/framing.py), so nothing is added or reordere
 
 from __future__ import annotations
 
-import _thread
 import errno
 import logging
 import socket
@@ -37,6 +36,7 @@ from lb.proxy.forward import Forwarder
 from lb.proxy.h2stream import StreamDownstream
 from lb.proxy.pipeline import Pipeline, new_request_id
 from lb.proxy.spool import Budget
+from lb.proxy.threadcache import ThreadCache
 from lb.upstream.breaker import Breaker
 from lb.upstream.outlier import Ejector
 from lb.upstream.pools import Pool
@@ -46,6 +46,9 @@ log = logging.getLogger("edge")
 
 ACCEPT_BACKOFF = 0.1  # seconds between accepts while out of descriptors or memory
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+# Every connection's thread, in one cache per process: a reload's new configuration resizes it.
+connection_threads = ThreadCache()
 
 
 # ------------------------------------------------------------------------------------------- server
@@ -63,7 +66,7 @@ def _set_thread_stack(size: int) -> None:
 
 class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     """ThreadingHTTPServer's model (thread per connection, daemon threads) without http.server's parsing,
-    the threads started by _thread so that the accept loop never waits for one to run (process_request).
+    the threads kept for the next connection when theirs ends and started by _thread (connection_threads).
 
     Concurrent connections are capped. At the cap a new connection closes the longest-idle keep-alive
     one (between requests: nginx's "reusing connections") and takes its place; only when none is idle
@@ -87,9 +90,12 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.evicted: set = set()
         self.address_family = netaddr.family(addr[0])
         self._fd_warned = 0.0
-        # threading knows no thread that _thread started (process_request) and would register one for good
-        # the first time it is asked for it by name: logging asks for every record, unless told not to.
+        # threading knows no thread that _thread started (connection_threads) and would register one for
+        # good the first time it is asked for its Thread object: logging asks for every record, unless told
+        # not to, and so does a Thread made without daemon= (pass it, always, in code connections run).
         logging.logThreads = False
+        self.threads = connection_threads
+        self.threads.resize(getattr(edge.cfg, "thread_cache", 0))
         n = getattr(edge.cfg, "running_threads", 0)
         gate.install(gate.Gate(n) if n > 0 else None)
         _set_thread_stack(getattr(edge.cfg, "thread_stack", 0))
@@ -138,12 +144,10 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 pass
             request.close()
             return
-        # The connection's thread is started without waiting for it to run: threading.Thread.start()
-        # waits for the new thread's bootstrap, which queues for the GIL behind every busy connection, and
-        # at -c512 the accept loop took 1-2 s to start 512 threads (their first answers waited as long).
-        # A thread that cannot start raises here ("can't start new thread"), and socketserver then calls
-        # shutdown_request(), which takes the connection off the count: once, there.
-        _thread.start_new_thread(self.process_request_thread, (request, client_address))
+        # A parked thread, or a new one not waited for (lb/proxy/threadcache.py). A thread that cannot start
+        # raises here ("can't start new thread"), and socketserver then calls shutdown_request(), which
+        # takes the connection off the count: once, there.
+        self.threads.run(self.process_request_thread, request, client_address)
 
     def finish_request(self, request, client_address):
         g = gate.current  # at most --running-threads connection threads at work at once (lb/http/gate.py)

@@ -1,0 +1,111 @@
+"""lb/proxy/threadcache.py: connection threads parked for the next connection, at most `size` of them."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+
+from lb.proxy.threadcache import ThreadCache
+from tests.support import wait_until
+
+
+class Jobs:
+    """Each job records the thread it ran on, then waits for its release (a connection in progress)."""
+
+    def __init__(self):
+        self.ran: list[int] = []
+        self.go = threading.Semaphore(0)
+        self.lock = threading.Lock()
+
+    def job(self, tag):
+        with self.lock:
+            self.ran.append(_thread.get_ident())
+        self.go.acquire()
+
+
+def _parked(cache, n):
+    wait_until(lambda: len(cache.parked) == n, timeout=5, what=f"{n} threads parked")
+
+
+def test_a_thread_whose_job_ended_parks_and_takes_the_next_one():
+    cache, jobs = ThreadCache(4), Jobs()
+    cache.run(jobs.job, "a")
+    jobs.go.release()
+    _parked(cache, 1)
+    cache.run(jobs.job, "b")
+    assert cache.parked == []
+    wait_until(lambda: len(jobs.ran) == 2, timeout=5, what="the second job ran")
+    assert jobs.ran[0] == jobs.ran[1], "the parked thread took it"
+    jobs.go.release()
+    _parked(cache, 1)
+
+
+def test_at_most_size_park_and_the_rest_end():
+    cache, jobs = ThreadCache(2), Jobs()
+    before = len(os.listdir("/proc/self/task"))
+    for i in range(6):
+        cache.run(jobs.job, i)
+    wait_until(lambda: len(jobs.ran) == 6, timeout=5, what="six jobs running")
+    assert len(set(jobs.ran)) == 6, "six at once: six threads"
+    for _ in range(6):
+        jobs.go.release()
+    _parked(cache, 2)
+    wait_until(lambda: len(os.listdir("/proc/self/task")) == before + 2, timeout=5, what="four threads ended")
+
+
+def test_resize_ends_the_parked_threads_beyond_it_and_zero_keeps_none():
+    cache, jobs = ThreadCache(3), Jobs()
+    before = len(os.listdir("/proc/self/task"))
+    for i in range(3):
+        cache.run(jobs.job, i)
+    for _ in range(3):
+        jobs.go.release()
+    _parked(cache, 3)
+    cache.resize(1)
+    assert len(cache.parked) == 1
+    wait_until(lambda: len(os.listdir("/proc/self/task")) == before + 1, timeout=5, what="two parked threads ended")
+    cache.resize(0)
+    wait_until(lambda: len(os.listdir("/proc/self/task")) == before, timeout=5, what="none kept")
+    cache.run(jobs.job, "after")        # none parked: a new thread, which ends after its job
+    jobs.go.release()
+    wait_until(lambda: len(jobs.ran) == 4 and len(os.listdir("/proc/self/task")) == before, timeout=5,
+               what="the job ran and its thread ended")
+
+
+def test_a_job_that_raises_ends_its_thread_and_parks_nothing():
+    cache = ThreadCache(2)
+    before = len(os.listdir("/proc/self/task"))
+    ran = threading.Event()
+
+    def boom():
+        ran.set()
+        raise SystemExit
+
+    cache.run(boom)
+    assert ran.wait(5)
+    wait_until(lambda: len(os.listdir("/proc/self/task")) == before, timeout=5, what="its thread ended")
+    assert cache.parked == []
+
+
+def test_a_forked_child_starts_with_none_parked():
+    cache, jobs = ThreadCache(2), Jobs()
+    cache.run(jobs.job, "a")
+    jobs.go.release()
+    _parked(cache, 1)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:        # the child: the parked thread did not come along; a job must start a new one
+        try:
+            ok = not cache.parked
+            done = threading.Event()
+            cache.run(done.set)
+            ok = ok and done.wait(5)
+            os.write(w, b"ok" if ok else b"no")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 2)
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert got == b"ok"
