@@ -13,6 +13,7 @@ import pytest
 
 from lb.config import load as config
 from lb.process.app import App
+from tests.h2client import H2Client
 from tests.rawserver import RawServer
 from tests.support import wait_until
 
@@ -77,3 +78,56 @@ def test_many_connections_at_once_are_each_served_and_counted_off(app):
         for s in socks:
             s.close()
     wait_until(lambda: app.server.active == 0, timeout=5, what="the count back to 0")
+
+
+def test_http2_connections_that_grow_the_stream_pool_leave_nothing_behind(tmp_path):
+    # Each HTTP/2 stream is served by a worker of lb/http2/server.py's ThreadPoolExecutor, which the
+    # connection's thread grows when no worker is idle: ThreadPoolExecutor makes its Thread without
+    # daemon=, which asks threading for the maker's own Thread, and threading registers one for good for
+    # a connection thread it did not start. Here every stream waits at the backend until all have come,
+    # so each needs a worker of its own.
+    n = 6
+    arrived = []
+    lock = threading.Lock()
+    everyone = threading.Event()
+
+    def held(s, _server):
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            data = s.recv(65536)
+            if not data:
+                return
+            buf += data
+        with lock:
+            arrived.append(1)
+            if len(arrived) >= n:
+                everyone.set()
+        everyone.wait(10)
+        s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+
+    backend = RawServer(held)
+    cfg = config.load(["--listen", "127.0.0.1:0", "--backends", backend.url, "--health-interval", "3600"])
+    a = App(cfg)
+    threading.Thread(target=a.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    port = a.server.server_address[1]
+    before = set(threading.enumerate())
+    clients = []
+    try:
+        clients = [H2Client(port) for _ in range(n)]
+        sids = [c.request("/x") for c in clients]
+        for c, sid in zip(clients, sids):
+            r = c.response(sid)
+            assert r["headers"][b":status"] == b"200" and r["data"] == b"ok", r
+    finally:
+        for c in clients:
+            c.close()
+    try:
+        wait_until(lambda: a.server.active == 0, timeout=5, what="every connection's thread finished")
+        new = [t for t in threading.enumerate() if t not in before]
+        assert any(t.name.startswith("h2-stream") for t in new), "the pool did not grow: the scenario did not happen"
+        kept = [t for t in new if not t.name.startswith("h2-stream") and t.name != "client-faults"]
+        assert not kept, kept
+    finally:
+        a.server.shutdown()
+        a.server.server_close()
+        backend.close()
