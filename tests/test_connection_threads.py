@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import subprocess
 import threading
 
 import pytest
@@ -15,7 +16,7 @@ from lb.config import load as config
 from lb.process.app import App
 from tests.h2client import H2Client
 from tests.rawserver import RawServer
-from tests.support import wait_until
+from tests.support import PY, ROOT, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -131,3 +132,45 @@ def test_http2_connections_that_grow_the_stream_pool_leave_nothing_behind(tmp_pa
         a.server.shutdown()
         a.server.server_close()
         backend.close()
+
+
+_TAKE_QUEUED_WITHOUT_THREADS = """
+import re, resource, socket
+from lb.config import load as config
+from lb.process import handover
+from lb.process.app import App
+
+dead = socket.create_server(("127.0.0.1", 0))  # a backend that refuses: its probes start no thread here
+backend_url = "http://127.0.0.1:%d" % dead.getsockname()[1]
+dead.close()
+# A stack size no thread had before: glibc hands a new thread the cached stack of one that ended (no mmap, no
+# rlimit) when its size fits, and the default stacks (8 MiB) of the threads that ended at start-up would. (An
+# in-process backend would start a thread for the health probe: one that ends after VmSize is read frees
+# room for ours.)
+a = App(config.load(["--listen", "127.0.0.1:0", "--backends", backend_url, "--health-interval", "3600",
+                     "--thread-stack", str(64 << 20)]))
+ls = socket.create_server(("127.0.0.1", 0))
+c = socket.create_connection(ls.getsockname(), timeout=5)
+ls.setblocking(False)
+vm = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 20), resource.RLIM_INFINITY))  # no room for a 64 MiB stack
+try:
+    try:
+        got = "taken %d" % handover.take_queued(a.server, ls)
+    except Exception as e:
+        got = "raised %r" % e
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print("%s, active %d" % (got, a.server.active))
+"""
+
+
+def test_a_queued_connection_whose_thread_cannot_start_is_counted_off_once_and_the_take_goes_on():
+    # take_queued (the drain's last accepts, and a handed-over listener's thread) calls process_request
+    # itself, outside socketserver's accept loop and its except clause: a thread that could not start
+    # raised out of it, the connection stayed counted for good (one --max-connections slot fewer), and
+    # the drain ended there, before waiting for the requests in flight.
+    p = subprocess.run([PY, "-c", _TAKE_QUEUED_WITHOUT_THREADS], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "taken 0, active 0", (p.stdout, p.stderr[-2000:])
+    assert "can't start new thread" in p.stderr, p.stderr[-2000:]  # logged (handle_error)
