@@ -118,7 +118,15 @@ def take_queued(server, sock: socket.socket) -> int:
         except (BlockingIOError, InterruptedError):
             return n
         conn.setblocking(True)
-        server.process_request(conn, addr)
+        try:
+            server.process_request(conn, addr)
+        except Exception:
+            # A thread that cannot start (RLIMIT_AS, RLIMIT_NPROC, TasksMax): what socketserver's own accept
+            # loop does, so the connection is logged, closed and counted off (once: process_request counted
+            # it), and the drain (or the handed-over listener's thread) goes on with the rest of the queue.
+            server.handle_error(conn, addr)
+            server.shutdown_request(conn)
+            continue
         n += 1
 
 

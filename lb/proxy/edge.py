@@ -53,6 +53,23 @@ connection_threads = ThreadCache()
 
 # ------------------------------------------------------------------------------------------- server
 
+# threading's table of the threads it knows, by ident (private: CPython 3.11-3.13 all have it).
+_known: dict = threading._active  # type: ignore[attr-defined]
+_known_lock = threading._active_limbo_lock  # type: ignore[attr-defined]
+
+
+def _forget_this_thread() -> None:
+    """Take out of threading's table the record it made for this thread (started by _thread), if it made
+    one: threading keeps such a record for good (3.11, 3.12), and every connection thread that asked for its
+    own Thread object, however deep inside a library, would leave one behind. HTTP/2's stream pool does:
+    ThreadPoolExecutor makes each new worker's Thread without daemon=, which asks for its maker's."""
+    me = threading.get_ident()
+    t = _known.get(me)
+    if type(t) is threading._DummyThread:
+        with _known_lock:
+            if _known.get(me) is t:
+                del _known[me]
+
 
 def _set_thread_stack(size: int) -> None:
     """The stack of every thread started from now on (the connection threads). 8 MiB each by default
@@ -148,6 +165,12 @@ class EdgeServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         # raises here ("can't start new thread"), and socketserver then calls shutdown_request(), which
         # takes the connection off the count: once, there.
         self.threads.run(self.process_request_thread, request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            _forget_this_thread()
 
     def finish_request(self, request, client_address):
         g = gate.current  # at most --running-threads connection threads at work at once (lb/http/gate.py)
