@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import _thread
+import gc
 import os
 import sys
 import threading
+import weakref
 
 from lb.proxy.threadcache import ThreadCache
 from tests.support import wait_until
@@ -110,6 +112,31 @@ def test_a_forked_child_starts_with_none_parked():
     os.waitpid(pid, 0)
     os.close(r)
     assert got == b"ok"
+
+
+class _Conn:
+    """Stands for a connection's socket (weakly referenceable, as socket.socket is)."""
+
+
+def test_a_parked_thread_keeps_nothing_of_the_connections_it_served():
+    # A parked thread must not pin its connections' sockets, addresses or the server they were run for:
+    # not the first (the arguments its thread was started with), not the last (the job it was handed).
+    cache, done = ThreadCache(1), threading.Semaphore(0)
+
+    def job(conn):
+        done.release()
+
+    refs = []
+    for _ in range(3):  # the first on a new thread, the others handed to it parked
+        conn = _Conn()
+        refs.append(weakref.ref(conn))
+        cache.run(job, conn)
+        del conn
+        assert done.acquire(timeout=5)
+        _parked(cache, 1)
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
+    cache.resize(0)
 
 
 def test_runs_from_many_threads_racing_resizes_lose_no_job_and_leak_no_thread():
