@@ -69,6 +69,9 @@ def test_many_connections_at_once_are_each_served_and_counted_off(app):
     port = app.server.server_address[1]
     socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(64)]
     try:
+        # Every one accepted (and its thread waiting for its request) before any is answered: else a thread
+        # whose connection ended parks and takes a later one, and fewer than 64 ran at once (27, once).
+        wait_until(lambda: app.server.active == 64, timeout=5, what="the 64 connections accepted")
         for s in socks:
             s.sendall(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
         for s in socks:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import _thread
+import gc
 import os
+import sys
 import threading
+import weakref
 
 from lb.proxy.threadcache import ThreadCache
 from tests.support import wait_until
@@ -109,3 +112,99 @@ def test_a_forked_child_starts_with_none_parked():
     os.waitpid(pid, 0)
     os.close(r)
     assert got == b"ok"
+
+
+class _Conn:
+    """Stands for a connection's socket (weakly referenceable, as socket.socket is)."""
+
+
+def test_a_parked_thread_keeps_nothing_of_the_connections_it_served():
+    # A parked thread must not pin its connections' sockets, addresses or the server they were run for:
+    # not the first (the arguments its thread was started with), not the last (the job it was handed).
+    cache, done = ThreadCache(1), threading.Semaphore(0)
+
+    def job(conn):
+        done.release()
+
+    refs = []
+    for _ in range(3):  # the first on a new thread, the others handed to it parked
+        conn = _Conn()
+        refs.append(weakref.ref(conn))
+        cache.run(job, conn)
+        del conn
+        assert done.acquire(timeout=5)
+        _parked(cache, 1)
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
+    cache.resize(0)
+
+
+def test_runs_from_many_threads_racing_resizes_lose_no_job_and_leak_no_thread():
+    # The accept loop, the extra listeners (lb/process/handover.py) and a reload's resize, all at once:
+    # every job runs exactly once, no thread ever runs two at a time (parked twice), and once the cache is
+    # emptied every thread it started has ended. Jobs that raise end their thread (the unparked path).
+    producers, per, sizes = 4, 400, (0, 1, 3, 8, 2)
+    cache = ThreadCache(4)
+    total = producers * per
+    lock = threading.Lock()
+    ran: list[int] = []
+    busy: set[int] = set()
+    twice: list[int] = []
+    tids: set[int] = set()  # the OS's ids of the threads the jobs ran on (not the process's count: other
+    # tests' threads come and go meanwhile)
+    all_ran = threading.Event()
+
+    def job(n):
+        me = _thread.get_ident()
+        with lock:
+            if me in busy:
+                twice.append(me)
+            busy.add(me)
+            tids.add(threading.get_native_id())
+        with lock:
+            busy.discard(me)
+            ran.append(n)
+            if len(ran) == total:
+                all_ran.set()
+        if n % 97 == 0:
+            raise SystemExit  # (a stray exception: its thread ends, unparked)
+
+    stop = threading.Event()
+
+    def resizer():
+        i = 0
+        while not stop.is_set():
+            cache.resize(sizes[i % len(sizes)])
+            i += 1
+
+    def produce(k):
+        for i in range(per):
+            cache.run(job, k * per + i)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the GIL changes hands between any two bytecodes, nearly: races show
+    try:
+        r = threading.Thread(target=resizer, daemon=True)
+        r.start()
+        ps = [threading.Thread(target=produce, args=(k,), daemon=True) for k in range(producers)]
+        for p in ps:
+            p.start()
+        for p in ps:
+            p.join(30)
+        finished = all_ran.wait(20)
+        stop.set()
+        r.join(5)
+    finally:
+        sys.setswitchinterval(switch)
+    with lock:
+        got = sorted(ran)
+    assert finished, f"{total - len(got)} of {total} jobs never ran"
+    assert got == list(range(total)), "a job ran twice or not at all"
+    assert not twice, "a thread ran two jobs at once"
+    cache.resize(0)
+
+    def alive():
+        return tids & {int(t) for t in os.listdir("/proc/self/task")}
+
+    wait_until(lambda: not alive(), timeout=10, what="every cache thread ended")
+    assert cache.parked == []

@@ -40,7 +40,9 @@ class ThreadCache:
         with self._lock:
             p = self.parked.pop() if self.parked else None
         if p is None:
-            _thread.start_new_thread(self._serve, (fn, args))
+            # The job in a list that _serve empties: _thread holds a thread's arguments until the thread
+            # ends, and they would pin its first connection (socket, address, the server) for good.
+            _thread.start_new_thread(self._serve, ([fn, args],))
         else:
             p.job = (fn, args)
             p.wake.release()
@@ -53,14 +55,16 @@ class ThreadCache:
         for p in extra:
             p.wake.release()  # job None: the thread ends
 
-    def _serve(self, fn: Callable, args: tuple) -> None:
+    def _serve(self, first: list) -> None:
+        fn, args = first
+        first.clear()
         p = None
         while True:
             try:
                 fn(*args)
             except BaseException:  # fn handles its own errors; a stray one ends the thread, unparked
                 return
-            fn = args = None  # type: ignore[assignment]  # a parked thread holds nothing of its last connection
+            fn = args = None  # a parked thread holds nothing of its last connection
             with self._lock:
                 if len(self.parked) >= self.size:
                     return
@@ -71,6 +75,7 @@ class ThreadCache:
             if job is None:
                 return
             fn, args = job
+            job = None  # (nor, parked again, the job it was handed)
 
     def _forget(self) -> None:
         self._lock = _thread.allocate_lock()
