@@ -13,8 +13,11 @@ A fork keeps none of them (only the forking thread goes on in the child): the ch
 from __future__ import annotations
 
 import _thread
+import logging
 import os
 from collections.abc import Callable
+
+log = logging.getLogger("edge")
 
 
 class _Parked:
@@ -62,7 +65,8 @@ class ThreadCache:
         while True:
             try:
                 fn(*args)
-            except BaseException:  # fn handles its own errors; a stray one ends the thread, unparked
+            except BaseException as e:  # fn handles its own errors (Exception); anything else ends the thread
+                log.error("a connection thread ended on %r", e)
                 return
             fn = args = None  # a parked thread holds nothing of its last connection
             with self._lock:
