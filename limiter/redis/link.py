@@ -357,7 +357,8 @@ class RedisLink:
 
         asking: precede it with ASKING (a cluster node importing the key's slot serves it only then);
         such a call (rare: a slot in migration) travels alone."""
-        cmd = self.pack(script, key, now)
+        n = b"%.17g" % now  # pack(), inlined: this runs for every decision
+        cmd = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (script.head, len(key), key, len(n), n)
         if self.batcher is not None and not asking:
             return self.batcher.call(script, cmd)
         c = Call(script, _ASKING + cmd if asking else cmd)
@@ -452,7 +453,12 @@ class RedisLink:
 
     def _trip(self, slot, calls) -> bool:
         """Send the calls, read their replies; True when one of them is an error reply."""
-        self._send(slot, calls[0].cmd if len(calls) == 1 else b"".join([c.cmd for c in calls]))
+        try:  # (_send, inlined)
+            slot.sock.sendall(calls[0].cmd if len(calls) == 1 else b"".join([c.cmd for c in calls]))
+        except (BlockingIOError, socket.timeout):
+            raise RedisTimeoutError("Timeout writing to Redis") from None
+        except OSError as e:
+            raise RedisConnectionError(f"Error writing to Redis: {e}") from None
         errors = False
         for c in calls:
             if c.asking:
