@@ -139,7 +139,7 @@ def main() -> None:
         for name, d in variants:
             d, _, routes = d.partition("@")
             out = subprocess.run([sys.executable, "-m", "bench.request_path", "--child", str(Path(d).resolve()),
-                                  "-n", str(a.n), *sum((["--edge-arg", x] for x in a.edge_arg), []),
+                                  "-n", str(a.n), *(f"--edge-arg={x}" for x in a.edge_arg),
                                   "--routes", routes or str(a.routes), *(["--routes-hit"] if a.routes_hit else []),
                                   *(["--no-limit"] if a.no_limit else [])],
                                  cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)

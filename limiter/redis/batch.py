@@ -57,39 +57,46 @@ class Batcher:
 
     def call(self, script, cmd: bytes):
         c = Call(script, cmd)
-        with self._lock:
-            if self._out < self.flights:
-                self._out += 1
-                batch = [c]
-            else:
-                c.queue()
-                self._queue.append(c)
-                batch = None
-        if batch is None:
+        # (acquire/release, not `with`: this runs for every decision, and `with` costs twice as much; the
+        # bodies are plain list and int operations that cannot raise)
+        lock = self._lock
+        lock.acquire()
+        if self._out < self.flights:
+            self._out += 1
+            lock.release()
+            batch = [c]
+        else:
+            c.queue()
+            self._queue.append(c)
+            lock.release()
             c.done.acquire()  # a flight landed: with our reply, or handing us the next flight
             if not c.lead:
                 if c.error is not None:
                     raise c.error
                 return c.reply
-            with self._lock:
-                batch = [c, *self._queue]
-                self._queue.clear()
+            lock.acquire()
+            batch = [c, *self._queue]
+            self._queue.clear()
+            lock.release()
         try:
             self._fly(batch)
         finally:
-            with self._lock:
-                self.trips += 1
-                self.calls += len(batch)
-                if self._queue:  # the flight slot passes to the oldest waiter
-                    nxt = self._queue.pop(0)
-                    nxt.lead = True
-                    nxt.done.release()
-                else:
-                    self._out -= 1
-            for other in batch:
-                if other.reply is None and other.error is None:  # fly() itself blew up
-                    other.error = RedisConnectionError("the round trip carrying this call failed")
-                if other is not c and other.done is not None:
+            lock.acquire()
+            self.trips += 1
+            self.calls += len(batch)
+            if self._queue:  # the flight slot passes to the oldest waiter
+                nxt = self._queue.pop(0)
+                nxt.lead = True
+                nxt.done.release()
+            else:
+                self._out -= 1
+            lock.release()
+            if c.reply is None and c.error is None:  # fly() itself blew up
+                c.error = RedisConnectionError("the round trip carrying this call failed")
+            if len(batch) > 1:
+                for other in batch[1:]:
+                    if other.reply is None and other.error is None:
+                        other.error = RedisConnectionError("the round trip carrying this call failed")
                     other.done.release()
         if c.error is not None:
             raise c.error

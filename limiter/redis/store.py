@@ -202,6 +202,8 @@ class RedisStore:
         self.on_error = on_error
         self.link = link_for(target, timeout, pool_size, retry_interval)
         self._route = self.link.route
+        # One server (not a cluster, whose route() picks the key's node): allow() skips the call.
+        self._node = self.link if type(self.link).route is RedisLink.route else None
         # The configuration is baked into this limiter's copy of the script (a local ARGV shadowing the
         # real one; one SHA per configuration), so each call sends only the key and now.
         consts = [str(math.ceil(ttl_grace * 1000)), *(repr(float(x)) for x in args(algorithm))]
@@ -252,7 +254,7 @@ class RedisStore:
             # out-of-order instants cost what docs/redis.md ("Time") measures.
             now = self.clock()
         k = f"{self.prefix}{{{key}}}".encode()
-        node = self._route(k)
+        node = self._node or self._route(k)
         # The denial cache.  After a decision that left the key unable to admit anything more (a denial,
         # or an admission with remaining 0) we keep the state Redis then held.  Until that state's own
         # next-admission instant nothing can be admitted for the key anywhere (other edges can only
