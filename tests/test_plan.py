@@ -197,3 +197,26 @@ def test_a_response_the_fast_path_would_not_take_is_refused_as_before(head, reas
     with pytest.raises(UpstreamError) as e:
         parse_response(head)
     assert e.value.detail == reason
+
+
+_FIELDS = ("status", "status_line", "raw", "spans", "headers", "content_length", "chunked", "codings", "close",
+           "early", "conn_tokens")
+
+
+def test_a_head_parsed_again_from_the_connections_memo_is_the_same_and_its_own():
+    memo = [None, None]
+    heads = [h for h, *_ in RESPONSES] + [NGINX.replace(b"615", b"616"), NGINX]
+    for head in heads + heads:  # each once fresh (or after another), then again
+        fresh, again = parse_response(head), parse_response(head, memo)
+        assert [getattr(again, f) for f in _FIELDS] == [getattr(fresh, f) for f in _FIELDS]
+        twice = parse_response(head, memo)
+        assert [getattr(twice, f) for f in _FIELDS] == [getattr(fresh, f) for f in _FIELDS]
+        again.early = again.close = True  # what attempt() and relay() may set on theirs
+        assert parse_response(head, memo).early is False
+        assert parse_response(head, memo).close is fresh.close
+    # a head the fast path did not take is never remembered; nor is one that is refused
+    parse_response(b"HTTP/1.1 200 OK\r\nX-A:  b ", memo)
+    assert memo[0] == NGINX
+    with pytest.raises(UpstreamError):
+        parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2", memo)
+    assert memo[0] == NGINX
