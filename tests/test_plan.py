@@ -220,3 +220,27 @@ def test_a_head_parsed_again_from_the_connections_memo_is_the_same_and_its_own()
     with pytest.raises(UpstreamError):
         parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2", memo)
     assert memo[0] == NGINX
+
+
+_REQUEST_FIELDS = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive", "host",
+                   "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie", "request_id",
+                   "client_cert", "raw", "spans")
+
+
+def test_a_request_parsed_again_from_the_connections_memo_is_the_same_and_its_own():
+    memo = [None, None]
+    heads = [h for h, *_ in REQUESTS] + [b"GET /a HTTP/1.1\r\nHost: h\r\nX-Api-Key: k", b"GET /b HTTP/1.0"]
+    for head in heads + heads:
+        fresh, again = parse_request(head), parse_request(head, memo)
+        assert [getattr(again, f) for f in _REQUEST_FIELDS] == [getattr(fresh, f) for f in _REQUEST_FIELDS]
+        again.client_cert = object()  # what the connection loop sets on its own
+        twice = parse_request(head, memo)
+        assert [getattr(twice, f) for f in _REQUEST_FIELDS] == [getattr(fresh, f) for f in _REQUEST_FIELDS]
+    last = memo[0]
+    for refused in (b"TRACE / HTTP/1.1\r\nHost: h", b"GET / HTTP/1.1\r\nHost: h\r\nHost: i", b"GET /  HTTP/1.1"):
+        with pytest.raises(HttpError):
+            parse_request(refused, memo)
+        assert memo[0] == last
+    parse_request(b"GET http://h/x HTTP/1.1\r\nHost: h", memo)  # not canonical: not remembered
+    assert memo[0] == last
+

@@ -453,8 +453,12 @@ def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:
     return method, target, version
 
 
-def parse_request(head: bytes) -> Request:
-    """Parse and check a request head. Raises HttpError for anything a backend could read differently."""
+def parse_request(head: bytes, memo: list | None = None) -> Request:
+    """Parse and check a request head. Raises HttpError for anything a backend could read differently.
+    memo: the connection's [last head, what its parse found] (Reader.memo), as for parse_response: a
+    client sending the same canonical head again gets a new Request with what the parse found."""
+    if memo is not None and memo[0] == head:
+        return _request_again(memo[1])
     m = _FAST_REQUEST.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     spans = None
     if m is not None:
@@ -493,6 +497,56 @@ def parse_request(head: bytes) -> Request:
             # asterisk-form (OPTIONS *) too: it asks the edge itself, and nginx refuses it as well
             raise HttpError(400, "invalid request target")
     r.keep_alive = keep_alive
+    if memo is not None and spans is not None:
+        memo[:] = (
+            head,
+            (
+                method,
+                target,
+                version,
+                r.content_length,
+                r.chunked,
+                keep_alive,
+                r.host,
+                r.expect_continue,
+                r.conn_tokens,
+                r.api_key,
+                r.xff,
+                r.proto,
+                r.fwd_host,
+                r.cookie,
+                r.request_id,
+                head,
+                spans,
+            ),
+        )
+    return r
+
+
+def _request_again(found: tuple) -> Request:
+    """A new Request with what a parse of the same bytes found (parse_request's memo); client_cert is the
+    caller's to set, as after a parse."""
+    r = Request()
+    (
+        r.method,
+        r.target,
+        r.version,
+        r.content_length,
+        r.chunked,
+        r.keep_alive,
+        r.host,
+        r.expect_continue,
+        r.conn_tokens,
+        r.api_key,
+        r.xff,
+        r.proto,
+        r.fwd_host,
+        r.cookie,
+        r.request_id,
+        r.raw,
+        r.spans,
+    ) = found
+    r._headers = r.client_cert = None
     return r
 
 
@@ -875,14 +929,21 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
     r.close = close
     r.conn_tokens = tokens
     if memo is not None and m is not None:  # (a canonical head: raw and spans are what it is relayed from)
-        memo[:] = head, (r.status, status_line, head, r.spans, r.content_length, r.chunked, r.codings, close, tokens)
+        _remember(memo, head, r)
     return r
+
+
+def _remember(memo: list, head: bytes, r: ResponseHead) -> None:
+    memo[:] = (
+        head,
+        (r.status, r.status_line, head, r.spans, r.content_length, r.chunked, r.codings, r.close, r.conn_tokens),
+    )
 
 
 def _remembered(found: tuple) -> ResponseHead:
     """A new ResponseHead with what a parse of the same bytes found (parse_response's memo)."""
     r = ResponseHead()
-    r.status, r.status_line, r.raw, r.spans, r.content_length, r.chunked, r.codings, r.close, r.conn_tokens = found
+    (r.status, r.status_line, r.raw, r.spans, r.content_length, r.chunked, r.codings, r.close, r.conn_tokens) = found
     r._headers = None
     r.early = False
     return r
