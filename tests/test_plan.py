@@ -244,3 +244,14 @@ def test_a_request_parsed_again_from_the_connections_memo_is_the_same_and_its_ow
     parse_request(b"GET http://h/x HTTP/1.1\r\nHost: h", memo)  # not canonical: not remembered
     assert memo[0] == last
 
+
+@pytest.mark.parametrize("head,skip,limiting,want,fast", RESPONSES)
+def test_a_head_relayed_again_from_the_memo_is_the_one_written_from_its_bytes(head, skip, limiting, want, fast):
+    memo = [None, None]
+    for other in (skip, NOT_RELAYED, skip):  # written, then again (the same skip, or another)
+        for lim in (limiting, not limiting, limiting):
+            expected = bytes(response_plan(parse_response(head), b"GET", False, True, other, lim, b"X: y\r\n")[0])
+            for _ in range(2):
+                out, _, _ = response_plan(parse_response(head, memo), b"GET", False, True, other, lim, b"X: y\r\n")
+                assert bytes(out) == expected
+                out += b"changed"  # the caller's own copy

@@ -801,6 +801,7 @@ class ResponseHead:
         "conn_tokens",
         "raw",
         "spans",
+        "relayed",
     )
     # (the types, for mypy: parse_response sets every one)
     status: int
@@ -814,6 +815,9 @@ class ResponseHead:
     close: bool
     early: bool
     conn_tokens: frozenset[bytes]
+    # [skip, limiting, the head written] (lb/http/plan.py's last for this head's bytes), shared by every
+    # parse of the same bytes through a connection's memo; None when the head is not remembered
+    relayed: list | None
 
     @property
     def headers(self) -> list[tuple[bytes, bytes, bytes]]:
@@ -928,22 +932,46 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
         r.codings = b", ".join(c for c in codings if c)
     r.close = close
     r.conn_tokens = tokens
+    r.relayed = None
     if memo is not None and m is not None:  # (a canonical head: raw and spans are what it is relayed from)
         _remember(memo, head, r)
     return r
 
 
 def _remember(memo: list, head: bytes, r: ResponseHead) -> None:
+    r.relayed = relayed = [None, None, b""]
     memo[:] = (
         head,
-        (r.status, r.status_line, head, r.spans, r.content_length, r.chunked, r.codings, r.close, r.conn_tokens),
+        (
+            r.status,
+            r.status_line,
+            head,
+            r.spans,
+            r.content_length,
+            r.chunked,
+            r.codings,
+            r.close,
+            r.conn_tokens,
+            relayed,
+        ),
     )
 
 
 def _remembered(found: tuple) -> ResponseHead:
     """A new ResponseHead with what a parse of the same bytes found (parse_response's memo)."""
     r = ResponseHead()
-    (r.status, r.status_line, r.raw, r.spans, r.content_length, r.chunked, r.codings, r.close, r.conn_tokens) = found
+    (
+        r.status,
+        r.status_line,
+        r.raw,
+        r.spans,
+        r.content_length,
+        r.chunked,
+        r.codings,
+        r.close,
+        r.conn_tokens,
+        r.relayed,
+    ) = found
     r._headers = None
     r.early = False
     return r
