@@ -86,10 +86,13 @@ def measure(n: int, extra: list[str], routes: int = 0, hit: bool = False, limit:
         args = (reader, cs) + (b"127.0.0.1", False, "127.0.0.1", False)[:len(inspect.signature(edge.handle).parameters) - 3]
         handle = edge.handle
 
+    # As the connection loop parses (Edge._serve): with the connection's memo in a checkout that has one.
+    memo = (getattr(reader, "memo", None),) if "memo" in inspect.signature(parse_request).parameters else ()
+
     def one() -> None:
         cp.sendall(REQUEST)
         reader.fill()
-        req = parse_request(reader.read_head())
+        req = parse_request(reader.read_head(), *memo)
         handle(req, *args)
 
     def serve_backend() -> None:

@@ -197,3 +197,61 @@ def test_a_response_the_fast_path_would_not_take_is_refused_as_before(head, reas
     with pytest.raises(UpstreamError) as e:
         parse_response(head)
     assert e.value.detail == reason
+
+
+_FIELDS = ("status", "status_line", "raw", "spans", "headers", "content_length", "chunked", "codings", "close",
+           "early", "conn_tokens")
+
+
+def test_a_head_parsed_again_from_the_connections_memo_is_the_same_and_its_own():
+    memo = [None, None]
+    heads = [h for h, *_ in RESPONSES] + [NGINX.replace(b"615", b"616"), NGINX]
+    for head in heads + heads:  # each once fresh (or after another), then again
+        fresh, again = parse_response(head), parse_response(head, memo)
+        assert [getattr(again, f) for f in _FIELDS] == [getattr(fresh, f) for f in _FIELDS]
+        twice = parse_response(head, memo)
+        assert [getattr(twice, f) for f in _FIELDS] == [getattr(fresh, f) for f in _FIELDS]
+        again.early = again.close = True  # what attempt() and relay() may set on theirs
+        assert parse_response(head, memo).early is False
+        assert parse_response(head, memo).close is fresh.close
+    # a head the fast path did not take is never remembered; nor is one that is refused
+    parse_response(b"HTTP/1.1 200 OK\r\nX-A:  b ", memo)
+    assert memo[0] == NGINX
+    with pytest.raises(UpstreamError):
+        parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2", memo)
+    assert memo[0] == NGINX
+
+
+_REQUEST_FIELDS = ("method", "target", "version", "headers", "content_length", "chunked", "keep_alive", "host",
+                   "expect_continue", "conn_tokens", "api_key", "xff", "proto", "fwd_host", "cookie", "request_id",
+                   "client_cert", "raw", "spans")
+
+
+def test_a_request_parsed_again_from_the_connections_memo_is_the_same_and_its_own():
+    memo = [None, None]
+    heads = [h for h, *_ in REQUESTS] + [b"GET /a HTTP/1.1\r\nHost: h\r\nX-Api-Key: k", b"GET /b HTTP/1.0"]
+    for head in heads + heads:
+        fresh, again = parse_request(head), parse_request(head, memo)
+        assert [getattr(again, f) for f in _REQUEST_FIELDS] == [getattr(fresh, f) for f in _REQUEST_FIELDS]
+        again.client_cert = object()  # what the connection loop sets on its own
+        twice = parse_request(head, memo)
+        assert [getattr(twice, f) for f in _REQUEST_FIELDS] == [getattr(fresh, f) for f in _REQUEST_FIELDS]
+    last = memo[0]
+    for refused in (b"TRACE / HTTP/1.1\r\nHost: h", b"GET / HTTP/1.1\r\nHost: h\r\nHost: i", b"GET /  HTTP/1.1"):
+        with pytest.raises(HttpError):
+            parse_request(refused, memo)
+        assert memo[0] == last
+    parse_request(b"GET http://h/x HTTP/1.1\r\nHost: h", memo)  # not canonical: not remembered
+    assert memo[0] == last
+
+
+@pytest.mark.parametrize("head,skip,limiting,want,fast", RESPONSES)
+def test_a_head_relayed_again_from_the_memo_is_the_one_written_from_its_bytes(head, skip, limiting, want, fast):
+    memo = [None, None]
+    for other in (skip, NOT_RELAYED, skip):  # written, then again (the same skip, or another)
+        for lim in (limiting, not limiting, limiting):
+            expected = bytes(response_plan(parse_response(head), b"GET", False, True, other, lim, b"X: y\r\n")[0])
+            for _ in range(2):
+                out, _, _ = response_plan(parse_response(head, memo), b"GET", False, True, other, lim, b"X: y\r\n")
+                assert bytes(out) == expected
+                out += b"changed"  # the caller's own copy

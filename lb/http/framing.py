@@ -178,7 +178,7 @@ class Reader:
     value holds request after request, and setting it is a system call. Whoever else sets the socket's
     timeout (a send with another bound) goes through apply() so the two agree."""
 
-    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound", "got", "mark", "new_work")
+    __slots__ = ("sock", "buf", "timeout", "deadline", "applied", "send_bound", "got", "mark", "new_work", "memo")
 
     def __init__(self, sock: socket.socket, send_bound: float | None = None):
         self.sock = sock
@@ -195,6 +195,9 @@ class Reader:
         # A client connection's reader, whose bytes may start a new request: its waits rejoin the gate
         # behind the requests under way (lb/http/gate.py); a backend's reader's go first.
         self.new_work = False
+        # The last canonical head parsed from this connection and what its parse found (parse_response's
+        # memo): a backend answering the same head again (a static page within one second) is not parsed again.
+        self.memo: list = [None, None]
 
     def apply(self, t: float | None) -> None:
         if t != self.applied:
@@ -450,8 +453,12 @@ def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:
     return method, target, version
 
 
-def parse_request(head: bytes) -> Request:
-    """Parse and check a request head. Raises HttpError for anything a backend could read differently."""
+def parse_request(head: bytes, memo: list | None = None) -> Request:
+    """Parse and check a request head. Raises HttpError for anything a backend could read differently.
+    memo: the connection's [last head, what its parse found] (Reader.memo), as for parse_response: a
+    client sending the same canonical head again gets a new Request with what the parse found."""
+    if memo is not None and memo[0] == head:
+        return _request_again(memo[1])
     m = _FAST_REQUEST.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     spans = None
     if m is not None:
@@ -490,6 +497,56 @@ def parse_request(head: bytes) -> Request:
             # asterisk-form (OPTIONS *) too: it asks the edge itself, and nginx refuses it as well
             raise HttpError(400, "invalid request target")
     r.keep_alive = keep_alive
+    if memo is not None and spans is not None:
+        memo[:] = (
+            head,
+            (
+                method,
+                target,
+                version,
+                r.content_length,
+                r.chunked,
+                keep_alive,
+                r.host,
+                r.expect_continue,
+                r.conn_tokens,
+                r.api_key,
+                r.xff,
+                r.proto,
+                r.fwd_host,
+                r.cookie,
+                r.request_id,
+                head,
+                spans,
+            ),
+        )
+    return r
+
+
+def _request_again(found: tuple) -> Request:
+    """A new Request with what a parse of the same bytes found (parse_request's memo); client_cert is the
+    caller's to set, as after a parse."""
+    r = Request()
+    (
+        r.method,
+        r.target,
+        r.version,
+        r.content_length,
+        r.chunked,
+        r.keep_alive,
+        r.host,
+        r.expect_continue,
+        r.conn_tokens,
+        r.api_key,
+        r.xff,
+        r.proto,
+        r.fwd_host,
+        r.cookie,
+        r.request_id,
+        r.raw,
+        r.spans,
+    ) = found
+    r._headers = r.client_cert = None
     return r
 
 
@@ -744,6 +801,7 @@ class ResponseHead:
         "conn_tokens",
         "raw",
         "spans",
+        "relayed",
     )
     # (the types, for mypy: parse_response sets every one)
     status: int
@@ -757,6 +815,9 @@ class ResponseHead:
     close: bool
     early: bool
     conn_tokens: frozenset[bytes]
+    # [skip, limiting, the head written] (lb/http/plan.py's last for this head's bytes), shared by every
+    # parse of the same bytes through a connection's memo; None when the head is not remembered
+    relayed: list | None
 
     @property
     def headers(self) -> list[tuple[bytes, bytes, bytes]]:
@@ -797,11 +858,17 @@ def _status_line(head: bytes) -> tuple[bytes, bytes]:
     return status_line, code
 
 
-def parse_response(head: bytes) -> ResponseHead:
+def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
     """A backend's response head. Raises UpstreamError('protocol') for anything not HTTP/1.x, and for
     framing a client could read differently from us: Content-Length with Transfer-Encoding (nginx's
     answer too), differing Content-Lengths, chunked applied twice or not last but present, and for
-    control bytes (but HTAB) anywhere in the head."""
+    control bytes (but HTAB) anywhere in the head.
+
+    memo: the connection's [last head, what its parse found] (Reader.memo): a head byte for byte equal to
+    the last canonical one is not parsed again (the parse is a function of the bytes alone); its
+    ResponseHead is a new one all the same, so whatever a caller sets on it stays its own."""
+    if memo is not None and memo[0] == head:
+        return _remembered(memo[1])
     r = ResponseHead()
     m = _FAST_RESPONSE.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     if m is not None:
@@ -865,6 +932,48 @@ def parse_response(head: bytes) -> ResponseHead:
         r.codings = b", ".join(c for c in codings if c)
     r.close = close
     r.conn_tokens = tokens
+    r.relayed = None
+    if memo is not None and m is not None:  # (a canonical head: raw and spans are what it is relayed from)
+        _remember(memo, head, r)
+    return r
+
+
+def _remember(memo: list, head: bytes, r: ResponseHead) -> None:
+    r.relayed = relayed = [None, None, b""]
+    memo[:] = (
+        head,
+        (
+            r.status,
+            r.status_line,
+            head,
+            r.spans,
+            r.content_length,
+            r.chunked,
+            r.codings,
+            r.close,
+            r.conn_tokens,
+            relayed,
+        ),
+    )
+
+
+def _remembered(found: tuple) -> ResponseHead:
+    """A new ResponseHead with what a parse of the same bytes found (parse_response's memo)."""
+    r = ResponseHead()
+    (
+        r.status,
+        r.status_line,
+        r.raw,
+        r.spans,
+        r.content_length,
+        r.chunked,
+        r.codings,
+        r.close,
+        r.conn_tokens,
+        r.relayed,
+    ) = found
+    r._headers = None
+    r.early = False
     return r
 
 

@@ -127,6 +127,9 @@ def _relayed_head(rh, skip: frozenset, limiting: bool, slow: bool) -> bytearray:
         head = bytearray(b"HTTP/1.1" + rh.status_line[8:] + CRLF)
         head += response_fields(rh, skip, limiting, slow)
         return head
+    done = rh.relayed  # the head already written from these bytes (parse_response's memo), for this skip?
+    if done is not None and done[0] is skip and done[1] == limiting:
+        return bytearray(done[2])
     status = rh.status
     cl = rh.content_length if status >= 200 and status != 204 else None
     out: bytearray | None = None
@@ -146,6 +149,8 @@ def _relayed_head(rh, skip: frozenset, limiting: bool, slow: bool) -> bytearray:
     else:
         out += raw[pos:]
     out += CRLF
+    if done is not None:
+        done[:] = skip, limiting, bytes(out)
     return out
 
 

@@ -314,7 +314,7 @@ class Edge:
                     head = reader.read_head()
                     if head is None:
                         return
-                    req = parse_request(head)
+                    req = parse_request(head, reader.memo)  # (the connection's last head: not parsed again)
                     req.client_cert = cert  # the connection's verified certificate (lb/http/tls.py), or None
                 except HttpError as e:
                     self._refuse(sock, e.status, e.reason, peer_ip)

@@ -224,7 +224,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
                 rhead = ur.read_head(max_first_line=8192, what="response")  # interim 1xx: not relayed
             if rhead is None:
                 raise UpstreamError("reset", "closed the connection without a response")
-            rh = parse_response(rhead)
+            rh = parse_response(rhead, ur.memo)  # (the connection's last head, not parsed again)
             x.upstream_status = rh.status  # the access log's upstream_status
             if per_try:
                 ur.timeout = read_timeout  # the body's reads: the per-try bound is the head's
