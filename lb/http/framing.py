@@ -457,8 +457,15 @@ def parse_request(head: bytes, memo: list | None = None) -> Request:
     """Parse and check a request head. Raises HttpError for anything a backend could read differently.
     memo: the connection's [last head, what its parse found] (Reader.memo), as for parse_response: a
     client sending the same canonical head again gets a new Request with what the parse found."""
-    if memo is not None and memo[0] == head:
-        return _request_again(memo[1])
+    again = False
+    if memo is not None:  # (what a parse found is kept from a head's second time in a row, as for responses)
+        if memo[0] == head:
+            if memo[1] is not None:
+                return _request_again(memo[1])
+            again = True
+        else:
+            memo[0] = head
+            memo[1] = None
     m = _FAST_REQUEST.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     spans = None
     if m is not None:
@@ -497,28 +504,25 @@ def parse_request(head: bytes, memo: list | None = None) -> Request:
             # asterisk-form (OPTIONS *) too: it asks the edge itself, and nginx refuses it as well
             raise HttpError(400, "invalid request target")
     r.keep_alive = keep_alive
-    if memo is not None and spans is not None:
-        memo[:] = (
+    if again and spans is not None:
+        memo[1] = (  # type: ignore[index]  # (again: memo is a list)
+            method,
+            target,
+            version,
+            r.content_length,
+            r.chunked,
+            keep_alive,
+            r.host,
+            r.expect_continue,
+            r.conn_tokens,
+            r.api_key,
+            r.xff,
+            r.proto,
+            r.fwd_host,
+            r.cookie,
+            r.request_id,
             head,
-            (
-                method,
-                target,
-                version,
-                r.content_length,
-                r.chunked,
-                keep_alive,
-                r.host,
-                r.expect_continue,
-                r.conn_tokens,
-                r.api_key,
-                r.xff,
-                r.proto,
-                r.fwd_host,
-                r.cookie,
-                r.request_id,
-                head,
-                spans,
-            ),
+            spans,
         )
     return r
 
@@ -866,9 +870,20 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
 
     memo: the connection's [last head, what its parse found] (Reader.memo): a head byte for byte equal to
     the last canonical one is not parsed again (the parse is a function of the bytes alone); its
-    ResponseHead is a new one all the same, so whatever a caller sets on it stays its own."""
-    if memo is not None and memo[0] == head:
-        return _remembered(memo[1])
+    ResponseHead is a new one all the same, so whatever a caller sets on it stays its own.
+
+    What a parse found is kept only from a head's second time in a row: a connection whose heads differ
+    each time (an API's bodies of varying length, ids in its headers) pays one compare and a store per head,
+    not the building of what would never be used again."""
+    again = False
+    if memo is not None:
+        if memo[0] == head:
+            if memo[1] is not None:
+                return _remembered(memo[1])
+            again = True
+        else:
+            memo[0] = head
+            memo[1] = None
     r = ResponseHead()
     m = _FAST_RESPONSE.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     if m is not None:
@@ -933,27 +948,24 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
     r.close = close
     r.conn_tokens = tokens
     r.relayed = None
-    if memo is not None and m is not None:  # (a canonical head: raw and spans are what it is relayed from)
-        _remember(memo, head, r)
+    if again and m is not None:  # (a canonical head: raw and spans are what it is relayed from)
+        _remember(memo, head, r)  # type: ignore[arg-type]  # (again: memo is a list)
     return r
 
 
 def _remember(memo: list, head: bytes, r: ResponseHead) -> None:
     r.relayed = relayed = [None, None, b""]
-    memo[:] = (
+    memo[1] = (
+        r.status,
+        r.status_line,
         head,
-        (
-            r.status,
-            r.status_line,
-            head,
-            r.spans,
-            r.content_length,
-            r.chunked,
-            r.codings,
-            r.close,
-            r.conn_tokens,
-            relayed,
-        ),
+        r.spans,
+        r.content_length,
+        r.chunked,
+        r.codings,
+        r.close,
+        r.conn_tokens,
+        relayed,
     )
 
 
