@@ -8,6 +8,7 @@ Real edges, real sockets; the backends are the raw ones of tests/rawserver.py.
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import time
@@ -225,12 +226,21 @@ def test_idle_keep_alive_connections_give_way_to_new_clients(backend):
         e.stop()
 
 
+def _waiting(e) -> int:
+    text = request(e.admin_port, "GET", "/metrics").body.decode()
+    return int(float(re.search(r"^lb_idle_client_connections (\S+)$", text, re.M).group(1)))
+
+
 def test_a_connection_idle_after_a_429_gives_way_too(backend):
     e = Edge("--backends", backend.url, "--health-interval", "30", "--max-connections", "3",
-             "--limit", "1/m")
+             "--limit", "1/m", "--admin", "127.0.0.1:0")
     conns = []
     try:
-        conns = [idle_connection(e.port, n, b"spent") for n in range(3)]   # 200, then 429 twice
+        for n in range(3):                  # 200, then 429 twice
+            conns.append(idle_connection(e.port, n, b"spent"))
+            # Idle from when its thread has the GIL again after the response: the next one's exchange can
+            # be over first (on a loaded machine it was, half the time), and then it is the longest idle.
+            wait_until(lambda: _waiting(e) == len(conns), timeout=5, what=f"{len(conns)} connections idle")
         served(e.port, 200)                 # another key, on a new connection: room was made
         wait_until(lambda: closed_cleanly(conns[0]), timeout=10, what="the longest idle closed")
     finally:

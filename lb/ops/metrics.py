@@ -151,6 +151,10 @@ FAMILIES = {
     "lb_upstream_active": ("gauge", "Requests being forwarded now (the retry budget's base)."),
     "lb_backend_inflight": ("gauge", "Requests in flight to the backend."),
     "lb_client_connections": ("gauge", "Client connections open now."),
+    "lb_idle_client_connections": (
+        "gauge",
+        "Client connections waiting between requests now (keep-alive; nginx's stub_status 'Waiting').",
+    ),
     "lb_delayed_in_flight": ("gauge", "Requests being held by delay mode now."),
     "lb_tunnels_open": ("gauge", "Upgraded connections (WebSocket) open now."),
     "lb_buffer_memory_bytes": ("gauge", "Memory request and response buffers hold now (capped by buffer_memory)."),

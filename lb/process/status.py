@@ -134,6 +134,7 @@ def live(app) -> dict:
     """Gauges read at scrape time, and the counters other parts keep, as metric samples."""
     out: dict[tuple[str, tuple], float] = {
         ("lb_client_connections", ()): app.server.active,
+        ("lb_idle_client_connections", ()): len(app.edge.idle),
         ("lb_refused_connections_total", ()): app.edge.refused_connections,
         ("lb_idle_connections_closed_total", ()): app.edge.idle_closed,
         ("lb_buffer_memory_bytes", ()): app.edge.buffers.used,
