@@ -453,19 +453,27 @@ def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:
     return method, target, version
 
 
+def _recall(memo: list | None, head: bytes) -> tuple[tuple | None, bool]:
+    """(What a parse of these bytes found, or None; whether they are the connection's last head again.)
+    What a parse found is kept only from a head's second time in a row: a connection whose heads differ
+    each time (an API's bodies of varying length, ids in its headers) pays one compare and a store per head,
+    not the building of what would never be used again."""
+    if memo is None:
+        return None, False
+    if memo[0] == head:
+        return memo[1], True
+    memo[0] = head
+    memo[1] = None
+    return None, False
+
+
 def parse_request(head: bytes, memo: list | None = None) -> Request:
     """Parse and check a request head. Raises HttpError for anything a backend could read differently.
     memo: the connection's [last head, what its parse found] (Reader.memo), as for parse_response: a
     client sending the same canonical head again gets a new Request with what the parse found."""
-    again = False
-    if memo is not None:  # (what a parse found is kept from a head's second time in a row, as for responses)
-        if memo[0] == head:
-            if memo[1] is not None:
-                return _request_again(memo[1])
-            again = True
-        else:
-            memo[0] = head
-            memo[1] = None
+    found, again = _recall(memo, head)
+    if found is not None:
+        return _request_again(found)
     m = _FAST_REQUEST.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     spans = None
     if m is not None:
@@ -870,20 +878,10 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
 
     memo: the connection's [last head, what its parse found] (Reader.memo): a head byte for byte equal to
     the last canonical one is not parsed again (the parse is a function of the bytes alone); its
-    ResponseHead is a new one all the same, so whatever a caller sets on it stays its own.
-
-    What a parse found is kept only from a head's second time in a row: a connection whose heads differ
-    each time (an API's bodies of varying length, ids in its headers) pays one compare and a store per head,
-    not the building of what would never be used again."""
-    again = False
-    if memo is not None:
-        if memo[0] == head:
-            if memo[1] is not None:
-                return _remembered(memo[1])
-            again = True
-        else:
-            memo[0] = head
-            memo[1] = None
+    ResponseHead is a new one all the same, so whatever a caller sets on it stays its own (_recall)."""
+    found, again = _recall(memo, head)
+    if found is not None:
+        return _remembered(found)
     r = ResponseHead()
     m = _FAST_RESPONSE.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     if m is not None:
