@@ -72,7 +72,7 @@ class Forwarder:
         try:
             while True:
                 cfg = edge.cfg
-                head = _try_head(cfg, x, backend, conn, length)
+                head = upstream_head(x, backend, conn, cfg, length)  # this try's request head
                 x.counted = backend  # uncount() takes back this count, whichever backend a retry names next
                 backend.lock.acquire()  # (not `with`: half its cost; an int's increment cannot raise)
                 backend.inflight += 1
@@ -299,23 +299,6 @@ class Forwarder:
         return down.local_reply(x, status, reason, False, linger=True)
 
     # -- relaying the response ------------------------------------------------------------------------
-
-
-def _try_head(cfg, x, backend: Backend, conn, length):
-    """This try's request head to `backend`: tries.upstream_head fed from x, conn and cfg."""
-    return upstream_head(
-        x.req,
-        backend,
-        conn.peer,
-        conn.peer_trusted,
-        cfg.no_pool,
-        x.proto,
-        x.upgrade,
-        x.rid_sent,
-        length,
-        cfg.allow_underscores,
-        x,
-    )
 
 
 class _Tries:
