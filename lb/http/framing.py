@@ -889,9 +889,9 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
     memo: the connection's [last head, what its parse found] (Reader.memo): a head byte for byte equal to
     the last canonical one is not parsed again (the parse is a function of the bytes alone); its
     ResponseHead is a new one all the same, so whatever a caller sets on it stays its own (_recall)."""
-    found, again = _recall(memo, head)
-    if found is not None:
-        return _remembered(found)
+    r, again = _recalled(memo, head)
+    if r is not None:
+        return r
     r = ResponseHead()
     m = _FAST_RESPONSE.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     if m is not None:
@@ -977,8 +977,18 @@ def _remember(memo: list, head: bytes, r: ResponseHead) -> None:
     )
 
 
-def _remembered(found: tuple) -> ResponseHead:
-    """A new ResponseHead with what a parse of the same bytes found (parse_response's memo)."""
+def _recalled(memo: list | None, head: bytes) -> tuple[ResponseHead | None, bool]:
+    """_recall() for a response, and on a hit the new ResponseHead with what a parse of the same bytes
+    found (one call on the memo's common path, not two)."""
+    if memo is None:
+        return None, False
+    if memo[0] != head:
+        memo[0] = head
+        memo[1] = None
+        return None, False
+    found = memo[1]
+    if found is None:
+        return None, True
     r = ResponseHead()
     (
         r.status,
@@ -994,7 +1004,7 @@ def _remembered(found: tuple) -> ResponseHead:
     ) = found
     r._headers = None
     r.early = False
-    return r
+    return r, True
 
 
 # ------------------------------------------------------------------------------ responses of our own

@@ -59,8 +59,7 @@ class Forwarder:
             length = None if req.chunked else req.content_length
         else:
             length = len(body) if (req.chunked or req.content_length is not None) else None
-        cfg = edge.cfg
-        policy = self._policy if self._policy_of is cfg else self.policy()
+        policy = self._policy if self._policy_of is edge.cfg else self.policy()
         budget = edge.retry_budget
         budget.start()
         t = None  # the tries so far (_Tries), made at the first failure
@@ -112,7 +111,8 @@ class Forwarder:
                     # whole leaves the client's body half read.
                     return self.relay(x, rh, ur, uc, down, in_sync=not (rh.early and streamed))
                 finally:
-                    uncount(x)
+                    if x.counted is not None:  # (relay() took it back already, in the common case)
+                        uncount(x)
         except ClientGone:
             if x.status is None:
                 edge.client_closed(x, reached=True)

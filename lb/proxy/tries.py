@@ -19,7 +19,7 @@ from urllib3.exceptions import ClosedPoolError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from lb.errors import ClientGone, HttpError, PoolExhausted, UpstreamError
-from lb.http.framing import HOP_BY_HOP, REQUEST_NAMES, Reader, Request, parse_response
+from lb.http.framing import HOP_BY_HOP, MAX_HEAD, REQUEST_NAMES, Reader, Request, parse_response
 from lb.http.plan import request_head
 from lb.netaddr import hostport
 from lb.proxy.spool import SpooledBody
@@ -97,15 +97,14 @@ def upstream_head(x, backend: Backend, conn, cfg, length: int | None) -> bytearr
         and sent[1] == length
         and sent[2] == peer
         and sent[3] == proto
-        and sent[4] is underscores
-        and sent[5] is trusted
+        and sent[4] is underscores  # (trust is in `replaced`: one of four sets when it is kept)
     ):
-        out = bytearray(sent[6])
-        length = sent[7]
+        out = bytearray(sent[5])
+        length = sent[6]
     else:
         out, still = _first_part(req, backend, peer, trusted, proto, replaced, underscores, length, slow)
         if sent is not None and edit is None and req.host:  # (no Host: the line is the backend's)
-            sent[:] = replaced, length, peer, proto, underscores, trusted, bytes(out), still
+            sent[:] = replaced, length, peer, proto, underscores, bytes(out), still
         length = still
     if request_id is not None:
         out += b"X-Request-Id: " + request_id + b"\r\n"
@@ -204,10 +203,15 @@ def _send_streamed(up: socket.socket, head: bytes | bytearray, body, chunked: bo
 def _acquire(pool, fresh: bool = False):
     try:
         return pool.acquire_fresh() if fresh else pool.acquire()
-    except PoolExhausted as e:
-        raise UpstreamFailed(Failure.POOL, str(e)) from None
-    except ClosedPoolError:
-        raise UpstreamFailed(Failure.GONE, "removed by a reload") from None
+    except (PoolExhausted, ClosedPoolError) as e:
+        raise _no_slot(e) from None
+
+
+def _no_slot(e: Exception) -> UpstreamFailed:
+    """No connection from the pool: all busy (PoolExhausted), or the pool closed by a reload."""
+    if isinstance(e, PoolExhausted):
+        return UpstreamFailed(Failure.POOL, str(e))
+    return UpstreamFailed(Failure.GONE, "removed by a reload")
 
 
 def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
@@ -223,14 +227,18 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     req = x.req
     pool = backend.pool
     replayable = isinstance(body, (bytes, SpooledBody))
-    read_timeout = cfg.read_timeout
-    per_try = cfg.per_try_timeout
-    conn = _acquire(pool)
+    read_timeout, per_try = cfg.read_timeout, cfg.per_try_timeout
+    try:  # (_acquire's, inline: once per request)
+        conn = pool.acquire()
+    except (PoolExhausted, ClosedPoolError) as e:
+        raise _no_slot(e) from None
     retried = False
     while True:
-        reused = conn.sock is not None
+        reused = (up := conn.sock) is not None
         send_err = None  # why sending failed, if it did
-        up, ur = _connected(pool, conn, reused, read_timeout)
+        ur = conn.reader
+        if not reused or ur is None or ur.sock is not up or ur.applied != read_timeout:
+            up, ur = _connected(pool, conn, reused, read_timeout)  # (a kept connection's Reader as it was: no call)
         try:
             # Where an HTTP/2 client's reset finds it (Exchange.abandon); once closed, the socket ignores it.
             x.upstream_sock = up
@@ -253,7 +261,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
         try:
             if wait is not None and send_err is None:
                 wait(ur)
-            rhead = ur.read_head(max_first_line=8192, what="response")
+            rhead = ur.read_head(MAX_HEAD, 8192, "response")  # (positional: no keyword matching per request)
             while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
                 rhead = ur.read_head(max_first_line=8192, what="response")  # interim 1xx: not relayed
             if rhead is None:
@@ -267,9 +275,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
                 raise UpstreamError("reset", "the client reset its stream")
         except HttpError as e:
             pool.release(conn, False)
-            if x.abandoned:
-                raise ClientGone() from None
-            raise _head_refused(e) from None
+            raise (ClientGone() if x.abandoned else _head_refused(e)) from None
         except (OSError, UpstreamError) as e:
             pool.release(conn, False)
             if x.abandoned:  # the client's reset shut the socket: not the backend's failure
