@@ -64,8 +64,7 @@ class Forwarder:
         budget.start()
         t = None  # the tries so far (_Tries), made at the first failure
         if not backend.in_rotation:
-            # Ejected (or taken out) since it was picked -- in a burst, by the failures of requests
-            # picked just before this one: choose again rather than try it. Nothing was tried yet.
+            # Ejected (or out) since it was picked (in a burst, by the failures of those just before): pick again
             backend = self.repick(x, backend)
         x.upstream_start = monotonic()  # upstream_seconds: every try, up to the last response byte
         try:
@@ -107,9 +106,8 @@ class Forwarder:
                         budget.end(t is not None and t.held)
                         t = _ENDED
                         return tunnel.take(edge, x, uc, rh, ur, conn, down)
-                    # relay() tells passive health the outcome. An early answer to a body not sent
-                    # whole leaves the client's body half read.
-                    return self.relay(x, rh, ur, uc, down, in_sync=not (rh.early and streamed))
+                    # relay() tells passive health; an early answer to a body not sent whole leaves it half read
+                    return self.relay(x, rh, ur, uc, down, not (rh.early and streamed))  # (in_sync)
                 finally:
                     if x.counted is not None:  # (relay() took it back already, in the common case)
                         uncount(x)
@@ -118,8 +116,10 @@ class Forwarder:
                 edge.client_closed(x, reached=True)
             raise
         finally:
-            if t is not _ENDED:
-                budget.end(t is not None and t.held)
+            if t is None:
+                budget.ended()  # (end(False))
+            elif t is not _ENDED:
+                budget.end(t.held)
 
     def after_failure(
         self, x, t: "_Tries", backend: Backend, f: UpstreamFailed, policy: RetryPolicy, streamed: bool

@@ -226,7 +226,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     """
     req = x.req
     pool = backend.pool
-    replayable = isinstance(body, (bytes, SpooledBody))
+    replayable = type(body) is bytes or isinstance(body, SpooledBody)
     read_timeout, per_try = cfg.read_timeout, cfg.per_try_timeout
     try:  # (_acquire's, inline: once per request)
         conn = pool.acquire()
