@@ -41,6 +41,18 @@ N = 20000
 ROUNDS = int(sys.argv[1]) if sys.argv[1:2] and sys.argv[1].isdigit() else 3
 
 
+def upstream_head_args(upstream_head):
+    """(req -> upstream_head's arguments) for the checkout's signature: (x, backend, conn, cfg, length) since
+    the upstream branch of issue 31, (req, backend, peer, trusted, close, proto, upgrade, request_id,
+    length, underscores) before; the same request either way (a client at 127.0.0.1, no id made up)."""
+    import inspect
+    from types import SimpleNamespace as NS
+
+    if "conn" not in inspect.signature(upstream_head).parameters:
+        return lambda r: (r, None, b"127.0.0.1", False, False, b"http", None, None, None, False)
+    conn, cfg = NS(peer=b"127.0.0.1", peer_trusted=False), NS(no_pool=False, allow_underscores=False)
+    return lambda r: (NS(req=r, proto=b"http", upgrade=None, rid_sent=None, route=None), None, conn, cfg, None)
+
 def best(fn) -> float:
     return min(timeit.repeat(fn, number=N, repeat=7)) / N * 1e6
 
@@ -139,16 +151,18 @@ def main() -> None:
     from lb.http.plan import response_fields
     from lb.proxy.forward import upstream_head
 
+    head_args = upstream_head_args(upstream_head)
+
     skip = framing.not_relayed(b"", b"")
 
     def ours_head_work():
         r = framing.parse_request(REQ_HEAD)
-        upstream_head(r, None, b"127.0.0.1", False, False, b"http", None, None, None, False)
+        upstream_head(*head_args(r))
         response_fields(framing.parse_response(RESP_HEAD), skip, False)
 
     def ht_head_work():
         r = ht_request_strict()
-        upstream_head(r, None, b"127.0.0.1", False, False, b"http", None, None, None, False)
+        upstream_head(*head_args(r))
         if framing._FAST_RESPONSE.fullmatch(RESP_HEAD) is None:
             raise AssertionError("the slow path's checks would run here")
         status, version, fields = ht_response_bare()

@@ -299,7 +299,7 @@ def test_generated_heads_parse_from_the_memo_as_they_parse_fresh():
     from lb.errors import HttpError, UpstreamError
     from lb.http.framing import Request, ResponseHead, parse_request, parse_response
 
-    rq = [s for s in Request.__slots__ if s != "_headers"] + ["headers"]
+    rq = [s for s in Request.__slots__ if s not in ("_headers", "sent")] + ["headers"]
     rs = [s for s in ResponseHead.__slots__ if s not in ("_headers", "relayed")] + ["headers"]
     rnd = random.Random(7)
     hits = 0
@@ -346,3 +346,41 @@ def test_generated_responses_relayed_through_the_memo_as_through_a_fresh_parse()
             got = response_plan(parse_response(head, memo), *args)
             assert (bytes(got[0]), got[1], got[2]) == (bytes(want[0]), want[1], want[2]), (head, args)
             got[0].extend(b"the caller's own")
+
+
+def test_generated_requests_sent_upstream_through_the_memo_as_through_a_fresh_parse():
+    """upstream_head keeps the head's first part (request line, client fields, X-Forwarded-*) with the memo
+    (Request.sent): whatever the next request on the connection changes -- the client's address or trust
+    after a reload, the scheme, an id the edge made up, the body's length, underscores, a route's edits,
+    an upgrade -- the backend gets the bytes a fresh parse would give it."""
+    import random
+    from types import SimpleNamespace as NS
+
+    from lb.errors import HttpError
+    from lb.http.framing import parse_request
+    from lb.proxy.routes import HeaderEdit
+    from lb.proxy.tries import upstream_head
+
+    backend = NS(spec=NS(host="10.0.0.9", port=8080))
+    edit = HeaderEdit(NS(remove=["X-A"], set=[("X-Set", "v")]))
+    rnd = random.Random(5)
+    hits = 0
+    for _ in range(1500):
+        head = _generated(rnd, True)
+        memo: list = [None, None]
+        try:
+            parse_request(head, memo)
+        except HttpError:
+            continue
+        for _ in range(6):  # the same client connection's next requests, the same bytes
+            r = parse_request(head, memo)
+            route = NS(request_edit=edit) if rnd.random() < 0.15 else None
+            x = NS(req=r, proto=rnd.choice([b"http", b"https"]), upgrade=rnd.choice([None, None, b"websocket"]),
+                   rid_sent=rnd.choice([None, b"ab12"]), route=route)
+            conn = NS(peer=rnd.choice([b"10.1.1.1", b"10.1.1.2"]), peer_trusted=rnd.random() < 0.3)
+            cfg = NS(no_pool=rnd.random() < 0.2, allow_underscores=rnd.random() < 0.3)
+            length = rnd.choice([None, 0, 5])
+            hits += r.sent is not None and r.sent[0] is not None
+            want = upstream_head(NS(**{**vars(x), "req": parse_request(head)}), backend, conn, cfg, length)
+            assert bytes(upstream_head(x, backend, conn, cfg, length)) == bytes(want), (head, vars(x), vars(conn))
+    assert hits > 300  # (the kept first part was exercised, not only bypassed)

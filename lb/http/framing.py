@@ -346,6 +346,7 @@ class Request:
         "client_cert",
         "raw",
         "spans",
+        "sent",
     )
     # (the types, for mypy: parse_request sets every one)
     method: bytes
@@ -367,6 +368,10 @@ class Request:
     cookie: bytes | None
     request_id: bytes | None
     client_cert: ClientCert | None
+    # [what the head sent upstream was written for, ..., that head's first part] (lb/proxy/tries.py's
+    # upstream_head), shared by every parse of the same bytes through a connection's memo, as
+    # ResponseHead.relayed; None when the head is not remembered
+    sent: list | None
 
     @property
     def headers(self) -> list[tuple[bytes, bytes, bytes]]:
@@ -379,7 +384,7 @@ class Request:
     @headers.setter
     def headers(self, value) -> None:
         self._headers = value
-        self.raw = self.spans = None
+        self.raw = self.spans = self.sent = None
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -484,6 +489,7 @@ def parse_request(head: bytes, memo: list | None = None) -> Request:
         method, target, version = _request_line(head)
     r = Request()
     r.method, r.target, r.version = method, target, version
+    r.sent = None
     if spans is None:
         r.headers = headers = _split_headers(head.split(CRLF), 1)
         fields = [(0, 0, lname, value) for _, lname, value in headers]
@@ -513,6 +519,7 @@ def parse_request(head: bytes, memo: list | None = None) -> Request:
             raise HttpError(400, "invalid request target")
     r.keep_alive = keep_alive
     if again and spans is not None:
+        r.sent = sent = [None]
         memo[1] = (  # type: ignore[index]  # (again: memo is a list)
             method,
             target,
@@ -531,6 +538,7 @@ def parse_request(head: bytes, memo: list | None = None) -> Request:
             r.request_id,
             head,
             spans,
+            sent,
         )
     return r
 
@@ -557,6 +565,7 @@ def _request_again(found: tuple) -> Request:
         r.request_id,
         r.raw,
         r.spans,
+        r.sent,
     ) = found
     r._headers = r.client_cert = None
     return r
@@ -676,6 +685,7 @@ def request_from_fields(
     _check_pseudo_fields(method, target, len(headers))
     r = Request()
     r.method, r.target, r.version = method, target, version
+    r.sent = None
     r.content_length = None
     r.chunked = False
     r.host = r.api_key = r.xff = r.proto = r.fwd_host = r.cookie = r.request_id = r.client_cert = None
@@ -879,9 +889,9 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
     memo: the connection's [last head, what its parse found] (Reader.memo): a head byte for byte equal to
     the last canonical one is not parsed again (the parse is a function of the bytes alone); its
     ResponseHead is a new one all the same, so whatever a caller sets on it stays its own (_recall)."""
-    found, again = _recall(memo, head)
-    if found is not None:
-        return _remembered(found)
+    r, again = _recalled(memo, head)
+    if r is not None:
+        return r
     r = ResponseHead()
     m = _FAST_RESPONSE.fullmatch(head) if len(head) <= MAX_HEADER_LINE else None
     if m is not None:
@@ -967,8 +977,18 @@ def _remember(memo: list, head: bytes, r: ResponseHead) -> None:
     )
 
 
-def _remembered(found: tuple) -> ResponseHead:
-    """A new ResponseHead with what a parse of the same bytes found (parse_response's memo)."""
+def _recalled(memo: list | None, head: bytes) -> tuple[ResponseHead | None, bool]:
+    """_recall() for a response, and on a hit the new ResponseHead with what a parse of the same bytes
+    found (one call on the memo's common path, not two)."""
+    if memo is None:
+        return None, False
+    if memo[0] != head:
+        memo[0] = head
+        memo[1] = None
+        return None, False
+    found = memo[1]
+    if found is None:
+        return None, True
     r = ResponseHead()
     (
         r.status,
@@ -984,7 +1004,7 @@ def _remembered(found: tuple) -> ResponseHead:
     ) = found
     r._headers = None
     r.early = False
-    return r
+    return r, True
 
 
 # ------------------------------------------------------------------------------ responses of our own

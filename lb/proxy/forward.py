@@ -59,20 +59,18 @@ class Forwarder:
             length = None if req.chunked else req.content_length
         else:
             length = len(body) if (req.chunked or req.content_length is not None) else None
-        cfg = edge.cfg
-        policy = self._policy if self._policy_of is cfg else self.policy()
+        policy = self._policy if self._policy_of is edge.cfg else self.policy()
         budget = edge.retry_budget
         budget.start()
         t = None  # the tries so far (_Tries), made at the first failure
         if not backend.in_rotation:
-            # Ejected (or taken out) since it was picked -- in a burst, by the failures of requests
-            # picked just before this one: choose again rather than try it. Nothing was tried yet.
+            # Ejected (or out) since it was picked (in a burst, by the failures of those just before): pick again
             backend = self.repick(x, backend)
         x.upstream_start = monotonic()  # upstream_seconds: every try, up to the last response byte
         try:
             while True:
                 cfg = edge.cfg
-                head = _try_head(cfg, x, backend, conn, length)
+                head = upstream_head(x, backend, conn, cfg, length)  # this try's request head
                 x.counted = backend  # uncount() takes back this count, whichever backend a retry names next
                 backend.lock.acquire()  # (not `with`: half its cost; an int's increment cannot raise)
                 backend.inflight += 1
@@ -108,18 +106,20 @@ class Forwarder:
                         budget.end(t is not None and t.held)
                         t = _ENDED
                         return tunnel.take(edge, x, uc, rh, ur, conn, down)
-                    # relay() tells passive health the outcome. An early answer to a body not sent
-                    # whole leaves the client's body half read.
-                    return self.relay(x, rh, ur, uc, down, in_sync=not (rh.early and streamed))
+                    # relay() tells passive health; an early answer to a body not sent whole leaves it half read
+                    return self.relay(x, rh, ur, uc, down, not (rh.early and streamed))  # (in_sync)
                 finally:
-                    uncount(x)
+                    if x.counted is not None:  # (relay() took it back already, in the common case)
+                        uncount(x)
         except ClientGone:
             if x.status is None:
                 edge.client_closed(x, reached=True)
             raise
         finally:
-            if t is not _ENDED:
-                budget.end(t is not None and t.held)
+            if t is None:
+                budget.ended()  # (end(False))
+            elif t is not _ENDED:
+                budget.end(t.held)
 
     def after_failure(
         self, x, t: "_Tries", backend: Backend, f: UpstreamFailed, policy: RetryPolicy, streamed: bool
@@ -299,23 +299,6 @@ class Forwarder:
         return down.local_reply(x, status, reason, False, linger=True)
 
     # -- relaying the response ------------------------------------------------------------------------
-
-
-def _try_head(cfg, x, backend: Backend, conn, length):
-    """This try's request head to `backend`: tries.upstream_head fed from x, conn and cfg."""
-    return upstream_head(
-        x.req,
-        backend,
-        conn.peer,
-        conn.peer_trusted,
-        cfg.no_pool,
-        x.proto,
-        x.upgrade,
-        x.rid_sent,
-        length,
-        cfg.allow_underscores,
-        x,
-    )
 
 
 class _Tries:

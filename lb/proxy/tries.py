@@ -19,7 +19,7 @@ from urllib3.exceptions import ClosedPoolError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from lb.errors import ClientGone, HttpError, PoolExhausted, UpstreamError
-from lb.http.framing import HOP_BY_HOP, REQUEST_NAMES, Reader, Request, parse_response
+from lb.http.framing import HOP_BY_HOP, MAX_HEAD, REQUEST_NAMES, Reader, Request, parse_response
 from lb.http.plan import request_head
 from lb.netaddr import hostport
 from lb.proxy.spool import SpooledBody
@@ -36,6 +36,9 @@ _NOT_COPIED = HOP_BY_HOP | {b"content-length", b"x-forwarded-client-cert"}
 _REPLACED = _NOT_COPIED | {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"expect"}
 _REPLACED_TRUSTED = _NOT_COPIED | {b"x-forwarded-for", b"expect"}
 _REQUEST_ID_HEADER = frozenset({b"x-request-id"})
+# ... and with the client's X-Request-Id, when the edge writes its own (made at import, not per request)
+_REPLACED_RID = _REPLACED | _REQUEST_ID_HEADER
+_REPLACED_TRUSTED_RID = _REPLACED_TRUSTED | _REQUEST_ID_HEADER
 
 
 class UpstreamFailed(Exception):
@@ -56,21 +59,12 @@ class UpstreamFailed(Exception):
         return self.kind.status
 
 
-def upstream_head(
-    req: Request,
-    backend: Backend,
-    peer: bytes,
-    trusted: bool = False,
-    close: bool = False,
-    proto: bytes = b"http",
-    upgrade: bytes | None = None,
-    request_id: bytes | None = None,
-    length: int | None = None,
-    underscores: bool = False,
-    x=None,
-) -> bytearray:
+def upstream_head(x, backend: Backend, conn, cfg, length: int | None) -> bytearray:
     """The request as the backend sees it: hop-by-hop headers out, forwarding headers appended, and
     exactly one framing header, the edge's: Content-Length `length`, else chunked if the body is.
+    x: the Exchange (x.req, the scheme it came by, an allowed upgrade, the request id the edge made up, the
+    route's edits); conn: the client connection (its address, whether it is a trusted proxy); cfg: the
+    configuration (no_pool: Connection: close; allow_underscores).
 
     X-Forwarded-Proto/-Host from a trusted proxy (a TLS terminator in front) are passed on as they
     are; from anyone else they are replaced with what the edge saw. request_id: the id the edge made
@@ -81,16 +75,70 @@ def upstream_head(
     so a client could slip its own beside the edge's. The edge itself never reads such a name as its
     dashed twin (parse_request matches exact names).
     """
-    replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
-    if request_id is not None:
-        replaced = replaced | _REQUEST_ID_HEADER
-    edit = x.route.request_edit if x is not None and x.route is not None else None  # lb/proxy/routes.py
+    req = x.req
+    peer, trusted, proto, request_id = conn.peer, conn.peer_trusted, x.proto, x.rid_sent
+    underscores = cfg.allow_underscores
+    if request_id is None:
+        replaced = _REPLACED if not trusted else _REPLACED_TRUSTED
+    else:
+        replaced = _REPLACED_RID if not trusted else _REPLACED_TRUSTED_RID
+    route = x.route
+    edit = route.request_edit if route is not None else None  # lb/proxy/routes.py
     slow = False
     if edit is not None:
         replaced = replaced | edit.drop
         slow = not edit.drop <= REQUEST_NAMES  # a removed name the parser does not locate
-    # The request line and the client's fields (lb/http/plan.py; Connection's tokens never name Host or
-    # the framing), then the edge's own lines.
+    # A head the connection's memo remembers (the same bytes again) whose first part -- the request line,
+    # the client's fields, X-Forwarded-* -- was written before for the same inputs: those bytes again.
+    sent = req.sent
+    if (
+        sent is not None
+        and sent[0] is replaced
+        and sent[1] == length
+        and sent[2] == peer
+        and sent[3] == proto
+        and sent[4] is underscores  # (trust is in `replaced`: one of four sets when it is kept)
+    ):
+        out = bytearray(sent[5])
+        length = sent[6]
+    else:
+        out, still = _first_part(req, backend, peer, trusted, proto, replaced, underscores, length, slow)
+        if sent is not None and edit is None and req.host:  # (no Host: the line is the backend's)
+            sent[:] = replaced, length, peer, proto, underscores, bytes(out), still
+        length = still
+    if request_id is not None:
+        out += b"X-Request-Id: " + request_id + b"\r\n"
+    if req.client_cert is not None:
+        out += b"X-Forwarded-Client-Cert: " + req.client_cert.xfcc + b"\r\n"
+    if edit is not None:
+        out += edit.render(x)
+    if length is not None:
+        out += b"Content-Length: %d\r\n" % length
+    elif req.chunked:
+        out += b"Transfer-Encoding: chunked\r\n"
+    upgrade = x.upgrade
+    if upgrade:  # an allowed upgrade (lb/proxy/tunnel.py): the one exception to hop-by-hop stripping
+        out += b"Upgrade: " + upgrade + b"\r\nConnection: Upgrade\r\n"
+    elif cfg.no_pool:
+        out += b"Connection: close\r\n"
+    out += b"\r\n"
+    return out
+
+
+def _first_part(
+    req: Request,
+    backend: Backend,
+    peer: bytes,
+    trusted: bool,
+    proto: bytes,
+    replaced: frozenset,
+    underscores: bool,
+    length: int | None,
+    slow: bool,
+) -> tuple[bytearray, int | None]:
+    """upstream_head's head up to the edge's X-Request-Id: the request line and the client's fields
+    (lb/http/plan.py; Connection's tokens never name Host or the framing), then X-Forwarded-*; and
+    `length` if it is still to be written."""
     out, length = request_head(req, replaced, underscores, length, slow)
     host = req.host
     if not host:  # HTTP/1.0 without Host: HTTP/1.1 to the backend requires one
@@ -107,22 +155,7 @@ def upstream_head(
         out += b"\r\nX-Forwarded-Host: "
         out += host
     out += b"\r\n"
-    if request_id is not None:
-        out += b"X-Request-Id: " + request_id + b"\r\n"
-    if req.client_cert is not None:
-        out += b"X-Forwarded-Client-Cert: " + req.client_cert.xfcc + b"\r\n"
-    if edit is not None:
-        out += edit.render(x)
-    if length is not None:
-        out += b"Content-Length: %d\r\n" % length
-    elif req.chunked:
-        out += b"Transfer-Encoding: chunked\r\n"
-    if upgrade:  # an allowed upgrade (lb/proxy/tunnel.py): the one exception to hop-by-hop stripping
-        out += b"Upgrade: " + upgrade + b"\r\nConnection: Upgrade\r\n"
-    elif close:
-        out += b"Connection: close\r\n"
-    out += b"\r\n"
-    return out
+    return out, length
 
 
 def classify(e: BaseException, reused: bool) -> tuple[Failure, str]:
@@ -170,10 +203,15 @@ def _send_streamed(up: socket.socket, head: bytes | bytearray, body, chunked: bo
 def _acquire(pool, fresh: bool = False):
     try:
         return pool.acquire_fresh() if fresh else pool.acquire()
-    except PoolExhausted as e:
-        raise UpstreamFailed(Failure.POOL, str(e)) from None
-    except ClosedPoolError:
-        raise UpstreamFailed(Failure.GONE, "removed by a reload") from None
+    except (PoolExhausted, ClosedPoolError) as e:
+        raise _no_slot(e) from None
+
+
+def _no_slot(e: Exception) -> UpstreamFailed:
+    """No connection from the pool: all busy (PoolExhausted), or the pool closed by a reload."""
+    if isinstance(e, PoolExhausted):
+        return UpstreamFailed(Failure.POOL, str(e))
+    return UpstreamFailed(Failure.GONE, "removed by a reload")
 
 
 def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
@@ -188,15 +226,19 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
     """
     req = x.req
     pool = backend.pool
-    replayable = isinstance(body, (bytes, SpooledBody))
-    read_timeout = cfg.read_timeout
-    per_try = cfg.per_try_timeout
-    conn = _acquire(pool)
+    replayable = type(body) is bytes or isinstance(body, SpooledBody)
+    read_timeout, per_try = cfg.read_timeout, cfg.per_try_timeout
+    try:  # (_acquire's, inline: once per request)
+        conn = pool.acquire()
+    except (PoolExhausted, ClosedPoolError) as e:
+        raise _no_slot(e) from None
     retried = False
     while True:
-        reused = conn.sock is not None
+        reused = (up := conn.sock) is not None
         send_err = None  # why sending failed, if it did
-        up, ur = _connected(pool, conn, reused, read_timeout)
+        ur = conn.reader
+        if not reused or ur is None or ur.sock is not up or ur.applied != read_timeout:
+            up, ur = _connected(pool, conn, reused, read_timeout)  # (a kept connection's Reader as it was: no call)
         try:
             # Where an HTTP/2 client's reset finds it (Exchange.abandon); once closed, the socket ignores it.
             x.upstream_sock = up
@@ -219,7 +261,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
         try:
             if wait is not None and send_err is None:
                 wait(ur)
-            rhead = ur.read_head(max_first_line=8192, what="response")
+            rhead = ur.read_head(MAX_HEAD, 8192, "response")  # (positional: no keyword matching per request)
             while rhead is not None and rhead[9:10] == b"1" and rhead[9:12] != b"101":
                 rhead = ur.read_head(max_first_line=8192, what="response")  # interim 1xx: not relayed
             if rhead is None:
@@ -233,9 +275,7 @@ def attempt(cfg, x, backend: Backend, head: bytes | bytearray, body, wait=None):
                 raise UpstreamError("reset", "the client reset its stream")
         except HttpError as e:
             pool.release(conn, False)
-            if x.abandoned:
-                raise ClientGone() from None
-            raise _head_refused(e) from None
+            raise (ClientGone() if x.abandoned else _head_refused(e)) from None
         except (OSError, UpstreamError) as e:
             pool.release(conn, False)
             if x.abandoned:  # the client's reset shut the socket: not the backend's failure

@@ -266,6 +266,17 @@ class BackendPool(urllib3.HTTPConnectionPool):
             except IndexError:
                 pass
             else:
+                # _checked's common case inline: a plain socket, idle not too long, whose poll object
+                # (made at its first check) sees nothing on it
+                if (
+                    conn is not None
+                    and type(sock := conn.sock) is socket.socket
+                    and (watch := conn.watch) is not None
+                    and watch[0] is sock
+                    and monotonic() - conn.idle_since <= self.idle_timeout
+                    and not watch[1].poll(0)
+                ):
+                    return conn
                 return self._checked(conn)
         try:
             return self._get_conn(timeout=self.pool_timeout)

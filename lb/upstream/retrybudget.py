@@ -21,6 +21,7 @@ flight the percentage governs.
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 
 class RetryBudget:
@@ -32,6 +33,9 @@ class RetryBudget:
         # the GIL (and per-object locked without it), where `active += 1` is a read, an add and a write
         # another thread can come between. The lock guards what is decided from the counts (try_retry).
         self._active: list = []
+        # start() and end(False), the per-request calls, as the list's own methods: no Python frame each
+        self.start = partial(self._active.append, None)  # a request is being forwarded
+        self.ended = self._active.pop  # ... and is over, without a retry slot (end(False))
         self.retrying = 0  # of which: holding a retry slot
         self.peak = 0  # the most retries ever in flight at once
         self.granted = 0
@@ -49,9 +53,6 @@ class RetryBudget:
     def allowed(self) -> int:
         """Retries that may be in flight now."""
         return max(self.minimum, int(len(self._active) * self.percent / 100))
-
-    def start(self) -> None:
-        self._active.append(None)
 
     def end(self, held: bool) -> None:
         """The request is over; `held`: it had been granted a retry."""
