@@ -46,8 +46,11 @@ class Call:
 class Batcher:
     """call(script, cmd) -> reply, through at most `flights` concurrent round trips made by fly(calls)."""
 
-    def __init__(self, fly, flights: int):
+    def __init__(self, fly, flights: int, alone=None):
         self._fly = fly
+        # alone(script, cmd) -> reply: a flight of one call made without a Call or a list (the common case);
+        # it returns NOT_SENT, having sent nothing, when it cannot (no idle connection, one to reconnect).
+        self._alone = alone
         self.flights = flights
         self._lock = threading.Lock()
         self._queue: list[Call] = []
@@ -56,7 +59,6 @@ class Batcher:
         self.calls = 0  # calls carried: calls / trips is the mean batch size
 
     def call(self, script, cmd: bytes):
-        c = Call(script, cmd)
         # (acquire/release, not `with`: this runs for every decision, and `with` costs twice as much; the
         # bodies are plain list and int operations that cannot raise)
         lock = self._lock
@@ -64,8 +66,19 @@ class Batcher:
         if self._out < self.flights:
             self._out += 1
             lock.release()
+            if self._alone is not None:
+                try:
+                    r = self._alone(script, cmd)
+                except BaseException:
+                    self._land(1)
+                    raise
+                if r is not NOT_SENT:
+                    self._land(1)
+                    return r
+            c = Call(script, cmd)
             batch = [c]
         else:
+            c = Call(script, cmd)
             c.queue()
             self._queue.append(c)
             lock.release()
@@ -81,16 +94,7 @@ class Batcher:
         try:
             self._fly(batch)
         finally:
-            lock.acquire()
-            self.trips += 1
-            self.calls += len(batch)
-            if self._queue:  # the flight slot passes to the oldest waiter
-                nxt = self._queue.pop(0)
-                nxt.lead = True
-                nxt.done.release()
-            else:
-                self._out -= 1
-            lock.release()
+            self._land(len(batch))
             if c.reply is None and c.error is None:  # fly() itself blew up
                 c.error = RedisConnectionError("the round trip carrying this call failed")
             if len(batch) > 1:
@@ -101,3 +105,20 @@ class Batcher:
         if c.error is not None:
             raise c.error
         return c.reply
+
+    def _land(self, carried: int) -> None:
+        """A flight is down: counted, and its slot passed to the oldest waiter (who leads the next)."""
+        lock = self._lock
+        lock.acquire()
+        self.trips += 1
+        self.calls += carried
+        if self._queue:
+            nxt = self._queue.pop(0)
+            nxt.lead = True
+            nxt.done.release()
+        else:
+            self._out -= 1
+        lock.release()
+
+
+NOT_SENT = object()  # alone()'s "nothing sent: make an ordinary flight"

@@ -50,7 +50,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from limiter.redis.batch import Batcher, Call
+from limiter.redis.batch import NOT_SENT, Batcher, Call
 from limiter.redis.url import Target
 
 log = logging.getLogger("edge")
@@ -307,7 +307,7 @@ class RedisLink:
         )
         self.pool = self._new_pool()
         # Batching: at most FLIGHTS round trips at once, later callers share the next one (redis_batch).
-        self.batcher = Batcher(self._flight, min(FLIGHTS, pool_size)) if FLIGHTS else None
+        self.batcher = Batcher(self._flight, min(FLIGHTS, pool_size), self._alone) if FLIGHTS else None
         self.up = True
         self.down_since = 0.0
         self.retry_at = 0.0  # while down: the next instant (monotonic) one request may probe Redis
@@ -349,7 +349,7 @@ class RedisLink:
         # The parent's sockets (and possibly a held lock) came along: start with nothing shared.
         self.pool = self._new_pool()
         self._lock = threading.Lock()
-        self.batcher = Batcher(self._flight, self.batcher.flights) if self.batcher is not None else None
+        self.batcher = Batcher(self._flight, self.batcher.flights, self._alone) if self.batcher is not None else None
 
     def evalsha(self, script, key: bytes, now: float, asking: bool = False) -> bytes:
         """Run one of our scripts on key at now; returns its reply (bytes).  Raises RedisError.
@@ -441,6 +441,43 @@ class RedisLink:
             idle.append(slot)  # _Pool.put, inlined
             if pool._waiters:
                 pool.hand_over()
+
+    def _alone(self, script, cmd: bytes):
+        """_flight for a single call, as the batcher makes when nobody is queued: the same round trip on
+        the same pool without a Call, a list or _trip's loop. Returns the reply; raises an error reply
+        (the connection stays in step) or a failed connection's error (it is closed), as _flight records
+        them. NOT_SENT, having sent nothing, when the pool has no idle connection for us, the connection
+        must be (re)connected, or the script must be loaded (NOSCRIPT: it did not run) -- _flight does those."""
+        pool = self.pool
+        idle = pool._idle
+        if pool._waiters or not idle:
+            return NOT_SENT
+        slot = idle.pop()
+        sock = slot.sock
+        reply = NOT_SENT
+        clean = False
+        try:
+            if sock is not None and sock is slot.conn._sock and not slot.poll.poll(0):
+                try:
+                    sock.sendall(cmd)
+                except (BlockingIOError, socket.timeout):
+                    raise RedisTimeoutError("Timeout writing to Redis") from None
+                except OSError as e:
+                    raise RedisConnectionError(f"Error writing to Redis: {e}") from None
+                reply = slot.next_reply()
+                if isinstance(reply, NoScriptError):
+                    reply = NOT_SENT  # not run: _flight loads the script and sends it again
+            clean = True
+        finally:
+            if not clean:
+                slot.conn.disconnect()
+                slot.sock = None
+            idle.append(slot)  # _Pool.put, inlined
+            if pool._waiters:
+                pool.hand_over()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     @staticmethod
     def _send(slot, data: bytes) -> None:
