@@ -179,31 +179,31 @@ class AccessLog:
     # -- request threads ------------------------------------------------------------------------------
 
     def record(self, x, status: int, seconds: float) -> None:
-        """x: the request's Exchange (lb/proxy/edge.py). Optional fields are read with defaults, so a stage
-        that learns something new (tries, limited_by, key_name) only has to set it on the Exchange."""
+        """x: the request's Exchange (lb/proxy/edge.py), whose every field its __init__ sets: a stage that
+        learns something new (tries, limited_by, key_name) only has to set it there."""
         req = x.req
         backend = x.backend
-        route = getattr(x, "route", None)
+        route = x.route
         self.q.put(
             (
                 time.time(),
-                getattr(x, "request_id", None),
-                getattr(x, "client_ip", None),
+                x.request_id,
+                x.client_ip,
                 x.key,
                 req.method,
                 req.target,
                 status,
-                getattr(x, "bytes_sent", None),
+                x.bytes_sent,
                 backend.url if backend is not None else None,
-                getattr(x, "upstream_seconds", None),
+                x.upstream_seconds,
                 seconds,
-                getattr(x, "tries", 0),
-                getattr(x, "limited_by", None),
-                getattr(x, "tunnel", None),
+                x.tries,
+                x.limited_by,
+                x.tunnel,
                 req,
-                getattr(x, "bytes_received", None),
-                getattr(x, "upstream_status", None),
-                getattr(x, "hedge", None),
+                x.bytes_received,
+                x.upstream_status,
+                x.hedge,
                 route.name if route is not None else None,
             )
         )
