@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import select
 import stat
 import sys
@@ -119,8 +120,16 @@ def redact_query(target: bytes, names: frozenset) -> bytes:
     return target[: q + 1] + b"&".join(parts) if changed else target
 
 
-def _user_agent(headers) -> bytes | None:
-    for _, lname, value in headers:
+# A canonical head's first User-Agent line (framing's fast path: every line `Name: value`, no blank around
+# the value, no CR inside one), read where it is: what req.headers would give, without splitting the head.
+_UA_LINE = re.compile(rb"\r\n(?i:user-agent): ([^\r]*)")
+
+
+def _user_agent(req) -> bytes | None:
+    if getattr(req, "spans", None) is not None:  # (spans set: raw is the canonical head as it came)
+        m = _UA_LINE.search(req.raw)
+        return None if m is None else m[1]
+    for _, lname, value in req.headers:
         if lname == b"user-agent":
             return value
     return None
@@ -277,7 +286,7 @@ class AccessLog:
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         host = ua = cert = None
         if req is not None:
-            host, ua, cert = req.host, _user_agent(req.headers), getattr(req, "client_cert", None)
+            host, ua, cert = req.host, _user_agent(req), getattr(req, "client_cert", None)
             if self.redact and b"?" in target:
                 target = redact_query(target, self.redact)
         # the client's label (lb/limiting/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
