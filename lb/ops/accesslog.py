@@ -162,6 +162,48 @@ def _text(v) -> str:
     return "-" if v is None else escape(v) if isinstance(v, str) else str(v)
 
 
+def _escaped(ip, upstream, rid, key, limited_by, method: bytes, target: bytes, host, ua) -> tuple[str, ...]:
+    """The text line's escaped fields: _text() of the first five, escape() of the others (host and ua "-"
+    when absent, ua quoted). The common line has nothing to escape and nothing too long: one check of all
+    of them together (their bytes, translated, leave nothing), then each as it is."""
+    joined = f"{ip}{upstream}{rid}{key}{limited_by}"  # (None reads "None" here: nothing to escape either)
+    try:
+        plain = (
+            len(joined) <= 2048
+            and len(method) <= 32
+            and len(target) <= 2048
+            and (host is None or len(host) <= 256)
+            and (ua is None or len(ua) <= 512)
+            and joined.isascii()
+            and not (joined.encode() + method + target + (host or b"") + (ua or b"")).translate(None, _KEPT)
+        )
+    except TypeError:  # a str where bytes are expected: escape() takes either
+        plain = False
+    if plain:
+        return (
+            "-" if ip is None else str(ip),
+            "-" if upstream is None else str(upstream),
+            "-" if rid is None else str(rid),
+            "-" if key is None else str(key),
+            "-" if limited_by is None else str(limited_by),
+            method.decode("ascii"),
+            target.decode("ascii"),
+            "-" if host is None else host.decode("ascii"),
+            "-" if ua is None else '"' + ua.decode("ascii") + '"',
+        )
+    return (
+        _text(ip),
+        _text(upstream),
+        _text(rid),
+        _text(key),
+        _text(limited_by),
+        escape(method, 32),
+        escape(target),
+        "-" if host is None else escape(host, 256),
+        "-" if ua is None else '"' + escape(ua, 512) + '"',
+    )
+
+
 class AccessLog:
     def __init__(self, path: str, fmt: str = "text", redact=REDACT_DEFAULT):
         self.path, self.fmt = path, fmt
@@ -322,11 +364,13 @@ class AccessLog:
             d.update((name, value) for name, value, _ in extras)
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
+        t_ip, t_up, t_rid, t_key, t_lim, t_method, t_target, t_host, t_ua = _escaped(
+            ip, upstream, rid, key, limited_by, method, target, host, ua
+        )
         return (
-            f'{_stamp(ts)} {_text(ip)} "{escape(method, 32)} {escape(target)}" {status} {_text(sent)} '
-            f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
-            f"key={_text(key)} tries={tries} limited_by={_text(limited_by)} "
-            f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
+            f'{_stamp(ts)} {t_ip} "{t_method} {t_target}" {status} {_text(sent)} '
+            f"{t_up} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={t_rid} "
+            f"key={t_key} tries={tries} limited_by={t_lim} host={t_host} ua={t_ua} "
             f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
             + "".join(text for _, _, text in extras)
         )
