@@ -54,17 +54,17 @@ HOP_BY_HOP = frozenset(
 # X-Request-Id (--request-id-response) and the rate-limit fields, which replace the backend's (plus any
 # X-RateLimit-* name: a prefix, checked apart). Otherwise the backend's X-Request-Id passes untouched.
 NOT_RELAYED = HOP_BY_HOP | {b"content-length"}
-_NOT_RELAYED_IETF = NOT_RELAYED | {b"ratelimit", b"ratelimit-policy"}
-_NOT_RELAYED_RID = NOT_RELAYED | {b"x-request-id"}
-_NOT_RELAYED_RID_IETF = _NOT_RELAYED_IETF | {b"x-request-id"}
+NOT_RELAYED_IETF = NOT_RELAYED | {b"ratelimit", b"ratelimit-policy"}
+NOT_RELAYED_RID = NOT_RELAYED | {b"x-request-id"}
+NOT_RELAYED_RID_IETF = NOT_RELAYED_IETF | {b"x-request-id"}
 
 
 def not_relayed(rl: bytes, rid: bytes = b"") -> frozenset:
     """NOT_RELAYED, with the IETF RateLimit fields when the edge writes those ([limits] ietf_headers) and
     X-Request-Id when it writes its own (rid: the exchange's X-Request-Id line, empty when it writes none)."""
     if rid:
-        return _NOT_RELAYED_RID_IETF if b"\nRateLimit: " in rl else _NOT_RELAYED_RID
-    return _NOT_RELAYED_IETF if b"\nRateLimit: " in rl else NOT_RELAYED
+        return NOT_RELAYED_RID_IETF if b"\nRateLimit: " in rl else NOT_RELAYED_RID
+    return NOT_RELAYED_IETF if b"\nRateLimit: " in rl else NOT_RELAYED
 
 
 # What a Connection token may never remove (RFC 9112 6.1, 7.6.1 of 9110 notwithstanding): the message's

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import select
 import stat
 import sys
@@ -119,8 +120,16 @@ def redact_query(target: bytes, names: frozenset) -> bytes:
     return target[: q + 1] + b"&".join(parts) if changed else target
 
 
-def _user_agent(headers) -> bytes | None:
-    for _, lname, value in headers:
+# A canonical head's first User-Agent line (framing's fast path: every line `Name: value`, no blank around
+# the value, no CR inside one), read where it is: what req.headers would give, without splitting the head.
+_UA_LINE = re.compile(rb"\r\n(?i:user-agent): ([^\r]*)")
+
+
+def _user_agent(req) -> bytes | None:
+    if getattr(req, "spans", None) is not None:  # (spans set: raw is the canonical head as it came)
+        m = _UA_LINE.search(req.raw)
+        return None if m is None else m[1]
+    for _, lname, value in req.headers:
         if lname == b"user-agent":
             return value
     return None
@@ -153,6 +162,48 @@ def _text(v) -> str:
     return "-" if v is None else escape(v) if isinstance(v, str) else str(v)
 
 
+def _escaped(ip, upstream, rid, key, limited_by, method: bytes, target: bytes, host, ua) -> tuple[str, ...]:
+    """The text line's escaped fields: _text() of the first five, escape() of the others (host and ua "-"
+    when absent, ua quoted). The common line has nothing to escape and nothing too long: one check of all
+    of them together (their bytes, translated, leave nothing), then each as it is."""
+    joined = f"{ip}{upstream}{rid}{key}{limited_by}"  # (None reads "None" here: nothing to escape either)
+    try:
+        plain = (
+            len(joined) <= 2048
+            and len(method) <= 32
+            and len(target) <= 2048
+            and (host is None or len(host) <= 256)
+            and (ua is None or len(ua) <= 512)
+            and joined.isascii()
+            and not (joined.encode() + method + target + (host or b"") + (ua or b"")).translate(None, _KEPT)
+        )
+    except TypeError:  # a str where bytes are expected: escape() takes either
+        plain = False
+    if plain:
+        return (
+            "-" if ip is None else str(ip),
+            "-" if upstream is None else str(upstream),
+            "-" if rid is None else str(rid),
+            "-" if key is None else str(key),
+            "-" if limited_by is None else str(limited_by),
+            method.decode("ascii"),
+            target.decode("ascii"),
+            "-" if host is None else host.decode("ascii"),
+            "-" if ua is None else '"' + ua.decode("ascii") + '"',
+        )
+    return (
+        _text(ip),
+        _text(upstream),
+        _text(rid),
+        _text(key),
+        _text(limited_by),
+        escape(method, 32),
+        escape(target),
+        "-" if host is None else escape(host, 256),
+        "-" if ua is None else '"' + escape(ua, 512) + '"',
+    )
+
+
 class AccessLog:
     def __init__(self, path: str, fmt: str = "text", redact=REDACT_DEFAULT):
         self.path, self.fmt = path, fmt
@@ -179,31 +230,31 @@ class AccessLog:
     # -- request threads ------------------------------------------------------------------------------
 
     def record(self, x, status: int, seconds: float) -> None:
-        """x: the request's Exchange (lb/proxy/edge.py). Optional fields are read with defaults, so a stage
-        that learns something new (tries, limited_by, key_name) only has to set it on the Exchange."""
+        """x: the request's Exchange (lb/proxy/edge.py), whose every field its __init__ sets: a stage that
+        learns something new (tries, limited_by, key_name) only has to set it there."""
         req = x.req
         backend = x.backend
-        route = getattr(x, "route", None)
+        route = x.route
         self.q.put(
             (
                 time.time(),
-                getattr(x, "request_id", None),
-                getattr(x, "client_ip", None),
+                x.request_id,
+                x.client_ip,
                 x.key,
                 req.method,
                 req.target,
                 status,
-                getattr(x, "bytes_sent", None),
+                x.bytes_sent,
                 backend.url if backend is not None else None,
-                getattr(x, "upstream_seconds", None),
+                x.upstream_seconds,
                 seconds,
-                getattr(x, "tries", 0),
-                getattr(x, "limited_by", None),
-                getattr(x, "tunnel", None),
+                x.tries,
+                x.limited_by,
+                x.tunnel,
                 req,
-                getattr(x, "bytes_received", None),
-                getattr(x, "upstream_status", None),
-                getattr(x, "hedge", None),
+                x.bytes_received,
+                x.upstream_status,
+                x.hedge,
                 route.name if route is not None else None,
             )
         )
@@ -277,7 +328,7 @@ class AccessLog:
         rid = rid.decode("latin-1") if isinstance(rid, bytes) else rid
         host = ua = cert = None
         if req is not None:
-            host, ua, cert = req.host, _user_agent(req.headers), getattr(req, "client_cert", None)
+            host, ua, cert = req.host, _user_agent(req), getattr(req, "client_cert", None)
             if self.redact and b"?" in target:
                 target = redact_query(target, self.redact)
         # the client's label (lb/limiting/keys.py): "key:NAME" or "key:#HASH" -- never the key -- or "ip:ADDR"
@@ -313,11 +364,13 @@ class AccessLog:
             d.update((name, value) for name, value, _ in extras)
             return json.dumps(d, separators=(",", ":"))
         # text: the method and path escaped as the bytes the client sent
+        t_ip, t_up, t_rid, t_key, t_lim, t_method, t_target, t_host, t_ua = _escaped(
+            ip, upstream, rid, key, limited_by, method, target, host, ua
+        )
         return (
-            f'{_stamp(ts)} {_text(ip)} "{escape(method, 32)} {escape(target)}" {status} {_text(sent)} '
-            f"{_text(upstream)} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={_text(rid)} "
-            f"key={_text(key)} tries={tries} limited_by={_text(limited_by)} "
-            f"host={'-' if host is None else escape(host, 256)} ua={'-' if ua is None else chr(34) + escape(ua, 512) + chr(34)} "
+            f'{_stamp(ts)} {t_ip} "{t_method} {t_target}" {status} {_text(sent)} '
+            f"{t_up} {'-' if up_s is None else f'{up_s:.6f}'} {secs:.6f} rid={t_rid} "
+            f"key={t_key} tries={tries} limited_by={t_lim} host={t_host} ua={t_ua} "
             f"bytes_received={_text(received)} upstream_status={_text(up_status)}"
             + "".join(text for _, _, text in extras)
         )

@@ -215,19 +215,37 @@ def _duration(status: int) -> tuple[str, tuple]:
     return _DURATION.get(status // 100) or ("lb_request_duration_seconds", (("code", f"{status // 100}xx"),))
 
 
-def _done_record(m: "Metrics", backend: str, status: int) -> tuple:
-    """Metrics.backend_done's (requests key, responses key, duration histogram, upstream histogram)."""
+def _done_record(m: "Metrics", backend: str, status: int, version: bytes | None) -> list:
+    """Metrics.backend_done's record for (backend, status, version): [how many, the duration histogram,
+    the upstream histogram, the counter keys the count belongs to]. The count is added to those counters
+    when they are read (Metrics._counters): per request, one int, not three dict updates."""
     b = (("backend", backend),)
+    keys: tuple = (("lb_requests_total", b), ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))))
+    if version is not None:  # (backend_done for Edge.record too: the request's protocol, answered()'s counter)
+        keys += (_PROTOCOL.get(version) or _PROTOCOL[b"HTTP/1.1"],)
     with m.lock:
-        hists = m.hists
-        rec = (
-            ("lb_requests_total", b),
-            ("lb_backend_responses_total", (b[0], ("code", f"{status // 100}xx"))),
-            hists.setdefault(_duration(status), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
-            hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0, 0]),
-        )
-    m._done_keys[(backend, status // 100)] = rec
+        hists, c = m.hists, m.counters
+        for k in keys:
+            c.setdefault(k, 0)  # (the series is there, as after a first increment)
+        rec = [
+            0,
+            hists.setdefault(_duration(status), [[0] * (len(BUCKETS) + 1), 0.0]),
+            hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0]),
+            keys,
+        ]
+        m._done[(backend, status, version)] = rec  # (under the lock: _counters reads the records)
     return rec
+
+
+def _counters(m: "Metrics") -> dict:
+    """m's counters with backend_done's counts in (under m.lock)."""
+    c = dict(m.counters)
+    for rec in m._done.values():
+        n = rec[0]
+        if n:
+            for k in rec[3]:
+                c[k] += n
+    return c
 
 
 class TopKeys:
@@ -270,7 +288,8 @@ class Metrics:
         self.lock = threading.Lock()
         self.counters: dict[tuple[str, tuple], float] = {}
         self.gauges: dict[tuple[str, tuple], float] = {}  # set by other modules (tunnels ...)
-        self.hists: dict[tuple[str, tuple], list] = {}  # [bucket counts..., +Inf], then sum, count
+        # [[bucket counts..., +Inf], sum]; the count is the buckets' sum (one each), taken at snapshot
+        self.hists: dict[tuple[str, tuple], list] = {}
         self.started = time.time()
         for name in (
             "lb_rate_limit_exempt_total",
@@ -290,10 +309,10 @@ class Metrics:
         for k in _PROTOCOL.values():
             self.counters[k] = 0
         for k in _DURATION.values():
-            self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]  # there from the start
+            self.hists[k] = [[0] * (len(BUCKETS) + 1), 0.0]  # there from the start
         self.retry_budget = None  # RetryBudget, for its gauges (read at scrape time)
         self.breaker = None  # Breaker (lb/upstream/breaker.py), likewise
-        self._done_keys: dict = {}  # backend_done's record keys, by (backend, status // 100)
+        self._done: dict = {}  # backend_done's records, by (backend, status, version) (_done_record)
         self.carry = Carry()  # with workers: the numbers of workers that restarted
         self.top = TopKeys()  # the most rejected clients (limit_outcome)
         self._admitted_keys: dict = {}  # rule name -> its admitted counter's key (made once)
@@ -308,10 +327,9 @@ class Metrics:
     def _observe(self, name: str, labels: tuple, seconds: float) -> None:
         h = self.hists.get((name, labels))
         if h is None:
-            h = self.hists[(name, labels)] = [[0] * (len(BUCKETS) + 1), 0.0, 0]
+            h = self.hists[(name, labels)] = [[0] * (len(BUCKETS) + 1), 0.0]
         h[0][bisect_left(BUCKETS, seconds)] += 1
         h[1] += seconds
-        h[2] += 1
 
     def inc(self, name: str, n: float = 1, **labels) -> None:
         """Any counter in FAMILIES, e.g. inc("lb_retries_total", backend=url)."""
@@ -321,7 +339,7 @@ class Metrics:
     def by_label(self, name: str, label: str) -> dict:
         """A counter family's values by one label, e.g. {"503": 4} (this process's, for /status)."""
         with self.lock:
-            return {dict(labels).get(label, ""): v for (n, labels), v in self.counters.items() if n == name}
+            return {dict(labels).get(label, ""): v for (n, labels), v in _counters(self).items() if n == name}
 
     def add_gauge(self, name: str, delta: float, **labels) -> None:
         """A gauge kept by events, e.g. add_gauge("lb_x_open", +1) when an x opens."""
@@ -329,28 +347,29 @@ class Metrics:
         with self.lock:
             self.gauges[k] = self.gauges.get(k, 0) + delta
 
-    def backend_done(self, backend: str, status: int, seconds: float, upstream: float | None = None) -> None:
-        # Once per proxied request: what it records into, made once per (backend, status class) -- the two
-        # counters' keys and the two histograms themselves (a histogram's list, once made, is never
-        # replaced) -- and the records written here, not through _inc and _observe.
-        rec = self._done_keys.get((backend, status // 100))
+    def backend_done(
+        self, backend: str, status: int, seconds: float, upstream: float | None = None, version: bytes | None = None
+    ) -> None:
+        """A backend's response relayed: lb_requests_total, lb_backend_responses_total and the two histograms
+        (and, with the request's version, answered()'s protocol counter: Edge.logged then, not record).
+        What it records into is made once per (backend, status, version) -- a count added to the
+        counters when they are read, and the two histograms themselves (a histogram's list, once made, is
+        never replaced) -- and written here, not through _inc and _observe."""
+        rec = self._done.get((backend, status, version))
         if rec is None:
-            rec = _done_record(self, backend, status)
-        requests, responses, dur, up = rec
+            rec = _done_record(self, backend, status, version)
         if upstream is None:
             upstream = seconds
-        c = self.counters
         lock = self.lock
         lock.acquire()  # (acquire/release, not `with`: once per request, and `with` costs twice as much)
         try:
-            c[requests] = c.get(requests, 0) + 1
-            c[responses] = c.get(responses, 0) + 1
-            dur[0][bisect_left(BUCKETS, seconds)] += 1
-            dur[1] += seconds
-            dur[2] += 1
-            up[0][bisect_left(BUCKETS, upstream)] += 1
-            up[1] += upstream
-            up[2] += 1
+            rec[0] += 1
+            h = rec[1]
+            h[0][bisect_left(BUCKETS, seconds)] += 1
+            h[1] += seconds
+            h = rec[2]
+            h[0][bisect_left(BUCKETS, upstream)] += 1
+            h[1] += upstream
         finally:
             lock.release()
 
@@ -474,7 +493,7 @@ class Metrics:
                     c.setdefault(("lb_health_probes_total", (b[0], ("result", result))), z)
                 for to in TRANSITIONS:
                     c.setdefault(("lb_backend_transitions_total", (b[0], ("to", to))), z)
-                self.hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0, 0])
+                self.hists.setdefault(("lb_upstream_duration_seconds", b), [[0] * (len(BUCKETS) + 1), 0.0])
 
     def top_now(self, n: int = 50) -> list:
         with self.lock:
@@ -526,9 +545,9 @@ class Metrics:
         """This process's samples; live: gauges read now {(name, labels): value}, plus counters kept
         elsewhere (refused connections) under the same form."""
         with self.lock:
-            c = [[n, list(map(list, labels)), v] for (n, labels), v in self.counters.items()]
+            c = [[n, list(map(list, labels)), v] for (n, labels), v in _counters(self).items()]
             g = [[n, list(map(list, labels)), v] for (n, labels), v in self.gauges.items()]
-            h = [[n, list(map(list, labels)), list(x[0]), x[1], x[2]] for (n, labels), x in self.hists.items()]
+            h = [[n, list(map(list, labels)), list(x[0]), x[1], sum(x[0])] for (n, labels), x in self.hists.items()]
         for (n, labels), v in (live or {}).items():
             (c if FAMILIES[n][0] == "counter" else g).append([n, list(map(list, labels)), v])
         g += [[n, [], v] for n, v in process_sample(self.started).items() if FAMILIES[n][0] == "gauge"]

@@ -418,10 +418,21 @@ class Edge:
         return self.pipeline.run(x, conn, down, body)
 
     def record(self, x: "Exchange", status: int) -> None:
-        """The request's outcome is known: the access-log line (once per request)."""
+        """The request's outcome is known: its protocol counted and the access-log line (once per request)."""
         x.status = status
         self.metrics.answered(x.req.version)
         access_log = self.access_log  # once: a reload may turn it off between two reads
+        if access_log is not None:
+            r = x.reader
+            if r is not None:  # head and body bytes read for this request (nginx's request_length)
+                x.bytes_received = r.got - len(r.buf) - r.mark
+            access_log.record(x, status, monotonic() - x.start)
+
+    def logged(self, x: "Exchange", status: int) -> None:
+        """record() for a request whose protocol is counted already (Metrics.backend_done with its version;
+        record's lines but answered(), not a call to each other: once per request)."""
+        x.status = status
+        access_log = self.access_log
         if access_log is not None:
             r = x.reader
             if r is not None:  # head and body bytes read for this request (nginx's request_length)

@@ -17,7 +17,17 @@ from time import monotonic
 
 from lb.errors import ClientGone, HttpError, UpstreamError
 from lb.http.chunked import CHUNK, CHUNK_END, END, NEED, ChunkedDecoder
-from lb.http.framing import RESPONSE_NAMES, Reader, linger, not_relayed, send
+from lb.http.framing import (
+    NOT_RELAYED,
+    NOT_RELAYED_IETF,
+    NOT_RELAYED_RID,
+    NOT_RELAYED_RID_IETF,
+    RESPONSE_NAMES,
+    Reader,
+    linger,
+    not_relayed,
+    send,
+)
 from lb.http.plan import response_plan
 from lb.proxy.downstream import SMALL_BODY
 from lb.proxy.spool import Spool
@@ -152,18 +162,35 @@ class Relay:
         mode: none | length | chunked | eof (delimited by the backend's close) | raw (a coding we do not
         decode, relayed as it came, delimited by the close)."""
         req = x.req
-        client_keep = req.keep_alive and in_sync and not self.edge.closing
-        skip = not_relayed(x.rl, x.rid_header)
-        ours = x.rid_header + x.rl + x.set_cookie
-        edit = x.route.response_edit if x.route is not None else None  # a route's header rules (lb/proxy/routes.py)
-        slow = False
-        if edit is not None:
-            skip = skip | edit.drop
-            ours = edit.render(x) + ours
-            slow = not edit.drop <= RESPONSE_NAMES  # a removed name the parser does not locate
-        out, mode, client_keep = response_plan(
-            rh, req.method, req.version == b"HTTP/1.0", client_keep, skip, bool(x.rl), ours, slow
-        )  # (lb/http/plan.py)
+        rl, rid = x.rl, x.rid_header
+        # not_relayed(rl, rid), without the call
+        if b"\nRateLimit: " in rl:
+            skip = NOT_RELAYED_RID_IETF if rid else NOT_RELAYED_IETF
+        else:
+            skip = NOT_RELAYED_RID if rid else NOT_RELAYED
+        route = x.route
+        edit = route.response_edit if route is not None else None  # a route's header rules (lb/proxy/routes.py)
+        if edit is None:
+            out, mode, client_keep = response_plan(
+                rh,
+                req.method,
+                req.version == b"HTTP/1.0",
+                req.keep_alive and in_sync and not self.edge.closing,
+                skip,
+                bool(rl),
+                rid + rl + x.set_cookie,
+            )  # (lb/http/plan.py)
+        else:
+            out, mode, client_keep = response_plan(
+                rh,
+                req.method,
+                req.version == b"HTTP/1.0",
+                req.keep_alive and in_sync and not self.edge.closing,
+                skip | edit.drop,
+                bool(rl),
+                edit.render(x) + rid + rl + x.set_cookie,
+                not edit.drop <= RESPONSE_NAMES,  # a removed name the parser does not locate
+            )
         if rh.status == 101:
             rh.close = True  # no tunnel here (the upgrade path is its own): the backend's side is done too
         return out, mode, client_keep
@@ -215,27 +242,27 @@ class Relay:
     def relayed(self, x, rh, ur: Reader, uc, c, upstream_ok: bool) -> None:
         """The body is relayed: the backend connection back to its pool (reused only when nothing is left
         on it), passive health, the counts and the access-log line."""
-        edge = self.edge
         backend = x.backend
+        status = rh.status
         reusable = upstream_ok and not rh.close
-        if reusable and ur.buf:
-            # More than the response (a second one, a body after a HEAD, 204 or 304, a Content-Length
-            # too short): never relayed, and the connection is not reused for someone else to read it.
-            log.warning(
-                "backend %s sent %d bytes after a complete response: closed, not relayed", backend.url, len(ur.buf)
-            )
-            reusable = False
-        elif reusable:
-            try:  # ack_now(uc.sock), without the call
-                uc.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-            except OSError:
-                pass
+        if reusable:
+            if ur.buf:
+                # More than the response (a second one, a body after a HEAD, 204 or 304, a Content-Length
+                # too short): never relayed, and the connection is not reused for someone else to read it.
+                log.warning(
+                    "backend %s sent %d bytes after a complete response: closed, not relayed", backend.url, len(ur.buf)
+                )
+                reusable = False
+            else:
+                try:  # ack_now(uc.sock), without the call
+                    uc.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+                except OSError:
+                    pass
         backend.pool.release(uc, reusable)
-        ok = rh.status < 500
-        if not ok or backend.fail_run:  # (observe()'s own first test: a success after successes is nothing)
-            self.fw.observe(backend, ok, rh.status_line)
+        if status >= 500 or backend.fail_run:  # (observe()'s own first test: a success after successes is nothing)
+            self.fw.observe(backend, status < 500, rh.status_line)
         now = monotonic()
-        x.upstream_seconds = now - x.upstream_start
+        x.upstream_seconds = up = now - x.upstream_start
         if c is not None:
             if c.buffered:
                 # The backend is done and its connection free: the rest is the client's pace, and no
@@ -243,8 +270,10 @@ class Relay:
                 uncount(x)
                 c.finish()
             x.bytes_sent = c.n
-        edge.metrics.backend_done(backend.url, rh.status, now - x.start, x.upstream_seconds)
-        edge.record(x, rh.status)
+        edge = self.edge
+        # (with the version: answered()'s count too, so logged() rather than record())
+        edge.metrics.backend_done(backend.url, status, now - x.start, up, x.req.version)
+        edge.logged(x, status)
 
 
 def relayed_fields(x, rh) -> list[tuple[bytes, bytes]]:
