@@ -148,7 +148,7 @@ class TokenBucket(_Algorithm):
     """
 
     name = "token-bucket"
-    __slots__ = ("capacity", "rate", "per_token")
+    __slots__ = ("capacity", "rate", "per_token", "_cap", "_brim", "_brimmed")
 
     def __init__(self, limit: int, window: float, burst=None):
         super().__init__(limit, window)
@@ -161,25 +161,38 @@ class TokenBucket(_Algorithm):
         self.capacity = burst
         self.rate = self.limit / self.window  # tokens per second
         self.per_token = self.window / self.limit  # seconds per token
+        # step()'s: C as a float (exact below 2^53: the same arithmetic, at float speed) and the state
+        # just after a full bucket admitted one, C - 1 tokens.
+        self._cap = float(burst)
+        self._brim = self._cap - 1.0
+        # the last Decision of that case (immutable): the next one is most often the same, reset too
+        self._brimmed = _new(Decision, (True, self.limit, burst - 1, -1.0, 0.0))
 
     def __repr__(self):
         return f"TokenBucket(limit={self.limit}, window={self.window}, burst={self.capacity})"
 
     def step(self, state, now):
-        cap = self.capacity
+        cap = self._cap
         if state is None:
-            tokens = cap - 1.0
-            return (tokens, now), _new(
-                Decision, (True, self.limit, int(tokens), _delta(now + self.per_token, now), 0.0)
+            return (self._brim, now), _new(
+                Decision, (True, self.limit, self.capacity - 1, _delta(now + self.per_token, now), 0.0)
             )
         tokens, stamp = state
         T = self.per_token
+        if now > stamp and now >= stamp + (cap - tokens) * T:
+            # Full again (a client under its limit, the common case): what the branch below computes, as
+            # for a fresh key -- refilled to C, one spent, C - 1 left, full again one token from now.
+            full = now + T
+            r = full - now
+            if now + r < full:  # rare: the subtraction rounded down (see _delta)
+                r = _delta(full, now)
+            d = self._brimmed
+            if d[3] != r:
+                self._brimmed = d = _new(Decision, (True, self.limit, self.capacity - 1, r, 0.0))
+            return (self._brim, now), d
         if tokens >= 1.0 or now >= stamp + (1.0 - tokens) * T:
             if now > stamp:
-                if now >= stamp + (cap - tokens) * T:
-                    tokens = cap
-                else:
-                    tokens = tokens + (now - stamp) * self.rate
+                tokens = tokens + (now - stamp) * self.rate  # (not full: the branch above)
                 stamp = now
             if tokens < 1.0:  # the threshold rule said yes; the refill product rounded just below 1
                 tokens = 1.0

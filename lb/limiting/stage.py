@@ -224,6 +224,8 @@ class LimitStage:
         # known key, exempt entry, rule, in-flight cap or IETF header): check() takes its short way.
         plain = not (self.overrides or keys or exempt or self.rules or self.inflight or ietf_headers)
         self.only = self.default if plain else None
+        # admit()'s last admitted headers: (decision, remaining, reset above, reset at most, limit, bytes)
+        self.shown: tuple = (None, None, 0.0, 0.0, None, b"")
 
     @property
     def declared(self) -> list[tuple[str, bool]]:
@@ -273,6 +275,12 @@ class LimitStage:
         """route: the name of the [[routes]] table the request matched (a rule's match.route), or None.
         An Admitted when the one limit of the common configuration admits it (the same answer a Verdict
         would give, without building one)."""
+        v = self.admit(req, ip, now, route)
+        return Admitted(*v) if isinstance(v, tuple) else v
+
+    def admit(self, req, ip: str, now: float | None = None, route: str | None = None) -> Verdict | tuple[str, bytes]:
+        """check() for the pipeline: (label, headers) when the one limit of the common configuration admits
+        the request (nothing else to say), else the Verdict."""
         lim = self.only
         if lim is None:
             return self._check(req, ip, now, route)
@@ -286,7 +294,12 @@ class LimitStage:
             ident, label, _ = seen
         d = lim.allow(ident) if now is None else lim.allow(ident, now)
         if type(d) is Decision and d[0]:  # admitted, not held, no failure policy: nothing else to say
-            return Admitted(label, headers(d))
+            # the last admitted headers when they read the same (an idle client's do, every time)
+            shown = self.shown
+            if d is shown[0] or (d[2] == shown[1] and shown[2] < d[3] <= shown[3] and d[1] == shown[4]):
+                return label, shown[5]
+            self.shown = shown = _shown(d)
+            return label, shown[5]
         v = Verdict(label)
         _decide_one(v, d, [BUILTIN], self.status_code)
         return v
@@ -441,24 +454,30 @@ class LimitStage:
         if shown is not None:
             v.headers = headers(shown)
             if self.ietf:
-                v.headers += self._ietf(checks, rules, decisions, shown)
+                v.headers += _ietf(checks, rules, decisions, shown)
         if not admitted:
             v.status, v.reason = (
                 (503, "rate limiter unavailable") if unavailable else (self.status_code, "rate limit exceeded")
             )
 
-    @staticmethod
-    def _ietf(checks, rules, decisions, shown) -> bytes:
-        """draft-ietf-httpapi-ratelimit-headers: every applying enforcing policy; the binding one first."""
-        items = sorted(
-            ((d is not shown, name, lim, d) for (lim, _, e), name, d in zip(checks, rules, decisions) if e),
-            key=lambda t: t[0],
-        )
-        policy = ", ".join(
-            f'"{name}";q={lim.limit};w={max(1, math.ceil(lim.algorithm.window))}' for _, name, lim, _ in items
-        )
-        state = ", ".join(f'"{name}";r={d.remaining};t={max(0, math.ceil(d.reset))}' for _, name, _, d in items)
-        return b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (policy.encode(), state.encode())
+
+def _ietf(checks, rules, decisions, shown) -> bytes:
+    """draft-ietf-httpapi-ratelimit-headers: every applying enforcing policy; the binding one first."""
+    items = sorted(
+        ((d is not shown, name, lim, d) for (lim, _, e), name, d in zip(checks, rules, decisions) if e),
+        key=lambda t: t[0],
+    )
+    policy = ", ".join(
+        f'"{name}";q={lim.limit};w={max(1, math.ceil(lim.algorithm.window))}' for _, name, lim, _ in items
+    )
+    state = ", ".join(f'"{name}";r={d.remaining};t={max(0, math.ceil(d.reset))}' for _, name, _, d in items)
+    return b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (policy.encode(), state.encode())
+
+
+def _shown(d) -> tuple:
+    """LimitStage.shown for an admitted decision d: its headers, with the resets that read the same."""
+    reset = math.ceil(d[3])  # the header says max(0, reset): any reset in (reset - 1, reset], or <= 0
+    return (d, d[2], reset - 1.0 if reset > 0 else -math.inf, float(reset) if reset > 0 else 0.0, d[1], headers(d))
 
 
 def _decide_one(v: Verdict, d, rules, status_code: int) -> None:

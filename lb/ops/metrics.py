@@ -30,6 +30,7 @@ import time
 from bisect import bisect_left
 
 from lb import __version__
+from lb.limiting.rules import BUILTIN
 from lb.ops.fanout import serve_unix
 from lb.upstream.retrypolicy import CONDITIONS as RETRY_CONDITIONS
 
@@ -316,6 +317,7 @@ class Metrics:
         self.carry = Carry()  # with workers: the numbers of workers that restarted
         self.top = TopKeys()  # the most rejected clients (limit_outcome)
         self._admitted_keys: dict = {}  # rule name -> its admitted counter's key (made once)
+        self._builtin_admitted = 0  # admitted(None)'s count, not yet in self.counters (_settle)
         self._route_keys: dict = {}  # (route, pool) -> its lb_route_requests_total key
 
     # -- recording (with self.lock held in the _ helpers) --------------------------------------------
@@ -339,6 +341,7 @@ class Metrics:
     def by_label(self, name: str, label: str) -> dict:
         """A counter family's values by one label, e.g. {"503": 4} (this process's, for /status)."""
         with self.lock:
+            _settle(self)
             return {dict(labels).get(label, ""): v for (n, labels), v in _counters(self).items() if n == name}
 
     def add_gauge(self, name: str, delta: float, **labels) -> None:
@@ -476,12 +479,7 @@ class Metrics:
             c, z = self.counters, 0
             for url in urls:
                 b = (("backend", url),)
-                for name in (
-                    "lb_requests_total",
-                    "lb_retries_total",
-                    "lb_ejections_total",
-                    "lb_ejection_returns_total",
-                ):
+                for name in _BACKEND_COUNTERS:
                     c.setdefault((name, b), z)
                 for cls in CLASSES[1:]:
                     c.setdefault(("lb_backend_responses_total", (b[0], ("code", cls))), z)
@@ -505,13 +503,17 @@ class Metrics:
     def transition(self, backend: str, to: str) -> None:
         self.inc("lb_backend_transitions_total", backend=backend, to=to)
 
-    def admitted(self, rules) -> None:
-        """The common case of limit_outcome: an admitted request, the rules that applied to it."""
-        keys = self._admitted_keys
+    def admitted(self, rules=None) -> None:
+        """The common case of limit_outcome: an admitted request, the rules that applied to it. None: the
+        built-in rule alone (the common configuration's, every request): counted in an int, not in the
+        dict (hashing its tuple key twice cost more than the rest), and settled into it when read."""
         lock = self.lock
         lock.acquire()  # (as in answered)
         try:
-            c = self.counters
+            if rules is None:
+                self._builtin_admitted += 1
+                return
+            keys, c = self._admitted_keys, self.counters
             for n in rules:
                 k = keys.get(n)
                 if k is None:
@@ -545,6 +547,7 @@ class Metrics:
         """This process's samples; live: gauges read now {(name, labels): value}, plus counters kept
         elsewhere (refused connections) under the same form."""
         with self.lock:
+            _settle(self)
             c = [[n, list(map(list, labels)), v] for (n, labels), v in _counters(self).items()]
             g = [[n, list(map(list, labels)), v] for (n, labels), v in self.gauges.items()]
             h = [[n, list(map(list, labels)), list(x[0]), x[1], sum(x[0])] for (n, labels), x in self.hists.items()]
@@ -581,6 +584,19 @@ class Metrics:
         """Prometheus text exposition format 0.0.4: this process (worker N) plus the other workers' snapshots."""
         snaps = [self.snapshot(live, worker), *others]
         return render(merge(snaps, self.carry.fold(snaps) if worker is not None else None))
+
+
+# the counters every backend shows from 0 (declare_backends), beside its labelled families
+_BACKEND_COUNTERS = ("lb_requests_total", "lb_retries_total", "lb_ejections_total", "lb_ejection_returns_total")
+_BUILTIN_ADMITTED = ("lb_rate_limit_admitted_total", (("rule", BUILTIN),))
+
+
+def _settle(m: Metrics) -> None:
+    """(m.lock held) admitted(None)'s count into m.counters, before they are read."""
+    n = m._builtin_admitted
+    if n:
+        m._builtin_admitted = 0
+        m.counters[_BUILTIN_ADMITTED] = m.counters.get(_BUILTIN_ADMITTED, 0) + n
 
 
 class Carry:

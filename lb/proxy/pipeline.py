@@ -26,7 +26,6 @@ from time import monotonic
 
 from lb.errors import ClientGone, HttpError
 from lb.limiting.identity import Identifier
-from lb.limiting.stage import Admitted
 from lb.limiting.stage import release as release_slots
 from lb.logs import client_fault
 from lb.proxy import tunnel
@@ -125,10 +124,10 @@ class Pipeline:
             except ValueError as e:
                 return 400, str(e), False, _NONE
             return None
-        v = limiter.check(x.req, x.client_ip, route=x.route.name if x.route is not None else None)
-        if type(v) is Admitted:  # the common verdict: admitted by the one limit, nothing else to say
-            x.key, x.rl = v.label, v.headers
-            edge.metrics.admitted(v.admitted)
+        v = limiter.admit(x.req, x.client_ip, None, x.route.name if x.route is not None else None)
+        if type(v) is tuple:  # the common verdict: (label, headers), admitted by the one limit
+            x.key, x.rl = v
+            edge.metrics.admitted()  # the built-in rule's
             return None
         x.key, x.key_name, x.rl, x.limited_by = v.label, v.key_name, v.headers, v.limited_by
         metrics = edge.metrics
