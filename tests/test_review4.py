@@ -540,12 +540,14 @@ def test_sent_a_retry_to_another_backend_and_back_sends_what_a_fresh_build_sends
     dead.bind(("127.0.0.1", 0))
     dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     dead.close()
+    log = tmp_path / "access.log"
     e = Edge("--backends", f"{dead_url},{b.url}", "--health-interval", "30", "--strategy", "round-robin",
-             "--retries", "2")
+             "--retries", "2", "--access-log", str(log))
     try:
         req = b"GET /r HTTP/1.1\r\nHost: h\r\nX-Forwarded-Proto: https\r\n\r\n"
         (kept, _), fresh_head = _twice_then_fresh(e, b, req, times=4)
         assert _norm(kept) == _norm(fresh_head)
+        wait_until(lambda: log.exists() and " tries=2 " in log.read_text(), timeout=5, what="a retried request")
     finally:
         e.stop()
         b.close()
@@ -576,6 +578,32 @@ def test_sent_the_same_head_with_bodies_of_other_lengths_gets_each_its_own_frami
                 assert int(cl[0]) == len(body) and got == body, (head, got)
             else:
                 assert te == [b"chunked"]
+    finally:
+        e.stop()
+        b.close()
+
+
+def test_sent_identical_http2_streams_each_sent_as_on_a_new_connection(tmp_path):
+    """HTTP/2 streams with the same fields on one connection (a Request from fields: no memo, sent None),
+    then on a new connection: the backend gets the same bytes each time."""
+    from tests.h2client import H2Client
+
+    b = Recorder()
+    e = Edge("--backends", b.url, "--health-interval", "30")
+    try:
+        hdrs = [("x-forwarded-for", "5.6.7.8"), ("x-a", "1"), ("x-request-id", "client-id-0002")]
+        for _ in range(2):
+            c = H2Client(e.port)
+            try:
+                for _ in range(3):
+                    sid = c.request("/h2", "GET", headers=hdrs)
+                    assert c.response(sid)["headers"][b":status"] == b"200"
+            finally:
+                c.close()
+        wait_until(lambda: len(b.seen) == 6, timeout=5, what="six requests at the backend")
+        heads = [_norm(h) for h, _ in b.seen]
+        assert all(h == heads[0] for h in heads), heads
+        assert b"\r\nX-Forwarded-For: 5.6.7.8, 127.0.0.1\r\n" in heads[0]
     finally:
         e.stop()
         b.close()
