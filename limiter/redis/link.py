@@ -450,9 +450,12 @@ class RedisLink:
         must be (re)connected, or the script must be loaded (NOSCRIPT: it did not run) -- _flight does those."""
         pool = self.pool
         idle = pool._idle
-        if pool._waiters or not idle:
+        if pool._waiters:
             return NOT_SENT
-        slot = idle.pop()
+        try:
+            slot = idle.pop()
+        except IndexError:  # (another caller took the last one: not an error, _flight waits for one)
+            return NOT_SENT
         sock = slot.sock
         reply = NOT_SENT
         clean = False
