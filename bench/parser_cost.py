@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.head_cost import upstream_head_args  # noqa: E402  (one copy: the signature's two shapes)
 from bench.request_path import REQUEST, RESPONSE  # noqa: E402
 from lb.http import framing  # noqa: E402
 
@@ -40,18 +41,6 @@ RESP_HEAD = RESPONSE[: RESPONSE.index(b"\r\n\r\n")]
 N = 20000
 ROUNDS = int(sys.argv[1]) if sys.argv[1:2] and sys.argv[1].isdigit() else 3
 
-
-def upstream_head_args(upstream_head):
-    """(req -> upstream_head's arguments) for the checkout's signature: (x, backend, conn, cfg, length) since
-    the upstream branch of issue 31, (req, backend, peer, trusted, close, proto, upgrade, request_id,
-    length, underscores) before; the same request either way (a client at 127.0.0.1, no id made up)."""
-    import inspect
-    from types import SimpleNamespace as NS
-
-    if "conn" not in inspect.signature(upstream_head).parameters:
-        return lambda r: (r, None, b"127.0.0.1", False, False, b"http", None, None, None, False)
-    conn, cfg = NS(peer=b"127.0.0.1", peer_trusted=False), NS(no_pool=False, allow_underscores=False)
-    return lambda r: (NS(req=r, proto=b"http", upgrade=None, rid_sent=None, route=None), None, conn, cfg, None)
 
 def best(fn) -> float:
     return min(timeit.repeat(fn, number=N, repeat=7)) / N * 1e6
@@ -108,7 +97,7 @@ def main() -> None:
         method, url, version, fields = ht_request_bare()
         r = framing.Request()
         r.method, r.target, r.version = method, url, b"HTTP/" + version.encode()
-        r.raw, r.spans = None, None
+        r.raw, r.spans, r.sent = None, None, None  # (no memo: upstream_head writes the head whole)
         r._headers = [(n, n.lower(), v) for n, v in fields]  # no spans: a relay rebuilds from these
         r.keep_alive = framing._read_fields(r, [(0, 0, ln, v) for _, ln, v in r._headers], version == "1.1")
         return r
