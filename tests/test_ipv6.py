@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.support import Backend, Edge, config_error, request
+from tests.support import Backend, Edge, config_error, request, wait_until
 
 
 def _has_ipv6_loopback() -> bool:
@@ -53,9 +53,11 @@ def test_ipv6_listener_and_backend_written_with_brackets_everywhere(backend6):
         assert st["listen"] == f"[::1]:{e.port}"
         assert st["backends"][0]["url"] == backend6.url and st["backends"][0]["state"] == "UP"
         assert "HTTP 200" in st["backends"][0]["last_probe"] or st["backends"][0]["last_probe"] == ""
+        # The request is counted just after its answer is relayed: the client may ask before that.
+        counted = f'lb_requests_total{{backend="{backend6.url}"}} 1'
+        wait_until(lambda: counted in get6(e.admin_port, "/metrics")[2].decode(), what="the request counted")
         metrics = get6(e.admin_port, "/metrics")[2].decode()
-        assert f'lb_backend_up{{backend="{backend6.url}"}} 1' in metrics
-        assert f'lb_requests_total{{backend="{backend6.url}"}} 1' in metrics
+        assert f'lb_backend_up{{backend="{backend6.url}"}} 1' in metrics and counted in metrics
         # HTTP/1.0 without Host: the edge writes one for the backend, the IPv6 address in brackets.
         with socket.create_connection(("::1", e.port), timeout=10) as s:
             s.sendall(b"GET /echo HTTP/1.0\r\n\r\n")
