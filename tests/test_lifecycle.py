@@ -270,6 +270,9 @@ def test_summed_counters_stay_monotonic_when_a_worker_restarts(backends):
         for _ in range(40):     # a new connection each time, so both workers take some
             assert request(e.port, "GET", "/").status == 200
         assert raw(e.port, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n").startswith(b"HTTP/1.1 400")
+        # (a request is counted just after its answer is relayed: wait for the 40th before reading)
+        served = ("lb_requests_total", (("backend", backends[0].url),))
+        wait_until(lambda: summed_counters(admin0).get(served, 0) >= 40, what="the 40 requests counted")
         before = summed_counters(admin0)
         assert before[("lb_worker_requests_total", (("worker", "1"),))] > 4    # worker 1 has numbers to lose
         served1 = before[("lb_requests_total", (("backend", backends[0].url),))]
@@ -285,6 +288,7 @@ def test_summed_counters_stay_monotonic_when_a_worker_restarts(backends):
                    timeout=10, what="both workers summed again")
         for _ in range(4):
             assert request(e.port, "GET", "/").status == 200
+        wait_until(lambda: summed_counters(admin0).get(served, 0) >= served1 + 4, what="the 4 requests counted")
         after = summed_counters(admin0)
         # every summed series; not the per-worker one: one process's own, it starts over with the process
         went_down = {k: (v, after.get(k)) for k, v in before.items() if k[0] != "lb_worker_requests_total"
