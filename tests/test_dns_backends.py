@@ -8,18 +8,24 @@ import json
 import socket
 import struct
 import threading
+import time
 
 from tests.support import Backend, Edge, request, wait_until
 
 
 class TinyDNS:
     """Answers A queries from `records` (name -> [IPv4]); AAAA with no records; `fail` -> SERVFAIL;
-    `truncate` -> every answer with a record loses its last two bytes (a record shorter than it says)."""
+    `truncate` -> every answer with a record loses its last two bytes (a record shorter than it says);
+    `noise` -> instead of the answer, answers with another id every 20 ms for 3 s (late ones to earlier
+    queries, or a flood); `spoof` -> before the answer, one with its id to another question (evil.test:
+    6.6.6.6)."""
 
     def __init__(self):
         self.records: dict[str, list[str]] = {}
         self.fail = False
         self.truncate = False
+        self.noise = False
+        self.spoof = False
         self.queries = 0
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
@@ -42,6 +48,13 @@ class TinyDNS:
             qtype = struct.unpack("!H", data[i + 1:i + 3])[0]
             question = data[12:i + 5]
             name = ".".join(labels).lower()
+            if self.noise:
+                threading.Thread(target=self.flood, args=(data, peer), daemon=True).start()
+                continue
+            if self.spoof:
+                other = b"\x04evil\x04test\x00" + data[i + 1:i + 5]
+                fake = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton("6.6.6.6")
+                self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, 1, 0, 0) + other + fake, peer)
             if self.fail:
                 self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8182, 1, 0, 0, 0) + question, peer)
                 continue
@@ -54,6 +67,16 @@ class TinyDNS:
             if self.truncate and answers:
                 answers = answers[:-2]
             self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, len(addrs), 0, 0) + question + answers, peer)
+
+    def flood(self, query, peer):
+        qid = struct.unpack("!H", query[:2])[0]
+        wrong = struct.pack("!H", qid ^ 0x5A5A) + b"\x81\x80" + query[4:]
+        for _ in range(150):
+            try:
+                self.sock.sendto(wrong, peer)
+            except OSError:
+                return
+            time.sleep(0.02)  # (the noise's pace, not a wait for anything)
 
     def close(self):
         self.running = False
@@ -209,6 +232,36 @@ def test_answers_are_parsed_a_and_aaaa_with_their_ttl_other_types_skipped():
     data = q + cname + rr6 + rr4
     assert parse_answer(data, AAAA) == [("fd00::5", 60)]
     assert parse_answer(data, A) == [("10.0.0.5", 7)]
+
+
+def test_answers_not_to_our_question_are_skipped_within_one_deadline():
+    """A query takes only the answer to it (its id, its question: RFC 5452, section 9.1): one with its id
+    to another question is skipped for the real one, and a stream of answers with other ids ends the
+    query at its timeout -- each used to restart the wait, so a flood held the resolving thread for good."""
+    from lb.errors import ResolveError
+    from lb.upstream.resolve import lookup
+
+    dns = TinyDNS()
+    dns.records["api.test"] = ["127.0.0.7"]
+    try:
+        dns.spoof = True
+        assert lookup("api.test", f"127.0.0.1:{dns.port}", 2.0) == (["127.0.0.7"], 300)
+        dns.spoof, dns.noise = False, True
+        out: list = []
+
+        def ask():
+            try:
+                out.append(lookup("api.test", f"127.0.0.1:{dns.port}", 0.3))
+            except ResolveError as e:
+                out.append(e)
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        t.join(2.5)  # two questions of 0.3 s each, well inside the flood's 3 s
+        assert not t.is_alive(), "the query outlived its timeout while answers with other ids kept coming"
+        assert isinstance(out[0], ResolveError) and "timed out" in str(out[0]), out
+    finally:
+        dns.close()
 
 
 def test_a_resolver_that_is_not_an_address_is_a_config_error_naming_the_key():

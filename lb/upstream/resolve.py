@@ -13,6 +13,7 @@ import ipaddress
 import os
 import socket
 import struct
+from time import monotonic
 
 from lb.errors import ResolveError
 
@@ -53,20 +54,42 @@ def lookup(name: str, resolver: str, timeout: float = 2.0) -> tuple[list[str], f
 
 
 def query(server: tuple[str, int], name: str, qtype: int, timeout: float) -> list[tuple[str, int]]:
-    """One question over UDP: [(address, ttl)] of the answer's records of that type (CNAMEs followed by
-    the server: only the records of qtype are read)."""
+    """One question over UDP, answered within `timeout` in all: [(address, ttl)] of the answer's records of
+    that type (CNAMEs followed by the server: only the records of qtype are read)."""
     qid = int.from_bytes(os.urandom(2), "big")
-    packet = struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + encode_name(name) + struct.pack("!HH", qtype, 1)
+    question = encode_name(name) + struct.pack("!HH", qtype, 1)
+    packet = struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + question
     fam = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
+    deadline = monotonic() + timeout
     with socket.socket(fam, socket.SOCK_DGRAM) as s:
-        s.settimeout(timeout)
         s.connect(server)  # a connected UDP socket takes answers from that server only
         s.send(packet)
         while True:
+            # One deadline for the whole question: answers that are not ours (a late one to an earlier
+            # query, a spoof) are skipped, and a stream of them cannot hold the resolving thread past it.
+            left = deadline - monotonic()
+            if left <= 0:
+                raise ResolveError("timed out")
+            s.settimeout(left)
             data = s.recv(4096)
-            if len(data) >= 12 and struct.unpack("!H", data[:2])[0] == qid:
-                break  # another id: a late answer to an earlier query
-    return parse_answer(data, qtype)
+            if answers(data, qid, question):
+                return parse_answer(data, qtype)
+
+
+def answers(data: bytes, qid: int, question: bytes) -> bool:
+    """Whether `data` is the answer to our query: a response with its id and its question (RFC 5452,
+    section 9.1; the name compared without case, as servers may echo it in another)."""
+    if len(data) < 12 + len(question):
+        return False
+    rid, flags, qd = struct.unpack("!HHH", data[:6])
+    echoed = data[12 : 12 + len(question)]
+    return (
+        rid == qid
+        and flags & 0x8000 != 0
+        and qd == 1
+        and echoed[:-4].lower() == question[:-4].lower()
+        and echoed[-4:] == question[-4:]
+    )
 
 
 def encode_name(name: str) -> bytes:
