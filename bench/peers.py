@@ -22,6 +22,10 @@ The peers and their configurations (bench/peers/):
   floor        floor_threads.py: the least a thread-per-connection Python proxy can do (no parsing, no
                checks, no pool: one recv, one sendall each way) -- the model's own cost, not a product
 
+--edge NAME=DIR[,arg=FLAG]... adds a row: the edge of another checkout (`git archive REV | tar -x -C DIR`)
+with the plain edge's flags and any extra ones, interleaved with the rest -- a before/after beside nginx in
+one sitting, e.g. --edge before=/tmp/edge-main --edge before-limit=/tmp/edge-main,arg=--limit=10000000/s.
+
 Install the peers outside the project's requirements:
   apt-get install -y nginx-light haproxy caddy
   python3 -m venv /tmp/peers && /tmp/peers/bin/pip install proxy.py twisted   # then --peer-python /tmp/peers/bin/python
@@ -145,6 +149,22 @@ def version(argv: list[str]) -> str:
     return "?"
 
 
+def edge_argv(checkout: Path, port: int, backend: int, cpu: int) -> list[str]:
+    return [sys.executable, str(checkout / "edge.py"), "--listen", f"127.0.0.1:{port}", "--backends",
+            f"http://127.0.0.1:{backend}", "--health-interval", "30", "--cpu-affinity", str(cpu)]
+
+
+def start_other_edge(name: str, spec: str, cpu: int, backend: int) -> Peer:
+    """--edge NAME=DIR[,arg=FLAG]...: another checkout's edge, the plain edge's flags and the extra ones."""
+    where, *opts = spec.split(",")
+    extra = [o[4:] for o in opts if o.startswith("arg=")]
+    if len(extra) != len(opts):
+        raise SystemExit(f"--edge {name}: only arg=FLAG options are known, not {opts}")
+    port = free_port()
+    checkout = Path(where).resolve()
+    return spawn(name, [*edge_argv(checkout, port, backend, cpu), *extra], cpu, port, cwd=checkout)
+
+
 def start(name: str, cpu: int, backend: int, redis_url: str, py: str, stack: contextlib.ExitStack) -> Peer:
     port = free_port()
     env = {"PEER_PORT": str(port), "BACKEND_PORT": str(backend)}
@@ -170,8 +190,7 @@ def start(name: str, cpu: int, backend: int, redis_url: str, py: str, stack: con
         return spawn(name, [sys.executable, str(PEERS_DIR / "floor_threads.py"), str(port), str(backend)], cpu, port)
     if name == "twisted":
         return spawn(name, [py, str(PEERS_DIR / "twisted_proxy.py"), str(port), str(backend)], cpu, port)
-    edge = [sys.executable, "edge.py", "--listen", f"127.0.0.1:{port}", "--backends",
-            f"http://127.0.0.1:{backend}", "--health-interval", "30", "--cpu-affinity", str(cpu)]
+    edge = edge_argv(ROOT, port, backend, cpu)
     if name in ("edge-limit", "edge-redis"):
         edge += ["--limit", "10000000/s"]
     if name == "edge-redis":
@@ -199,7 +218,10 @@ def main() -> None:
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
     ap.add_argument("--peer-python", default=sys.executable,
                     help="the Python that has proxy.py and Twisted installed (default: this one)")
+    ap.add_argument("--edge", action="append", default=[], metavar="NAME=DIR[,arg=FLAG]",
+                    help="another checkout's edge as one more row (repeatable)")
     a = ap.parse_args()
+    others = dict(e.partition("=")[::2] for e in a.edge)
     names = [n for n in ORDER if not a.only or n in a.only.split(",")]
     if not shutil.which("wrk"):
         sys.exit("wrk not found (apt-get install wrk)")
@@ -225,6 +247,9 @@ def main() -> None:
                 stack.callback(peers[n].stop)
             except (RuntimeError, OSError) as e:
                 print(f"# {n} left out: {str(e).splitlines()[0] if str(e) else type(e).__name__}", flush=True)
+        for n, spec in others.items():
+            peers[n] = start_other_edge(n, spec, cpu, backend)
+            stack.callback(peers[n].stop)
         for p in peers.values():     # warm-up: pools filled, code paths and caches hot
             wrk(p.port, p.pid, 1, a.connections)
         for r in range(a.rounds):
@@ -239,8 +264,10 @@ def main() -> None:
           f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}): each proxy pinned to CPU {cpu}, wrk -t1 -c{a.connections} and the nginx "
           f"backend on CPU {load_cpu}; median of {a.rounds} interleaved rounds.\n")
-    print("| proxy | version | req/s (each round) | req/s | proxy CPU µs/request | errors |\n|---|---|---|---:|---:|---:|")
+    print("| proxy | version | req/s (each round) | req/s | proxy CPU µs/request | x nginx | errors |\n"
+          "|---|---|---|---:|---:|---:|---:|")
     base = None
+    ref = statistics.median(x[1] for x in rows["nginx"]) if "nginx" in rows else None
     for n, xs in rows.items():
         rps = statistics.median(x[0] for x in xs)
         cpu_us = statistics.median(x[1] for x in xs)
@@ -248,9 +275,10 @@ def main() -> None:
             base = cpu_us
         extra = f" (+{cpu_us - base:.1f})" if n in ("edge-limit", "edge-redis") and base is not None else ""
         label = {"edge-limit": "edge --limit (memory)", "edge-redis": "edge --limit on Redis"}.get(n, n)
-        ver = vs.get(n, vs["edge"] if n.startswith("edge") else "")
+        ver = others.get(n) or vs.get(n, vs["edge"] if n.startswith("edge") else "")
+        times = f"{cpu_us / ref:.2f}x" if ref else ""
         print(f"| {label} | {ver} | {' / '.join(f'{x[0]:,.0f}' for x in xs)} | {rps:,.0f} | {cpu_us:.1f}{extra} | "
-              f"{sum(x[2] for x in xs)} |")
+              f"{times} | {sum(x[2] for x in xs)} |")
     if "edge-limit" in rows and "edge-redis" in rows:
         m = statistics.median(x[0] for x in rows["edge-limit"])
         r = statistics.median(x[0] for x in rows["edge-redis"])
