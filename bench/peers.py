@@ -261,7 +261,7 @@ def main() -> None:
     vs = versions(a.peer_python)
     print(f"\n`python3 bench/peers.py --seconds {a.seconds:g} --rounds {a.rounds} --connections {a.connections}"
           f"{'' if a.peer_python == sys.executable else ' --peer-python ' + a.peer_python}"
-          f"{''.join(' --only ' + a.only for _ in [1] if a.only)}{''.join(' --edge ' + e for e in a.edge)}`"
+          f"{' --only ' + a.only if a.only else ''}{''.join(' --edge ' + e for e in a.edge)}`"
           f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}): each proxy pinned to CPU {cpu}, wrk -t1 -c{a.connections} and the nginx "
           f"backend on CPU {load_cpu}; median of {a.rounds} interleaved rounds.\n")
