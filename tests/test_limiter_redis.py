@@ -520,6 +520,71 @@ def test_a_redis_killed_under_batched_load_fails_the_calls_in_flight_and_nobody_
     assert lim.failures >= 1 and lim.degraded > 0
 
 
+def _queued_behind_one_flight(n, land):
+    """A Batcher with one flight: a first caller's flight held in the air until n more callers have
+    queued behind it; they then ride the next flight together, which land(calls) completes (replies set,
+    or it raises). Returns what each of the n got: its reply, or the exception it raised."""
+    from limiter.redis.batch import Batcher
+    flights = []
+    b = None
+
+    def fly(calls):
+        flights.append(len(calls))
+        if len(flights) == 1:
+            wait_until(lambda: len(b._queue) == n, timeout=10)
+            calls[0].reply = b"first"
+        else:
+            land(calls)
+
+    b = Batcher(fly, 1)
+    got = {}
+
+    def caller(i):
+        try:
+            got[i] = b.call(None, b"cmd" + str(i).encode())
+        except Exception as e:  # the flight's failure, delivered to this call
+            got[i] = e
+
+    first = threading.Thread(target=caller, args=("first",), daemon=True)  # (a lost wake-up must not hang pytest)
+    first.start()
+    wait_until(lambda: flights, timeout=10)
+    ts = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(n)]
+    for t in ts:
+        t.start()
+    deadline = time.monotonic() + 10
+    for t in [first, *ts]:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in [first, *ts]), "a caller was never woken"
+    assert flights == [1, n] and got.pop("first") == b"first"
+    return got
+
+
+def test_a_landed_flight_wakes_every_caller_it_carried_with_its_own_reply():
+    """The callers of one flight are woken in a relay (each woken one wakes the next): every one of them
+    wakes, with its own reply."""
+
+    def land(calls):
+        for c in calls:
+            c.reply = c.cmd
+
+    assert _queued_behind_one_flight(12, land) == {i: b"cmd%d" % i for i in range(12)}
+
+
+def test_a_flight_that_fails_wakes_every_caller_it_carried_with_the_failure():
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    landed = []
+
+    def land(calls):
+        calls[3].reply = b"landed before the failure"
+        landed.append(int(calls[3].cmd[3:]))
+        raise RedisConnectionError("the connection broke")
+
+    got = _queued_behind_one_flight(8, land)
+    assert got.pop(landed[0]) == b"landed before the failure"
+    assert len(got) == 7 and all(isinstance(e, RedisConnectionError) for e in got.values()), got
+
+
 def test_the_reply_reader_stays_in_step_across_reads_error_replies_and_every_reply_shape(redis_server):
     """The round trip reads replies itself (limiter.redis_link._Slot): in one pipelined flight, a 300 kB
     reply (several recv()s), nested arrays with integers, nil and a status, a WRONGTYPE error reply, and

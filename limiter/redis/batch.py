@@ -13,6 +13,11 @@ the socket writes and reads -- on a busy 2-core box the syscalls, wake-ups and R
 that dominate a decision.  Per call, NOSCRIPT is handled inside the flight and a script error is that
 call's alone; a connection failure fails the calls of that flight (each then meets the breaker and
 the failure policy as a single call would).
+
+A landed flight wakes its callers one at a time: the leader wakes the first, each woken caller the next
+(`Call.next`) before it goes on. Woken all at once, N threads came back together to fight for the one
+GIL, and all but one of them went to sleep again on it: 4.4 context switches per request on Redis at
+saturation against 3.4 with the relay (the memory store: 2).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ class Call:
     """One EVALSHA waiting for its reply: `cmd` (packed bytes) of `script`; `reply` or `error` set by the
     flight that carried it."""
 
-    __slots__ = ("script", "cmd", "reply", "error", "lead", "done", "asking")
+    __slots__ = ("script", "cmd", "reply", "error", "lead", "done", "asking", "next")
 
     def __init__(self, script, cmd: bytes):
         self.script = script
@@ -37,6 +42,7 @@ class Call:
         self.lead = False  # woken to lead the next flight rather than with a result
         self.asking = False  # cmd starts with ASKING (a cluster slot in migration): its +OK comes first
         self.done: Any = None  # a held Lock, only for a call that queues (a leader never sleeps on it)
+        self.next: Call | None = None  # the caller of the same flight this one wakes when woken itself
 
     def queue(self) -> None:
         done = self.done = threading.Lock()
@@ -83,6 +89,8 @@ class Batcher:
             self._queue.append(c)
             lock.release()
             c.done.acquire()  # a flight landed: with our reply, or handing us the next flight
+            if c.next is not None:  # the relay first, before anything here can raise
+                c.next.done.release()
             if not c.lead:
                 if c.error is not None:
                     raise c.error
@@ -101,7 +109,9 @@ class Batcher:
                 for other in batch[1:]:
                     if other.reply is None and other.error is None:
                         other.error = RedisConnectionError("the round trip carrying this call failed")
-                    other.done.release()
+                for woken, nxt in zip(batch[1:], batch[2:]):
+                    woken.next = nxt  # (set before the first wake: a lock release orders it)
+                batch[1].done.release()
         if c.error is not None:
             raise c.error
         return c.reply
