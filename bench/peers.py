@@ -8,7 +8,8 @@ wrk/nginx_target.py) on the first (wrk/placement.py); the edge on Redis talks to
 with the load, so Redis's own CPU is not counted. Rounds interleave (every proxy once per round) so a noisy
 minute hits them all; the table shows the median round. CPU per request is the proxy's process tree's
 CPU time (/proc/PID/stat utime+stime, every live descendant too: proxy.py forks acceptors) over the
-requests wrk completed.
+requests wrk completed; switches per request the same tree's context switches (every thread's, from
+/proc/PID/task/*/status), a count the machine's noise leaves alone where CPU time moves 10-40%.
 
 The peers and their configurations (bench/peers/):
   nginx        one worker, upstream keepalive 64 (wrk/nginx_target.py's proxy role)
@@ -44,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -91,12 +93,52 @@ def cpu_seconds(pid: int) -> float:
     return total / TICK
 
 
-def wrk(port: int, pid: int, seconds: float, connections: int) -> tuple[float, float, int]:
-    """(req/s, proxy CPU µs per request, errors) of one closed-loop run."""
-    c0 = cpu_seconds(pid)
+def thread_switches(pid: int) -> dict[tuple[int, str], int]:
+    """{(process, thread): its context switches so far (voluntary and not)} over pid's tree."""
+    out = {}
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError):
+                    n = 0
+                    for line in Path(f"/proc/{p}/task/{task}/status").read_text().splitlines():
+                        if "ctxt_switches:" in line:
+                            n += int(line.split()[1])
+                    out[(p, task)] = n
+    return out
+
+
+class Switches:
+    """The context switches of pid's tree while a run lasts, every thread's: unlike CPU time, a count this
+    shared machine's noise hardly moves, and each is a wait or a GIL hand-off. Sampled every 0.2 s, since a
+    thread's count leaves /proc with the thread (the floor's end with their connections): a thread that
+    exits loses at most its last 0.2 s; one born during the run counts from zero."""
+
+    def __init__(self, pid: int):
+        self.pid, self.first, self.last = pid, thread_switches(pid), {}
+        self.done = threading.Event()
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+
+    def _sample(self) -> None:
+        while True:
+            self.last.update(thread_switches(self.pid))
+            if self.done.wait(0.2):
+                return
+
+    def stop(self) -> int:
+        self.done.set()
+        self.sampler.join()
+        self.last.update(thread_switches(self.pid))
+        return sum(n - self.first.get(t, 0) for t, n in self.last.items())
+
+
+def wrk(port: int, pid: int, seconds: float, connections: int) -> tuple[float, float, int, float]:
+    """(req/s, proxy CPU µs per request, errors, proxy context switches per request) of one closed-loop run."""
+    c0, sw = cpu_seconds(pid), Switches(pid)
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", f"http://127.0.0.1:{port}/"],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
-    cpu = cpu_seconds(pid) - c0
+    cpu, switched = cpu_seconds(pid) - c0, sw.stop()
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     if m is None:
         raise RuntimeError(out[-1500:])
@@ -104,7 +146,7 @@ def wrk(port: int, pid: int, seconds: float, connections: int) -> tuple[float, f
     total = int(re.search(r"(\d+) requests in", out).group(1))
     errors = sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return rps, cpu * 1e6 / max(total, 1), errors + (int(non2xx.group(1)) if non2xx else 0)
+    return rps, cpu * 1e6 / max(total, 1), errors + (int(non2xx.group(1)) if non2xx else 0), switched / max(total, 1)
 
 
 class Peer:
@@ -256,8 +298,8 @@ def main() -> None:
             for n, p in peers.items():
                 row = wrk(p.port, p.pid, a.seconds, a.connections)
                 rows.setdefault(n, []).append(row)
-                print(f"# round {r + 1} {n}: {row[0]:,.0f} req/s, {row[1]:.1f} µs/request, {row[2]} errors",
-                      flush=True)
+                print(f"# round {r + 1} {n}: {row[0]:,.0f} req/s, {row[1]:.1f} µs/request, {row[3]:.2f} "
+                      f"switches/request, {row[2]} errors", flush=True)
     vs = versions(a.peer_python)
     print(f"\n`python3 bench/peers.py --seconds {a.seconds:g} --rounds {a.rounds} --connections {a.connections}"
           f"{'' if a.peer_python == sys.executable else ' --peer-python ' + a.peer_python}"
@@ -265,8 +307,8 @@ def main() -> None:
           f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}): each proxy pinned to CPU {cpu}, wrk -t1 -c{a.connections} and the nginx "
           f"backend on CPU {load_cpu}; median of {a.rounds} interleaved rounds.\n")
-    print("| proxy | version | req/s (each round) | req/s | proxy CPU µs/request | x nginx | errors |\n"
-          "|---|---|---|---:|---:|---:|---:|")
+    print("| proxy | version | req/s (each round) | req/s | proxy CPU µs/request | x nginx | switches/request "
+          "| errors |\n|---|---|---|---:|---:|---:|---:|---:|")
     base = None
     ref = statistics.median(x[1] for x in rows["nginx"]) if "nginx" in rows else None
     for n, xs in rows.items():
@@ -278,8 +320,9 @@ def main() -> None:
         label = {"edge-limit": "edge --limit (memory)", "edge-redis": "edge --limit on Redis"}.get(n, n)
         ver = others.get(n) or vs.get(n, vs["edge"] if n.startswith("edge") else "")
         times = f"{cpu_us / ref:.2f}x" if ref else ""
+        sw = statistics.median(x[3] for x in xs)
         print(f"| {label} | {ver} | {' / '.join(f'{x[0]:,.0f}' for x in xs)} | {rps:,.0f} | {cpu_us:.1f}{extra} | "
-              f"{times} | {sum(x[2] for x in xs)} |")
+              f"{times} | {sw:.2f} | {sum(x[2] for x in xs)} |")
     if "edge-limit" in rows and "edge-redis" in rows:
         m = statistics.median(x[0] for x in rows["edge-limit"])
         r = statistics.median(x[0] for x in rows["edge-redis"])
