@@ -466,6 +466,37 @@ def test_each_process_is_pinned_to_one_cpu_unless_told_otherwise(backends):
             x.stop()
 
 
+def policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of pid."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(os.sched_getscheduler(int(tid)))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def test_sched_batch_puts_every_thread_under_sched_batch_and_only_when_asked(backends):
+    """--sched-batch: every thread of the edge (those serving connections too) under SCHED_BATCH, the log
+    says so, requests are served; without it the default policy, as any process."""
+    batch = Edge("--backends", backends[0].url, "--sched-batch")
+    plain = Edge("--backends", backends[0].url)
+    try:
+        batch.wait_log(r"threads under SCHED_BATCH \(--sched-batch\)")
+        with socket.create_connection(("127.0.0.1", batch.port)) as held:  # a connection thread, alive
+            held.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert held.recv(65536).startswith(b"HTTP/1.1 200 ")
+            assert len(os.listdir(f"/proc/{batch.popen.pid}/task")) > 2
+            assert policies(batch.popen.pid) == {os.SCHED_BATCH}
+        assert request(plain.port, "GET", "/").status == 200
+        assert policies(plain.popen.pid) == {os.SCHED_OTHER}
+        assert "SCHED_BATCH" not in plain.log()
+    finally:
+        for x in (batch, plain):
+            x.stop()
+
+
 def test_a_bad_cpu_affinity_is_a_configuration_error():
     p = subprocess.run([PY, "edge.py", "--backends", "http://127.0.0.1:9", "--cpu-affinity", "fast"],
                        cwd=ROOT, capture_output=True, text=True, timeout=20)

@@ -546,6 +546,19 @@ class ServerTable(UpstreamTable):
         flag="--cpu-affinity",
         help="auto: each process pinned to one CPU (worker i on the i-th) | off | a CPU list, e.g. 0,2",
     )
+    sched_batch: bool = setting(
+        False,
+        BOOL,
+        toml="server.sched_batch",
+        flag="--sched-batch",
+        help="run every thread under SCHED_BATCH: a woken thread no longer preempts the one holding the GIL "
+        "(fewer futile switches at hundreds of connections); for an edge with its CPU to itself",
+        doc="every thread under Linux's SCHED_BATCH: a thread woken by its socket no longer preempts the one "
+        "holding the GIL only to sleep on the GIL at once. At hundreds of connections it keeps the edge out of "
+        "the preemption cascades (half the requests/s) the default policy falls into in some runs; otherwise "
+        "the same (docs/performance.md, twelfth stop). Off by default: on a CPU shared with other busy "
+        "processes the edge's wake-ups would wait for the scheduler's tick instead of preempting them",
+    )
     drain_timeout: float = setting(
         30.0,
         SECONDS0,

@@ -20,7 +20,7 @@ from lb.upstream.backends import make_backend
 log = logging.getLogger("edge")
 
 # Settings a running process cannot take on; a reload names them in one line.
-NEED_RESTART = ("listen", "admin", "workers", "cpu_affinity", "takeover_socket")
+NEED_RESTART = ("listen", "admin", "workers", "cpu_affinity", "sched_batch", "takeover_socket")
 POOL_SETTINGS = ("pool_maxsize", "pool_timeout", "connect_timeout", "read_timeout", "pool_idle_timeout", "no_pool")
 REJECTED = "reload rejected, the running configuration stays: %s"
 

@@ -41,6 +41,19 @@ def pin_to_one_cpu(setting: str, worker: int | None) -> int | None:
     return cpu
 
 
+def batch_scheduling() -> str | None:
+    """SCHED_BATCH for this thread and every thread it starts (--sched-batch): the scheduler no longer lets a
+    woken thread preempt the running one. Under the GIL, a wakee that preempts the holder can only go to
+    sleep on the GIL, and so does every thread that runs before the holder has its CPU back (at -c512, 1-6
+    preemptions per request, each a cascade of futile switches). Unprivileged; called before any thread starts (and before the logs are
+    set up: serve() says what came of it). None when done, else why not."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that forbids it
+        return str(e) or type(e).__name__
+    return None
+
+
 def watchdog_interval() -> float | None:
     """Half of systemd's WatchdogSec for this process, or None when no watchdog is asked for."""
     usec = os.environ.get("WATCHDOG_USEC")
@@ -63,6 +76,7 @@ def serve(
     from lb.process.app import App
 
     cpu = pin_to_one_cpu(cfg.cpu_affinity, worker)
+    refused = batch_scheduling() if cfg.sched_batch else None
     memory.limit_arenas()  # before the connection threads: see lb/process/memory.py
     early: list[int] = []  # a signal that came while the App was being built: acted on once it is
     app = None
@@ -95,6 +109,11 @@ def serve(
         pending = early[:]
     if cpu is not None:
         log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
+    if cfg.sched_batch:
+        if refused is None:
+            log.info("threads under SCHED_BATCH (--sched-batch)")
+        else:
+            log.warning("--sched-batch: SCHED_BATCH refused (%s); the threads run under the default policy", refused)
     if cfg.takeover and not worker and not built.handed_over and migrate_req() == "0":
         log.warning(  # (a listener handed over by the old edge has no such instant)
             "--takeover: net.ipv4.tcp_migrate_req = 0: a connection that reaches the old edge in the "
