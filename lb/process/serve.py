@@ -54,6 +54,17 @@ def batch_scheduling() -> str | None:
     return None
 
 
+def say_where(cfg, cpu: int | None, refused: str | None) -> None:
+    """The log lines of pin_to_one_cpu's and batch_scheduling's outcome (once the logs are set up)."""
+    if cpu is not None:
+        log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
+    if cfg.sched_batch:
+        if refused is None:
+            log.info("threads under SCHED_BATCH (--sched-batch)")
+        else:
+            log.warning("--sched-batch: SCHED_BATCH refused (%s); the threads run under the default policy", refused)
+
+
 def watchdog_interval() -> float | None:
     """Half of systemd's WatchdogSec for this process, or None when no watchdog is asked for."""
     usec = os.environ.get("WATCHDOG_USEC")
@@ -107,13 +118,7 @@ def serve(
     with lock:
         app = built
         pending = early[:]
-    if cpu is not None:
-        log.info("on CPU %d (--cpu-affinity %s)", cpu, cfg.cpu_affinity)
-    if cfg.sched_batch:
-        if refused is None:
-            log.info("threads under SCHED_BATCH (--sched-batch)")
-        else:
-            log.warning("--sched-batch: SCHED_BATCH refused (%s); the threads run under the default policy", refused)
+    say_where(cfg, cpu, refused)
     if cfg.takeover and not worker and not built.handed_over and migrate_req() == "0":
         log.warning(  # (a listener handed over by the old edge has no such instant)
             "--takeover: net.ipv4.tcp_migrate_req = 0: a connection that reaches the old edge in the "
