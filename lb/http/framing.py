@@ -62,9 +62,12 @@ NOT_RELAYED_RID_IETF = NOT_RELAYED_IETF | {b"x-request-id"}
 def not_relayed(rl: bytes, rid: bytes = b"") -> frozenset:
     """NOT_RELAYED, with the IETF RateLimit fields when the edge writes those ([limits] ietf_headers) and
     X-Request-Id when it writes its own (rid: the exchange's X-Request-Id line, empty when it writes none)."""
+    # find, not `in`: CPython 3.11's bytes `in` first tries its operand as an int, raising and clearing a
+    # TypeError each time (1,800 instructions, 1.5% of a request's, callgrind), where find() is a search.
+    ietf = rl.find(b"\nRateLimit: ") >= 0
     if rid:
-        return NOT_RELAYED_RID_IETF if b"\nRateLimit: " in rl else NOT_RELAYED_RID
-    return NOT_RELAYED_IETF if b"\nRateLimit: " in rl else NOT_RELAYED
+        return NOT_RELAYED_RID_IETF if ietf else NOT_RELAYED_RID
+    return NOT_RELAYED_IETF if ietf else NOT_RELAYED
 
 
 # What a Connection token may never remove (RFC 9112 6.1, 7.6.1 of 9110 notwithstanding): the message's
@@ -934,9 +937,9 @@ def parse_response(head: bytes, memo: list | None = None) -> ResponseHead:
             te = value.lower() if te is None else te + b", " + value.lower()
         elif lname == b"connection":
             v = value.lower()
-            if b"close" in v:
+            if v.find(b"close") >= 0:  # (find, not `in`: not_relayed above says why)
                 close = True
-            elif b"keep-alive" in v:
+            elif v.find(b"keep-alive") >= 0:
                 close = False
             # The fields it names are hop-by-hop: never relayed (relay() reads conn_tokens).
             named = _KEEP_ALIVE if v == b"keep-alive" else frozenset(t.strip() for t in v.split(b","))

@@ -203,7 +203,7 @@ def request_fields(
             return _kept(raw, eol, dropped, None), length
     out = bytearray()
     for name, lname, value in req.headers:
-        if lname in replaced or (tokens and lname in tokens) or (not underscores and b"_" in lname):
+        if lname in replaced or (tokens and lname in tokens) or (not underscores and _UNDERSCORE in lname):
             if lname == b"content-length" and length is not None:
                 out += b"Content-Length: %d\r\n" % length  # in its place, once, as the edge counted
                 length = None

@@ -214,15 +214,17 @@ def _unescape_unreserved(m: re.Match) -> bytes:
 
 def normalize_path(target: bytes) -> bytes:
     """The path a backend would serve for this request target (RFC 3986 6.2.2, plus merged slashes)."""
+    # (37 is "%": a byte value's `in` is one memchr; find(), not `in`, for the others: a bytes operand's
+    # `in` raises and clears a TypeError inside CPython 3.11 first, lb/http/framing.py's not_relayed)
     if target[:1] != b"/":  # absolute-form: http://host/path
-        i = target.find(b"/", target.find(b"//") + 2) if b"//" in target else -1
+        i = target.find(b"/", j + 2) if (j := target.find(b"//")) >= 0 else -1
         target = target[i:] if i >= 0 else b"/"
     path = target.split(b"?", 1)[0].split(b"#", 1)[0]
-    if b"%" in path:
+    if 37 in path:
         path = _PCT.sub(_unescape_unreserved, path)
-    if b"//" in path:
+    if path.find(b"//") >= 0:
         path = _SLASHES.sub(b"/", path)
-    if b"/." not in path:
+    if path.find(b"/.") < 0:
         return path
     out: list[bytes] = []
     segs = path.split(b"/")[1:]

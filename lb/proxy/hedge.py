@@ -329,7 +329,7 @@ class Race:
         while True:
             if self.winner is not None and self.winner != me:
                 raise UpstreamError("hedged", "the other backend answered first")
-            if b"\r\n\r\n" in ur.buf:
+            if ur.buf.find(b"\r\n\r\n") >= 0:
                 return
             if _pending(sock):
                 if not ur.fill():
