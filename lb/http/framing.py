@@ -323,17 +323,42 @@ class Reader:
 # ------------------------------------------------------------------------------------------ requests
 
 
-class Request:
+class _Head:
+    """What Request and ResponseHead share: `headers`, made from `raw` only when someone asks for it, and
+    set, dropping `raw`, `spans` and the memo of what was written from them (`_memo` names that slot)."""
+
+    __slots__ = ("_headers", "raw", "spans")
+    _memo = ""
+    _headers: list[tuple[bytes, bytes, bytes]] | None
+    raw: bytes | None
+    spans: list[tuple[int, int, bytes, bytes]] | None
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes, bytes]]:
+        h = self._headers
+        if h is None:
+            assert self.raw is not None  # (set together: one or the other is there)
+            h = self._headers = _split_headers(self.raw.split(CRLF), 1)
+        return h
+
+    @headers.setter
+    def headers(self, value) -> None:
+        self._headers = value
+        self.raw = self.spans = None
+        setattr(self, self._memo, None)
+
+
+class Request(_Head):
     """A parsed request head. `raw`: the head as received, and `spans` its fast_fields() when it is
     canonical (None otherwise): upstream_head then writes the head from slices of it. `headers`, the
     [(name, lowercase name, value)] list, is made from `raw` only when someone asks for it; setting it
     (a request made from other fields, HTTP/2's) drops raw, so nothing relays bytes it does not match."""
 
+    _memo = "sent"
     __slots__ = (
         "method",
         "target",
         "version",
-        "_headers",
         "content_length",
         "chunked",
         "keep_alive",
@@ -347,8 +372,6 @@ class Request:
         "cookie",
         "request_id",
         "client_cert",
-        "raw",
-        "spans",
         "sent",
     )
     # (the types, for mypy: parse_request sets every one)
@@ -375,19 +398,6 @@ class Request:
     # upstream_head), shared by every parse of the same bytes through a connection's memo, as
     # ResponseHead.relayed; None when the head is not remembered
     sent: list | None
-
-    @property
-    def headers(self) -> list[tuple[bytes, bytes, bytes]]:
-        h = self._headers
-        if h is None:
-            assert self.raw is not None  # (set together: one or the other is there)
-            h = self._headers = _split_headers(self.raw.split(CRLF), 1)
-        return h
-
-    @headers.setter
-    def headers(self, value) -> None:
-        self._headers = value
-        self.raw = self.spans = self.sent = None
 
     def __repr__(self):
         return f"<Request {self.method!r} {self.target!r}>"
@@ -811,21 +821,19 @@ def body_deadline(reader: Reader, t0: float, received: int, min_rate: float) -> 
 # ----------------------------------------------------------------------------------------- responses
 
 
-class ResponseHead:
+class ResponseHead(_Head):
     """A parsed response head; `raw`, `spans` and the lazy `headers` as for Request."""
 
+    _memo = "relayed"
     __slots__ = (
         "status",
         "status_line",
-        "_headers",
         "content_length",
         "chunked",
         "codings",
         "close",
         "early",
         "conn_tokens",
-        "raw",
-        "spans",
         "relayed",
     )
     # (the types, for mypy: parse_response sets every one)
@@ -843,19 +851,6 @@ class ResponseHead:
     # [skip, limiting, the head written] (lb/http/plan.py's last for this head's bytes), shared by every
     # parse of the same bytes through a connection's memo; None when the head is not remembered
     relayed: list | None
-
-    @property
-    def headers(self) -> list[tuple[bytes, bytes, bytes]]:
-        h = self._headers
-        if h is None:
-            assert self.raw is not None  # (set together: one or the other is there)
-            h = self._headers = _split_headers(self.raw.split(CRLF), 1)
-        return h
-
-    @headers.setter
-    def headers(self, value) -> None:
-        self._headers = value
-        self.raw = self.spans = None
 
 
 _NO_TOKENS: frozenset[bytes] = frozenset()
