@@ -263,7 +263,12 @@ def main() -> None:
     ap.add_argument("--edge", action="append", default=[], metavar="NAME=DIR[,arg=FLAG]",
                     help="another checkout's edge as one more row (repeatable)")
     a = ap.parse_args()
-    others = dict(e.partition("=")[::2] for e in a.edge)
+    others: dict[str, str] = {}
+    for e in a.edge:  # a name a row already has would replace that row's figures without a word
+        name, _, spec = e.partition("=")
+        if name in ORDER or name in others or not spec:
+            ap.error(f"--edge {e}: give a NAME=DIR whose name is new (not one of {', '.join(ORDER)}, nor twice)")
+        others[name] = spec
     names = [n for n in ORDER if not a.only or n in a.only.split(",")]
     if not shutil.which("wrk"):
         sys.exit("wrk not found (apt-get install wrk)")
