@@ -23,9 +23,11 @@ The peers and their configurations (bench/peers/):
   floor        floor_threads.py: the least a thread-per-connection Python proxy can do (no parsing, no
                checks, no pool: one recv, one sendall each way) -- the model's own cost, not a product
 
---edge NAME=DIR[,arg=FLAG]... adds a row: the edge of another checkout (`git archive REV | tar -x -C DIR`)
-with the plain edge's flags and any extra ones, interleaved with the rest -- a before/after beside nginx in
-one sitting, e.g. --edge before=/tmp/edge-main --edge before-limit=/tmp/edge-main,arg=--limit=10000000/s.
+--edge NAME=DIR[,arg=FLAG][,python=PATH]... adds a row: the edge of another checkout (`git archive REV | tar
+-x -C DIR`) with the plain edge's flags and any extra ones, interleaved with the rest -- a before/after beside
+nginx in one sitting, e.g. --edge before=/tmp/edge-main --edge before-limit=/tmp/edge-main,arg=--limit=10000000/s;
+python=PATH runs that row's edge with another interpreter (e.g. --edge pgo=.,python=/usr/bin/python3: the
+same code under another build of CPython). The other rows run under the Python that runs this script.
 
 Install the peers outside the project's requirements:
   apt-get install -y nginx-light haproxy caddy
@@ -191,20 +193,23 @@ def version(argv: list[str]) -> str:
     return "?"
 
 
-def edge_argv(checkout: Path, port: int, backend: int, cpu: int) -> list[str]:
-    return [sys.executable, str(checkout / "edge.py"), "--listen", f"127.0.0.1:{port}", "--backends",
+def edge_argv(checkout: Path, port: int, backend: int, cpu: int, python: str = sys.executable) -> list[str]:
+    return [python, str(checkout / "edge.py"), "--listen", f"127.0.0.1:{port}", "--backends",
             f"http://127.0.0.1:{backend}", "--health-interval", "30", "--cpu-affinity", str(cpu)]
 
 
 def start_other_edge(name: str, spec: str, cpu: int, backend: int) -> Peer:
-    """--edge NAME=DIR[,arg=FLAG]...: another checkout's edge, the plain edge's flags and the extra ones."""
+    """--edge NAME=DIR[,arg=FLAG][,python=PATH]...: another checkout's edge, the plain edge's flags and the
+    extra ones, run by this Python or the one named (another build of the interpreter: the same code)."""
     where, *opts = spec.split(",")
     extra = [o[4:] for o in opts if o.startswith("arg=")]
-    if len(extra) != len(opts):
-        raise SystemExit(f"--edge {name}: only arg=FLAG options are known, not {opts}")
+    pythons = [o[7:] for o in opts if o.startswith("python=")]
+    if len(extra) + len(pythons) != len(opts) or len(pythons) > 1:
+        raise SystemExit(f"--edge {name}: only arg=FLAG and one python=PATH are known, not {opts}")
     port = free_port()
     checkout = Path(where).resolve()
-    return spawn(name, [*edge_argv(checkout, port, backend, cpu), *extra], cpu, port, cwd=checkout)
+    argv = edge_argv(checkout, port, backend, cpu, *pythons)
+    return spawn(name, [*argv, *extra], cpu, port, cwd=checkout)
 
 
 def start(name: str, cpu: int, backend: int, redis_url: str, py: str, stack: contextlib.ExitStack) -> Peer:
@@ -260,7 +265,7 @@ def main() -> None:
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
     ap.add_argument("--peer-python", default=sys.executable,
                     help="the Python that has proxy.py and Twisted installed (default: this one)")
-    ap.add_argument("--edge", action="append", default=[], metavar="NAME=DIR[,arg=FLAG]",
+    ap.add_argument("--edge", action="append", default=[], metavar="NAME=DIR[,arg=FLAG][,python=PATH]",
                     help="another checkout's edge as one more row (repeatable)")
     a = ap.parse_args()
     others: dict[str, str] = {}
