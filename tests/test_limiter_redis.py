@@ -560,8 +560,7 @@ def _queued_behind_one_flight(n, land):
 
 
 def test_a_landed_flight_wakes_every_caller_it_carried_with_its_own_reply():
-    """The callers of one flight are woken in a relay (each woken one wakes the next): every one of them
-    wakes, with its own reply."""
+    """The callers of one flight are all woken when it lands: every one of them, with its own reply."""
 
     def land(calls):
         for c in calls:
@@ -583,6 +582,89 @@ def test_a_flight_that_fails_wakes_every_caller_it_carried_with_the_failure():
     got = _queued_behind_one_flight(8, land)
     assert got.pop(landed[0]) == b"landed before the failure"
     assert len(got) == 7 and all(isinstance(e, RedisConnectionError) for e in got.values()), got
+
+
+class _Interrupted(Exception):
+    """What the test's signal handler raises in the main thread (as Ctrl-C's KeyboardInterrupt would)."""
+
+
+def _interrupted_in_a_flight(main_first: bool, n: int = 6):
+    """A Batcher with one flight: a first caller's flight held in the air; the main thread queues behind
+    it (first in line, so it is woken to lead the next flight, or after another caller), n others queue
+    too, and a signal handler raises in the main thread while it sleeps; then the first flight lands.
+    Returns (what the main thread's call raised, what each other caller got, the flights' sizes)."""
+    import signal
+
+    from limiter.redis.batch import Batcher
+
+    flights, handled = [], threading.Event()
+    hold = threading.Event()
+
+    def fly(calls):
+        flights.append(len(calls))
+        if len(flights) == 1:
+            hold.wait(10)
+        for c in calls:
+            c.reply = c.cmd
+
+    b = Batcher(fly, 1)
+    got = {}
+
+    def caller(i):
+        got[i] = b.call(None, b"cmd" + str(i).encode())
+
+    def on_signal(signum, frame):
+        handled.set()
+        raise _Interrupted()
+
+    others = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(n)]
+
+    def drive():
+        wait_until(lambda: len(b._queue) == (1 if main_first else 2), timeout=10)  # the main thread queued
+        for t in others[0 if main_first else 1 :]:
+            t.start()
+        wait_until(lambda: len(b._queue) == n + 1, timeout=10)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        handled.wait(10)  # (the handler ran in the sleeping main thread)
+        hold.set()
+        for t in others:
+            t.join(10)
+        drive.alive = sum(t.is_alive() for t in others)
+
+    old = signal.signal(signal.SIGUSR1, on_signal)
+    first = threading.Thread(target=caller, args=("first",), daemon=True)  # (a lost wake-up must not hang pytest)
+    first.start()
+    wait_until(lambda: flights, timeout=10)
+    if not main_first:  # one other caller queued ahead of the main thread: it leads the next flight
+        others[0].start()
+        wait_until(lambda: len(b._queue) == 1, timeout=10)
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    try:
+        with pytest.raises(_Interrupted) as raised:
+            caller("main")
+    finally:
+        driver.join(30)
+        signal.signal(signal.SIGUSR1, old)
+    assert handled.is_set() and not driver.is_alive()
+    assert drive.alive == 0, f"{drive.alive} callers were never woken"
+    got.pop("first")
+    return raised.value, got, flights
+
+
+def test_a_caller_interrupted_while_it_waits_to_lead_the_next_flight_still_carries_it():
+    """Woken to lead the next flight after a signal's exception came in its sleep, the main thread carries
+    that flight for the callers queued behind it, then raises: leaving at once lost the flight's slot, and
+    every caller queued after it waited forever."""
+    _, got, flights = _interrupted_in_a_flight(main_first=True)
+    assert got == {i: b"cmd%d" % i for i in range(6)} and flights == [1, 7]
+
+
+def test_a_caller_interrupted_while_it_waits_for_its_reply_leaves_every_other_caller_served():
+    """Interrupted while it sleeps as one of a flight's callers, the main thread still waits for the
+    flight (it is woken with the others, then raises): the callers of its flight all get their replies."""
+    _, got, flights = _interrupted_in_a_flight(main_first=False)
+    assert got == {i: b"cmd%d" % i for i in range(6)} and flights == [1, 7]
 
 
 def test_the_reply_reader_stays_in_step_across_reads_error_replies_and_every_reply_shape(redis_server):

@@ -14,10 +14,15 @@ that dominate a decision.  Per call, NOSCRIPT is handled inside the flight and a
 call's alone; a connection failure fails the calls of that flight (each then meets the breaker and
 the failure policy as a single call would).
 
-A landed flight wakes its callers one at a time: the leader wakes the first, each woken caller the next
-(`Call.next`) before it goes on. Woken all at once, N threads came back together to fight for the one
-GIL, and all but one of them went to sleep again on it: 4.4 context switches per request on Redis at
-saturation against 3.4 with the relay (the memory store: 2).
+A landed flight wakes all its callers at once. Woken one after another instead (each woken caller waking
+the next), they made fewer context switches at saturation (3.4 per request against 4.4), but each hop
+waited for the GIL alone: behind one thread that takes the GIL back after every short system call (a
+large body being relayed), a flight of 32 callers took seconds to wake where all at once take
+milliseconds (docs/performance.md, thirteenth stop).
+
+A caller interrupted while it sleeps (a signal handler's exception, in a program's main thread) still
+waits for its wake-up and raises afterwards: one woken to lead the next flight carries it first, or the
+flight's slot, and every caller queued after it, would be lost.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class Call:
     """One EVALSHA waiting for its reply: `cmd` (packed bytes) of `script`; `reply` or `error` set by the
     flight that carried it."""
 
-    __slots__ = ("script", "cmd", "reply", "error", "lead", "done", "asking", "next")
+    __slots__ = ("script", "cmd", "reply", "error", "lead", "done", "asking", "woken")
 
     def __init__(self, script, cmd: bytes):
         self.script = script
@@ -42,7 +47,7 @@ class Call:
         self.lead = False  # woken to lead the next flight rather than with a result
         self.asking = False  # cmd starts with ASKING (a cluster slot in migration): its +OK comes first
         self.done: Any = None  # a held Lock, only for a call that queues (a leader never sleeps on it)
-        self.next: Call | None = None  # the caller of the same flight this one wakes when woken itself
+        self.woken = False  # set just before done is released: the wake-up came (see _wait)
 
     def queue(self) -> None:
         done = self.done = threading.Lock()
@@ -83,23 +88,25 @@ class Batcher:
                     return r
             c = Call(script, cmd)
             batch = [c]
+            pending = None
         else:
             c = Call(script, cmd)
             c.queue()
             self._queue.append(c)
             lock.release()
-            c.done.acquire()  # a flight landed: with our reply, or handing us the next flight
-            if c.next is not None:  # the relay first, before anything here can raise
-                c.next.done.release()
+            pending = _wait(c)  # a flight landed: with our reply, or handing us the next flight
             if not c.lead:
+                if pending is not None:
+                    raise pending
                 if c.error is not None:
                     raise c.error
                 return c.reply
-            lock.acquire()
-            batch = [c, *self._queue]
-            self._queue.clear()
-            lock.release()
+            batch = [c]
         try:
+            if c.lead:  # (inside the try: its finally hands the flight's slot on whatever happens)
+                with lock:
+                    batch += self._queue
+                    self._queue.clear()
             self._fly(batch)
         finally:
             self._land(len(batch))
@@ -109,9 +116,10 @@ class Batcher:
                 for other in batch[1:]:
                     if other.reply is None and other.error is None:
                         other.error = RedisConnectionError("the round trip carrying this call failed")
-                for woken, nxt in zip(batch[1:], batch[2:]):
-                    woken.next = nxt  # (set before the first wake: a lock release orders it)
-                batch[1].done.release()
+                    other.woken = True
+                    other.done.release()
+        if c.lead and pending is not None:
+            raise pending
         if c.error is not None:
             raise c.error
         return c.reply
@@ -125,10 +133,26 @@ class Batcher:
         if self._queue:
             nxt = self._queue.pop(0)
             nxt.lead = True
+            nxt.woken = True
             nxt.done.release()
         else:
             self._out -= 1
         lock.release()
+
+
+def _wait(c: Call) -> BaseException | None:
+    """Sleep until a flight wakes c, even through an exception raised meanwhile, and return that exception
+    (None: none) for the caller to raise once its part is done. The exception may come inside the wait
+    (the lock not taken) or just after it (taken): `woken`, set before the release, tells which."""
+    pending = None
+    while True:
+        try:
+            c.done.acquire()
+            return pending
+        except BaseException as e:
+            pending = e
+            if c.woken:
+                return pending
 
 
 NOT_SENT = object()  # alone()'s "nothing sent: make an ordinary flight"
