@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from tests.support import PY, ROOT, Edge, raw, request, wait_until
+from tests.support import PY, ROOT, Edge, Proc, raw, request, wait_until
 
 
 def write_config(path, backends, extra=""):
@@ -495,6 +495,23 @@ def test_sched_batch_puts_every_thread_under_sched_batch_and_only_when_asked(bac
     finally:
         for x in (batch, plain):
             x.stop()
+
+
+def test_a_refused_sched_batch_is_one_warning_naming_the_policy_kept_and_the_edge_serves(backends):
+    """Started under SCHED_IDLE without CAP_SYS_NICE (RLIMIT_NICE 0), a thread may not leave SCHED_IDLE:
+    --sched-batch is refused. The edge says so once, with the policy its threads keep, and serves."""
+    if not (shutil.which("chrt") and shutil.which("setpriv") and shutil.which("prlimit")):
+        pytest.skip("needs util-linux's chrt, setpriv and prlimit")
+    jail = ["chrt", "-i", "0", "prlimit", "--nice=0:0", "setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice"]
+    e = Proc([*jail, PY, "edge.py", "--listen", "127.0.0.1:0", "--backends", backends[0].url, "--sched-batch"], "edge")
+    try:
+        port = int(e.wait_log(r"listening on (\S+):(\d+)").group(2))
+        e.wait_log(r"--sched-batch: SCHED_BATCH refused \(.*Operation not permitted; the threads keep SCHED_IDLE, ")
+        assert request(port, "GET", "/").status == 200
+        assert policies(e.popen.pid) == {os.SCHED_IDLE}
+        assert "threads under SCHED_BATCH" not in e.log() and e.log().count("SCHED_BATCH refused") == 1
+    finally:
+        e.stop()
 
 
 def test_a_bad_cpu_affinity_is_a_configuration_error():

@@ -49,9 +49,19 @@ def batch_scheduling() -> str | None:
     set up: serve() says what came of it). None when done, else why not."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that forbids it
-        return str(e) or type(e).__name__
+    except (OSError, AttributeError) as e:  # not Linux, a seccomp profile, or SCHED_IDLE without CAP_SYS_NICE
+        return f"{str(e) or type(e).__name__}; the threads keep {policy_name()}, the policy the edge was started under"
     return None
+
+
+def policy_name() -> str:
+    """This thread's scheduling policy, by name (what a refused --sched-batch leaves the threads under)."""
+    try:
+        policy = os.sched_getscheduler(0)
+    except (OSError, AttributeError):
+        return "the platform's policy"
+    names = {getattr(os, n, None): n for n in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE", "SCHED_FIFO", "SCHED_RR")}
+    return names.get(policy, f"policy {policy}")
 
 
 def say_where(cfg, cpu: int | None, refused: str | None) -> None:
@@ -62,7 +72,7 @@ def say_where(cfg, cpu: int | None, refused: str | None) -> None:
         if refused is None:
             log.info("threads under SCHED_BATCH (--sched-batch)")
         else:
-            log.warning("--sched-batch: SCHED_BATCH refused (%s); the threads run under the default policy", refused)
+            log.warning("--sched-batch: SCHED_BATCH refused (%s)", refused)
 
 
 def watchdog_interval() -> float | None:
