@@ -584,6 +584,20 @@ def test_a_flight_that_fails_wakes_every_caller_it_carried_with_the_failure():
     assert len(got) == 7 and all(isinstance(e, RedisConnectionError) for e in got.values()), got
 
 
+def test_a_flight_that_breaks_on_a_bug_fails_its_callers_with_the_bug_as_the_cause():
+    """Not a Redis error but a bug inside the flight: its callers' errors are still the store's
+    ConnectionError (what the breaker and the failure policy act on), carrying the bug as their cause."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    def land(calls):
+        raise ValueError("a bug in the flight")
+
+    got = _queued_behind_one_flight(5, land)
+    assert isinstance(got.pop(0), ValueError)  # the caller that led the flight meets the bug itself
+    assert len(got) == 4 and all(isinstance(e, RedisConnectionError) for e in got.values()), got
+    assert all(isinstance(e.__cause__, ValueError) and "a bug in the flight" in str(e) for e in got.values())
+
+
 class _Interrupted(Exception):
     """What the test's signal handler raises in the main thread (as Ctrl-C's KeyboardInterrupt would)."""
 

@@ -102,20 +102,24 @@ class Batcher:
                     raise c.error
                 return c.reply
             batch = [c]
+        blew_up = None  # what fly() raised, if it raised: the cause in every unanswered call's error
         try:
             if c.lead:  # (inside the try: its finally hands the flight's slot on whatever happens)
                 with lock:
                     batch += self._queue
                     self._queue.clear()
             self._fly(batch)
+        except BaseException as e:
+            blew_up = e
+            raise
         finally:
             self._land(len(batch))
             if c.reply is None and c.error is None:  # fly() itself blew up
-                c.error = RedisConnectionError("the round trip carrying this call failed")
+                c.error = _failed(blew_up)
             if len(batch) > 1:
                 for other in batch[1:]:
                     if other.reply is None and other.error is None:
-                        other.error = RedisConnectionError("the round trip carrying this call failed")
+                        other.error = _failed(blew_up)
                     other.woken = True
                     other.done.release()
         if c.lead and pending is not None:
@@ -138,6 +142,14 @@ class Batcher:
         else:
             self._out -= 1
         lock.release()
+
+
+def _failed(cause: BaseException | None) -> RedisConnectionError:
+    """The error of a call its flight did not answer, with what the flight raised as its cause (a bug in
+    the flight must not pass for a Redis outage in the logs)."""
+    e = RedisConnectionError("the round trip carrying this call failed" + (f": {cause!r}" if cause else ""))
+    e.__cause__ = cause
+    return e
 
 
 def _wait(c: Call) -> BaseException | None:
