@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from wrk.nginx_target import run_nginx  # noqa: E402
-from wrk.placement import place  # noqa: E402
+from wrk.placement import machine, place  # noqa: E402
 
 PEERS_DIR = ROOT / "bench" / "peers"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -314,7 +314,7 @@ def main() -> None:
     print(f"\n`python3 bench/peers.py --seconds {a.seconds:g} --rounds {a.rounds} --connections {a.connections}"
           f"{'' if a.peer_python == sys.executable else ' --peer-python ' + a.peer_python}"
           f"{' --only ' + a.only if a.only else ''}{''.join(' --edge ' + e for e in a.edge)}`"
-          f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
+          f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, load average "
           f"{os.getloadavg()[0]:.1f}): each proxy pinned to CPU {cpu}, wrk -t1 -c{a.connections} and the nginx "
           f"backend on CPU {load_cpu}; median of {a.rounds} interleaved rounds.\n")
     print("| proxy | version | req/s (each round) | req/s | proxy CPU µs/request | x nginx | switches/request "

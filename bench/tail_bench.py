@@ -47,7 +47,7 @@ from bench.edge_bench import closed_loop, cpu_seconds  # noqa: E402
 from tests.support import free_port, wait_until  # noqa: E402
 from wrk.loadgen import parse_duration  # noqa: E402
 from wrk.nginx_target import nginx_target, run_nginx  # noqa: E402
-from wrk.placement import describe, place  # noqa: E402
+from wrk.placement import describe, machine, place  # noqa: E402
 from wrk.protocol import detect_wrk2, drive  # noqa: E402
 
 KEY = "bench-unlimited"
@@ -171,7 +171,7 @@ def main() -> None:
     sat: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     cpu_at: dict[tuple[str, float], list[float]] = {}      # edge CPU us per request in the open-loop rows
-    print(f"# tail_bench: tool {tool}; {describe(load_cpu, pin)}; load {os.getloadavg()[0]:.2f}; "
+    print(f"# tail_bench: tool {tool}; {machine()}; {describe(load_cpu, pin)}; load {os.getloadavg()[0]:.2f}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
     with nginx_target() as nport, contextlib.ExitStack() as stack:
         base_url = f"http://127.0.0.1:{nport}/"

@@ -8,6 +8,8 @@ wrk.protocol and the benchmarks in bench/ (which depend on wrk/, never the other
 from __future__ import annotations
 
 import os
+import platform
+import sys
 
 
 def place() -> tuple[int | None, list[str]]:
@@ -25,3 +27,23 @@ def describe(load_cpu: int | None, edge_args: list[str]) -> str:
         return "one CPU: generator, backend and edge share it"
     return (f"generator and backend pinned to CPU {load_cpu}, the edge to CPU {edge_args[-1]} "
             f"(`{' '.join(edge_args)}`)")
+
+
+def machine() -> str:
+    """The CPU and the interpreter, for a sitting's header: the same code and instruction count gave
+    2.7x nginx's CPU per request on one host and 4.4x on another (docs/performance.md, fourteenth stop), so a
+    ratio without the host it was taken on says little."""
+    model = mhz = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "cpu MHz" and not mhz:
+                    mhz = f" {float(value):,.0f} MHz"
+    except (OSError, ValueError):
+        pass
+    # which build, by path (its configure flags don't say: Debian's PGO+LTO build shows neither)
+    return (f"{model or platform.processor() or platform.machine()}{mhz}, {os.cpu_count()} CPUs; "
+            f"Python {platform.python_version()} ({os.path.realpath(sys.executable)})")
