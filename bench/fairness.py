@@ -28,7 +28,7 @@ from bench.edge_bench import cpu_seconds  # noqa: E402
 from bench.tail_bench import NginxProxy, Variant  # noqa: E402
 from wrk.loadgen import parse_duration  # noqa: E402
 from wrk.nginx_target import nginx_target  # noqa: E402
-from wrk.placement import describe, place  # noqa: E402
+from wrk.placement import describe, machine, place  # noqa: E402
 
 _UNIT = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
 
@@ -74,7 +74,7 @@ def main() -> None:
     conns = [int(c) for c in a.connections.split(",")]
     load_cpu, pin = place()
     rows: dict[tuple[str, int], list[dict]] = {}
-    print(f"# fairness: {describe(load_cpu, pin)}; load {os.getloadavg()[0]:.2f}; "
+    print(f"# fairness: {machine()}; {describe(load_cpu, pin)}; load {os.getloadavg()[0]:.2f}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
     with nginx_target() as nport:
         started = []
