@@ -30,9 +30,8 @@ def describe(load_cpu: int | None, edge_args: list[str]) -> str:
 
 
 def machine() -> str:
-    """The CPU and the interpreter, for a sitting's header: the same code and instruction count gave
-    2.7x nginx's CPU per request on one host and 4.4x on another (docs/performance.md, fourteenth stop), so a
-    ratio without the host it was taken on says little."""
+    """The CPU and the interpreter, for a sitting's header: a ratio to nginx's CPU per request follows the
+    host's speed at interpreted code (docs/performance.md, fourteenth stop), so it needs its host beside it."""
     model = mhz = ""
     try:
         with open("/proc/cpuinfo") as f:
